@@ -1,0 +1,42 @@
+"""Auxiliary-output collection: callbacks with the ``capture(value, *, owned=False)`` signature."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+__all__ = ["AuxHiddenStateList"]
+
+
+class AuxHiddenStateList:
+    """Collects captured hidden states in call order.
+
+    A borrowed value (``owned=False``) may alias the mutable residual or a reusable buffer, so it
+    is copied before it is kept; an owned value is kept as is.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: list[torch.Tensor] = []
+
+    def capture(self, value: torch.Tensor, *, owned: bool = False) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"capture() takes a tensor, got {type(value).__name__}")
+        self._items.append(value if owned else value.clone())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self._items[i]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def stack(self) -> torch.Tensor:
+        return torch.stack(self._items)

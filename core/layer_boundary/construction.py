@@ -1,0 +1,178 @@
+"""Build a :class:`StagePlan`: the entry and exit paths of one stage for each batch variant.
+
+Everything a forward needs is decided here; at forward time a stage only looks its path up by
+the active variant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from torch import nn
+
+from .contracts import Owed, OwedKind, ProducerReduction, StageKind
+from .layout import BatchVariant, SumGroup
+from .residual import StageRead, StageUpdate
+from .topology import Topology
+
+__all__ = ["EntryPath", "ExitPath", "StagePlan", "build_stage"]
+
+
+@dataclass(frozen=True, slots=True)
+class EntryPath:
+    """How a stage's input is prepared in one batch variant.
+
+    ``accepts``: the owed work the incoming edge was built to complete (checked before any
+    collective runs). ``expected_update``: the producer update the edge was built for.
+    ``capture_owned``: the following local stage certifies it leaves the captured residual
+    untouched, so a capture of it is owned.
+    """
+
+    variant: BatchVariant
+    accepts: frozenset[tuple[OwedKind, Optional[SumGroup]]]
+    expected_update: Optional[str]
+    capture_owned: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ExitPath:
+    """How a stage's output is handed on in one batch variant.
+
+    ``static_owed``: the sum a PARTIAL producer always leaves. ``skip_owed``: what a skipped
+    output sum leaves when the exit decides to defer it. ``may_defer_sum`` and
+    ``may_defer_finalize`` are construction-time permissions; the exit decides per batch.
+    """
+
+    variant: BatchVariant
+    static_owed: tuple[Owed, ...]
+    skip_owed: Optional[Owed]
+    may_defer_sum: bool
+    always_defer_sum: bool
+    may_defer_finalize: bool
+
+
+@dataclass(frozen=True, eq=False)
+class StagePlan:
+    name: str
+    declaration: Any  # StageDeclaration with its source fields resolved
+    following: Any
+    topology: Topology
+    read: StageRead
+    update: StageUpdate
+    fusions: Any
+    options: Mapping[str, Any]
+    entries: Mapping[BatchVariant, EntryPath] = field(default_factory=dict)
+    exits: Mapping[BatchVariant, ExitPath] = field(default_factory=dict)
+
+    @property
+    def variants(self) -> tuple[BatchVariant, ...]:
+        return tuple(self.entries)
+
+    def describe(self) -> str:
+        d = self.declaration
+        prev = d.previous.describe() if d.previous is not None else "stack entry"
+        nxt = "terminal" if d.terminal else (self.following.describe() if self.following else "external")
+        return (
+            f"{self.name}: {d.describe()} read={self.read.name} update={self.update.name} "
+            f"previous={prev} following={nxt} variants={[v.name for v in self.variants]}"
+        )
+
+
+def _supported_variants(topology: Topology) -> tuple[BatchVariant, ...]:
+    # Row-moving variants need the collective paths of the parallel layer; on groups of one
+    # only ordinary rows exist, and any other active variant is an error, never a fallback.
+    return (BatchVariant.ORDINARY,)
+
+
+def _output_sum(decl: Any, topology: Topology) -> Optional[Owed]:
+    """The sum a producer's output needs, or None when its group has one rank."""
+    if decl.kind is StageKind.ATTN:
+        name = SumGroup.ATTN_TP
+    else:
+        name = SumGroup.MOE_OUTPUT if decl.sparse else SumGroup.TP
+    group = topology.sum_group(name)
+    if group.size == 1:
+        return None
+    return Owed(OwedKind.SUM, name, group, static=decl.reduction is ProducerReduction.PARTIAL)
+
+
+def _accepts(previous: Any, topology: Topology) -> frozenset[tuple[OwedKind, Optional[SumGroup]]]:
+    if previous is None:
+        return frozenset()
+    acc: set[tuple[OwedKind, Optional[SumGroup]]] = set()
+    s = _output_sum(previous, topology)
+    if s is not None:
+        acc.add((OwedKind.SUM, s.group_name))
+    if previous.kind is StageKind.FFN and previous.sparse:
+        acc.add((OwedKind.FINALIZE, None))
+    return frozenset(acc)
+
+
+def build_stage(
+    decl: Any,
+    norm: nn.Module,
+    options: Mapping[str, Any],
+    *,
+    following: Any,
+    next_local_norm: Optional[nn.Module],
+    next_local_decl: Any,
+    topology: Topology,
+) -> Any:
+    from .stage import StageBoundary
+
+    if decl.prepared_from is None and norm is None:
+        raise TypeError(f"{decl.kind.value} stage needs its norm module; got None")
+    read = decl.read.bind(norm) if norm is not None else None
+    # A certificate that the next local read leaves the residual it is given untouched.
+    capture_owned = False
+    if next_local_decl is not None and next_local_norm is not None:
+        capture_owned = not getattr(next_local_decl.read.bind(next_local_norm), "residual_in_place", True)
+
+    out_sum = _output_sum(decl, topology)
+    scoped = decl.reduction is not ProducerReduction.PARTIAL
+    before_ffn = following is not None and following.kind is StageKind.FFN
+    mixer_before_mixer = following is not None and following.is_mixer
+    entries = {}
+    exits = {}
+    for variant in _supported_variants(topology):
+        entries[variant] = EntryPath(
+            variant=variant,
+            accepts=_accepts(decl.previous, topology),
+            expected_update=decl.previous.update.name if decl.previous is not None else None,
+            capture_owned=capture_owned,
+        )
+        may_defer = (
+            scoped
+            and out_sum is not None
+            and not decl.terminal
+            and decl.reduction is not ProducerReduction.LOCAL_TAIL
+            and following is not None
+        )
+        always = bool(may_defer and decl.is_mixer and before_ffn)
+        if decl.is_mixer and not (before_ffn or mixer_before_mixer):
+            may_defer = False
+        if decl.is_mixer and topology.attn_dp.size > 1 and not before_ffn:
+            may_defer = False  # never defer between mixers under attention DP
+        exits[variant] = ExitPath(
+            variant=variant,
+            static_owed=(out_sum,) if (out_sum is not None and not scoped) else (),
+            skip_owed=out_sum if scoped else None,
+            may_defer_sum=may_defer,
+            always_defer_sum=always,
+            may_defer_finalize=decl.kind is StageKind.FFN and decl.sparse,
+        )
+    kind = "mixer" if decl.is_mixer else decl.kind.value
+    plan = StagePlan(
+        name=kind,
+        declaration=decl,
+        following=following,
+        topology=topology,
+        read=read,  # type: ignore[arg-type]
+        update=decl.update,
+        fusions=options.get("fusions"),
+        options=dict(options),
+        entries=entries,
+        exits=exits,
+    )
+    return StageBoundary(plan)

@@ -1,0 +1,122 @@
+"""Output completion decisions and the compute flags an exit scope publishes.
+
+A decision is made once per exit: it publishes flags for compute and fixes the matching
+completion (what the output owes). A skip flag never goes out without the owed work that
+completes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .construction import ExitPath, StagePlan
+from .contracts import Owed, OwedKind
+from .errors import BoundaryError
+from .forward import _FLAGS
+from .output import HandoffOutput
+from .prepare import publish
+from .residual.stream import Handle, ResidualStream
+
+__all__ = ["FfnExit", "MixerExit", "decide"]
+
+_FINALIZE = Owed(OwedKind.FINALIZE)
+
+
+def decide(plan: StagePlan, path: ExitPath, forward_batch: Any) -> tuple[bool, bool]:
+    """``(defer_sum, defer_finalize)`` for this batch."""
+    provider = plan.fusions
+    defer_finalize = False
+    defer_sum = path.always_defer_sum
+    if provider is not None:
+        can_fin = getattr(provider, "can_defer_finalize", None)
+        if can_fin is not None and plan.declaration.kind.value == "ffn":
+            defer_finalize = bool(can_fin(plan, forward_batch)) and path.may_defer_finalize
+        if path.may_defer_sum and not defer_sum:
+            can_ar = getattr(provider, "can_defer_all_reduce", None)
+            defer_sum = bool(can_ar(plan, forward_batch)) if can_ar is not None else False
+    if defer_finalize and path.skip_owed is not None:
+        defer_sum = True  # a deferred finalize carries the sum that follows it
+    return defer_sum, defer_finalize
+
+
+class _Exit:
+    __slots__ = ("_plan", "_path", "_stream", "_defer_sum", "_defer_finalize", "_saved", "_done")
+
+    def __init__(self, plan: StagePlan, path: ExitPath, stream: ResidualStream, forward_batch: Any) -> None:
+        self._plan = plan
+        self._path = path
+        self._stream = stream
+        self._defer_sum, self._defer_finalize = decide(plan, path, forward_batch)
+        self._saved: Optional[tuple[bool, bool, bool]] = None
+        self._done = False
+
+    def __enter__(self) -> "_Exit":
+        self._saved = _FLAGS.snapshot()
+        _FLAGS.restore((self._defer_sum, False, self._defer_finalize))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._saved is not None
+        _FLAGS.restore(self._saved)
+
+    @property
+    def fuse_mlp_allreduce(self) -> bool:
+        return self._defer_sum
+
+    @property
+    def mlp_reduce_scatter(self) -> bool:
+        return False
+
+    @property
+    def defer_moe_finalize(self) -> bool:
+        return self._defer_finalize
+
+    def finish(self, hidden_states: Any) -> Handle:
+        """Publish the compute output with exactly the work this exit's flags left undone."""
+        if self._done:
+            raise BoundaryError(
+                "this exit was already finished; call exit() again for the next computation"
+            )
+        self._done = True
+        owed: tuple[Owed, ...] = ()
+        if isinstance(hidden_states, HandoffOutput):
+            if not self._defer_finalize:
+                raise BoundaryError(
+                    "compute returned a HandoffOutput but this exit did not publish "
+                    "defer_moe_finalize; finalize inside compute unless "
+                    "get_forward().defer_moe_finalize is set"
+                )
+            owed = (_FINALIZE,)
+        elif not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(
+                f"exit().finish() takes the compute output tensor (or a HandoffOutput), got "
+                f"{type(hidden_states).__name__}"
+            )
+        if self._defer_sum and self._path.skip_owed is not None:
+            owed = owed + (self._path.skip_owed,)
+        return publish(self._plan, self._stream, hidden_states, owed)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(fuse_mlp_allreduce={self._defer_sum}, "
+            f"defer_moe_finalize={self._defer_finalize})"
+        )
+
+
+class FfnExit(_Exit):
+    """Exit scope of an FFN: publishes ``fuse_mlp_allreduce``, ``mlp_reduce_scatter`` and
+    ``defer_moe_finalize`` on ``get_forward()`` while compute runs."""
+
+    __slots__ = ()
+
+
+class MixerExit(_Exit):
+    """Exit scope of a single-stage SCOPED mixer; ``skips_reduction`` is its sum decision."""
+
+    __slots__ = ()
+
+    @property
+    def skips_reduction(self) -> bool:
+        return self._defer_sum

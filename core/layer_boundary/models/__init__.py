@@ -1,0 +1,21 @@
+"""Reference models built on the layer boundaries, and the tensor-parallel layers they use."""
+
+from .config import Qwen3Config, small_random_config
+from .loader import CheckpointMismatch, load_checkpoint, load_tensors
+from .qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
+from .qwen3_plain import plain_forward
+from .random_init import init_random_weights, random_state_dict
+
+__all__ = [
+    "Qwen3Config",
+    "small_random_config",
+    "CheckpointMismatch",
+    "load_checkpoint",
+    "load_tensors",
+    "Qwen3DecoderLayer",
+    "Qwen3ForCausalLM",
+    "Qwen3Model",
+    "plain_forward",
+    "init_random_weights",
+    "random_state_dict",
+]

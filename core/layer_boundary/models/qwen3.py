@@ -1,0 +1,254 @@
+"""Dense Qwen3 decoder built on the layer boundaries; loads a Hugging Face checkpoint folder.
+
+A decoder layer's forward is the spec's prepare -> compute -> finish and nothing else: the
+boundaries own the residual, the norms' add+read and every sum the compute leaves unfinished.
+
+Tensor parallelism: attention (q/k/v by heads, ``o_proj`` by its input) is sharded over the
+attention-TP group, the MLP over the full TP group, the embedding and LM head (by vocabulary) over
+the attention-TP group, whose ranks hold the same token rows. ``o_proj`` never reduces (the
+``PARTIAL`` attention contract: the next boundary completes the sum); ``down_proj`` reduces unless
+the FFN exit scope tells it not to.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layer_boundary import declare_attn, declare_ffn, make_stages
+from layer_boundary.residual import batch as residual_batch
+
+from ..norms import RMSNorm
+from ..topology import GroupInfo, Topology
+from .config import Qwen3Config
+from .layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+__all__ = [
+    "Qwen3Attention",
+    "Qwen3MLP",
+    "Qwen3DecoderLayer",
+    "Qwen3Model",
+    "Qwen3ForCausalLM",
+    "causal_attention",
+]
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: Optional[tuple[int, ...]],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention over packed sequences: ``q [T, Hq, d]``, ``k, v [T, Hk, d]`` -> ``[T, Hq, d]``.
+
+    ``seq_lens`` splits the ``T`` rows into consecutive sequences (block-diagonal causal mask);
+    ``None`` or one length is a single sequence. ``Hq`` is a multiple of ``Hk`` (grouped-query).
+    """
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, d]
+    gqa = q.shape[1] != k.shape[1]
+    if seq_lens is None or len(seq_lens) <= 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        seq = torch.repeat_interleave(
+            torch.arange(len(seq_lens), device=q.device),
+            torch.tensor(seq_lens, device=q.device),
+        )
+        rows = torch.arange(q.shape[0], device=q.device)
+        mask = (seq[:, None] == seq[None, :]) & (rows[:, None] >= rows[None, :])
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.squeeze(0).transpose(0, 1)
+
+
+class Qwen3Attention(nn.Module):
+    """``o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))``; the output is a partial sum over attention TP."""
+
+    def __init__(
+        self,
+        config: Qwen3Config,
+        group: GroupInfo,
+        rotary_emb: RotaryEmbedding,
+        *,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        hd = config.head_dim
+        self.head_dim = hd
+        self.scaling = hd**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            hd,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.attention_bias,
+            group,
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            config.q_size, config.hidden_size, config.attention_bias, group, reduce_results=False, dtype=dtype
+        )
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype=dtype)
+        self.rotary_emb = rotary_emb
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+        t = hidden_states.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q = self.q_norm(q.reshape(t, -1, self.head_dim))
+        k = self.k_norm(k.reshape(t, -1, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)
+        seq_lens = getattr(forward_batch, "seq_lens", None)
+        out = causal_attention(q, k, v.reshape(t, -1, self.head_dim), seq_lens, self.scaling)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class Qwen3MLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``; ``down_proj`` honours the exit scope's flags."""
+
+    def __init__(self, config: Qwen3Config, group: GroupInfo, *, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        n = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [n, n], False, group, dtype=dtype)
+        self.down_proj = RowParallelLinear(n, config.hidden_size, False, group, reduce_results=True, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, forward_batch: Any = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Qwen3Config,
+        layer_id: int,
+        topology: Topology,
+        *,
+        rotary_emb: Optional[RotaryEmbedding] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        if rotary_emb is None:
+            rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.self_attn = Qwen3Attention(config, topology.attn_tp, rotary_emb, dtype=dtype)
+        self.mlp = Qwen3MLP(config, topology.tp, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.attn_boundary, self.ffn_boundary = make_stages(
+            (declare_attn(), self.input_layernorm),
+            (declare_ffn(), self.post_attention_layernorm),
+            previous=declare_ffn() if layer_id != 0 else None,
+            terminal=layer_id == config.num_hidden_layers - 1,
+            topology=topology,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
+        if hidden_states.shape[0] != 0:
+            hidden_states = self.self_attn(
+                positions=positions,
+                hidden_states=hidden_states,
+                forward_batch=forward_batch,
+            )
+        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
+
+        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
+        with self.ffn_boundary.exit(forward_batch) as output:
+            hidden_states = self.mlp(hidden_states)
+        hidden_states = output.finish(hidden_states)
+        return hidden_states
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: Qwen3Config, topology: Topology, *, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.topology = topology
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+        # One cos/sin table shared by every layer.
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, i, topology, rotary_emb=self.rotary_emb, dtype=dtype)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+        residual_batch.start(forward_batch)
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states, forward_batch)
+        hidden_states = residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True)
+        return hidden_states
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], forward_batch) -> logits [T, vocab]`` (FP32)."""
+
+    # HF checkpoint name fragment -> our fused parameter and the shard it fills.
+    stacked_params_mapping: tuple[tuple[str, str, Any], ...] = (
+        (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
+        (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+        (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+        (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+        (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+    )
+
+    def __init__(
+        self,
+        config: Qwen3Config,
+        topology: Optional[Topology] = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        topology = topology or Topology.single()
+        self.config = config
+        self.topology = topology
+        self.dtype = dtype
+        self.model = Qwen3Model(config, topology, dtype=dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def ignored_checkpoint_name(self, name: str) -> bool:
+        """Checkpoint tensors that carry nothing for this model (rope tables, tied copies)."""
+        if "rotary_emb.inv_freq" in name:
+            return True
+        return self.config.tie_word_embeddings and name == "lm_head.weight"
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, folder: str | os.PathLike[str]) -> None:
+        """Load a HF safetensors folder (single file or sharded with an index) into this rank's shards."""
+        from .loader import load_checkpoint
+
+        load_checkpoint(self, folder)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder: str | os.PathLike[str],
+        topology: Optional[Topology] = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device | str] = None,
+    ) -> "Qwen3ForCausalLM":
+        model = cls(Qwen3Config.from_folder(folder), topology, dtype=dtype)
+        model.load_weights(folder)
+        if device is not None:
+            model.to(device)
+        return model.eval()

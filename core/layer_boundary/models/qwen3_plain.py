@@ -1,0 +1,51 @@
+"""The Qwen3 forward without boundaries: same modules, same kernels, an explicit residual.
+
+Used to measure what the boundaries cost on the host. It calls the add+norm references directly,
+so on one rank it matches :meth:`Qwen3ForCausalLM.forward` bit for bit in FP32. Attention data
+parallelism (rows that differ between TP ranks) needs the boundaries' row movement and is rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from ..ops import all_reduce
+from .qwen3 import Qwen3ForCausalLM
+
+__all__ = ["plain_forward"]
+
+
+def plain_forward(
+    model: Qwen3ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any
+) -> torch.Tensor:
+    """``logits [T, vocab]`` (FP32) of ``model`` computed without its boundaries."""
+    if model.topology.attn_dp.size != 1:
+        raise ValueError(
+            f"plain_forward runs without row movement, but the topology has attention DP "
+            f"{model.topology.attn_dp.size}; use model.forward (the boundary path) for attention DP"
+        )
+    m = model.model
+    attn_tp = model.topology.attn_tp
+    hidden_states = m.embed_tokens(input_ids)
+    residual = None
+    for layer in m.layers:
+        ln = layer.input_layernorm
+        if residual is None:
+            residual = hidden_states
+            x = rmsnorm_ref(hidden_states, ln.weight, ln.eps)
+        else:
+            x, residual = fused_add_rmsnorm_ref(hidden_states, residual, ln.weight, ln.eps)
+        if x.shape[0] != 0:
+            x = layer.self_attn(positions=positions, hidden_states=x, forward_batch=forward_batch)
+        hidden_states = all_reduce(x, attn_tp)  # o_proj leaves its sum (PARTIAL)
+        ln = layer.post_attention_layernorm
+        x, residual = fused_add_rmsnorm_ref(hidden_states, residual, ln.weight, ln.eps)
+        hidden_states = layer.mlp(x)  # down_proj reduces: no exit scope publishes a skip
+    if residual is None:
+        x = rmsnorm_ref(hidden_states, m.norm.weight, m.norm.eps)
+    else:
+        x, _ = fused_add_rmsnorm_ref(hidden_states, residual, m.norm.weight, m.norm.eps)
+    return model.lm_head(x).float()

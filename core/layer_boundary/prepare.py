@@ -1,0 +1,107 @@
+"""Execute a stage's input preparation: check, complete owed work, update, read, move rows."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .construction import EntryPath, StagePlan
+from .contracts import OwedKind
+from .errors import BoundaryError
+from .output import Contribution, UnreducedOutput
+from .residual.access import check_shape, complete
+from .residual.stream import Handle, ResidualStream, StreamState
+
+__all__ = ["run_entry", "check_edge", "publish"]
+
+Capture = Callable[..., Any]
+
+
+def check_edge(plan: StagePlan, entry: EntryPath, c: Contribution) -> None:
+    """Refuse a contribution the incoming edge was not built for, before any collective runs."""
+    if entry.expected_update is not None and c.update.name != entry.expected_update:
+        raise BoundaryError(
+            f"{plan.name} stage input was built for a producer update {entry.expected_update!r} but "
+            f"the pending contribution carries {c.update.name!r}; make previous= describe the real "
+            "producer (the same declaration arguments it uses)"
+        )
+    for owed in c.owed:
+        key = (owed.kind, owed.group_name)
+        if key not in entry.accepts:
+            built = ", ".join(f"{k.value}:{g.name if g else '-'}" for k, g in sorted(
+                entry.accepts, key=lambda x: (x[0].value, x[1].name if x[1] else ""))) or "nothing"
+            raise BoundaryError(
+                f"the pending contribution owes {owed.describe()}, but this {plan.name} stage's input "
+                f"was built to complete only [{built}]; previous= does not describe the real "
+                "producer, which would reduce twice or not at all"
+            )
+
+
+def run_entry(
+    plan: StagePlan,
+    entry: EntryPath,
+    stream: ResidualStream,
+    hidden: Any,
+    capture: Optional[Capture] = None,
+    collector: Any = None,
+) -> torch.Tensor:
+    """Return the compute input and leave the stream written with the updated residual."""
+    read = plan.read
+    state = stream.state
+    if state is StreamState.INITIAL:
+        if plan.declaration.previous is not None:
+            raise BoundaryError(
+                f"{plan.name} stage was built with previous={plan.declaration.previous.describe()} "
+                "but the residual stream is initial; only the stack's first stage (previous=None) "
+                "starts the residual, and a pipeline receiver calls from_pp() first"
+            )
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"stack entry expects the embedding output tensor, got {type(hidden).__name__}")
+        if capture is not None:
+            capture(hidden, owned=False)  # the residual aliases the model's own input
+        x, residual = read.enter(hidden)
+    else:
+        stream.expect(hidden)
+        if state is StreamState.WRITTEN:
+            residual = stream.residual
+            assert residual is not None
+            x = read.read(residual)
+        else:
+            c = stream.pending
+            assert c is not None
+            check_edge(plan, entry, c)
+            stream.consume()
+            value = complete(c)
+            if stream.residual is not None:
+                check_shape("the layer output", value, stream.residual)
+            x, residual = read.update_and_read(c.update, value, stream.residual)
+        if capture is not None:
+            capture(residual, owned=entry.capture_owned)
+    stream.write(residual)
+    if collector is not None:
+        collector.capture(residual, owned=entry.capture_owned)
+    return x
+
+
+def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple) -> Handle:
+    """Hand a producer output to the stream (or apply an ``at_producer`` update right away)."""
+    if stream.state is StreamState.INITIAL:
+        raise BoundaryError(
+            f"{plan.name} stage output was published before any stage read the residual; call "
+            "prepare() before compute and finish() after it"
+        )
+    transform = plan.declaration.output_transform
+    if isinstance(value, torch.Tensor) and stream.residual is not None and stream.pending is None:
+        check_shape(f"the {plan.name} output", value, stream.residual)
+    if plan.update.at_producer:
+        stream.check_free()
+        c = Contribution(value, plan.update, owed, transform)
+        residual = plan.update.apply(stream.residual, complete(c))
+        stream.write(residual, residual)
+        return residual
+    return stream.leave(UnreducedOutput(value, plan.update, owed, transform))
+
+
+def owes_finalize(owed: tuple) -> bool:
+    return any(o.kind is OwedKind.FINALIZE for o in owed)

@@ -1,0 +1,80 @@
+"""Residual semantics: how a producer updates the residual and how a consumer reads it.
+
+A producer owns a :class:`StageUpdate`; a consumer owns a :class:`StageRead` bound to its norm.
+Capabilities are declared, not inferred, and boundary paths are chosen from them:
+
+========================  ============================================================
+``plain_add``             ``r' = r + c``: may fuse with add+norm reads, may join the sum
+                          on one rank, may be snapshotted on a copy
+``at_producer``           apply at the producer's exit instead of at the next read
+``outlives_producer``     parameters/state stay valid after the producer returns
+                          (required to leave a nonlinear update pending)
+``before_gather``         (read) must run on the source rows before a DP gather
+``fuses_with``            (read) update names ``update_and_read`` truly fuses with
+========================  ============================================================
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["StageUpdate", "StageRead", "ReadSpec", "LayerResidual"]
+
+
+@runtime_checkable
+class StageUpdate(Protocol):
+    """``apply(residual, contribution) -> residual'``; ``residual`` is ``None`` at stack entry."""
+
+    name: str
+    plain_add: bool
+    at_producer: bool
+    outlives_producer: bool
+
+    def apply(self, residual: Optional[torch.Tensor], contribution: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class StageRead(Protocol):
+    """A consumer's read of the residual, bound to its norm.
+
+    ``enter(hidden) -> (input, residual)`` starts the residual from the stack input;
+    ``read(residual) -> input`` reads a written residual;
+    ``update_and_read(update, contribution, residual) -> (input, residual')`` applies the
+    producer's update and reads the result, fused where ``update.name in fuses_with``.
+    """
+
+    name: str
+    before_gather: bool
+    fuses_with: frozenset[str]
+
+    def enter(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def read(self, residual: torch.Tensor) -> torch.Tensor: ...
+
+    def update_and_read(
+        self, update: StageUpdate, contribution: torch.Tensor, residual: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class ReadSpec(Protocol):
+    """An unbound read kind carried by a declaration; ``bind(norm)`` gives the stage's read."""
+
+    name: str
+
+    def bind(self, norm: torch.nn.Module) -> StageRead: ...
+
+
+class LayerResidual:
+    """A declaration's residual pair: the producer's update and the consumer's read kind."""
+
+    __slots__ = ("update", "read")
+
+    def __init__(self, update: StageUpdate, read: ReadSpec) -> None:
+        self.update = update
+        self.read = read
+
+    def __repr__(self) -> str:
+        return f"LayerResidual(update={self.update.name}, read={self.read.name})"

@@ -1,0 +1,239 @@
+"""Model-stack entry and exit, and the accessors a model uses between boundaries.
+
+Every helper takes the value the last boundary call returned and returns the value the model
+keeps next; the stream refuses any other object.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..errors import SNAPSHOT_PLAIN, WRITE_BEFORE_TAKE, BoundaryError
+from . import StageRead
+from .access import check_shape, complete, completed_copy
+from .add_norm import ADD_NORM, PLAIN_ADD
+from .stream import Handle, ResidualStream, StreamState, started_stream
+
+__all__ = [
+    "start",
+    "norm",
+    "fold",
+    "written",
+    "take_output",
+    "complete_output",
+    "snapshot",
+    "add_to_output",
+]
+
+# Final norms are bound to a read once, not per forward. Keyed weakly by the module.
+_READS: "weakref.WeakKeyDictionary[nn.Module, StageRead]" = weakref.WeakKeyDictionary()
+
+
+def _read_for(module: nn.Module) -> StageRead:
+    read = _READS.get(module)
+    if read is None:
+        read = _READS[module] = ADD_NORM.bind(module)
+    return read
+
+
+def start(forward_batch: Any) -> ResidualStream:
+    """Give the batch a fresh (initial) stream; any earlier stream of the batch is released."""
+    old = getattr(forward_batch, "residual_stream", None)
+    if old is not None:
+        old.release()
+    stream = ResidualStream()
+    try:
+        forward_batch.residual_stream = stream
+    except AttributeError as e:
+        raise TypeError(
+            f"{type(forward_batch).__name__} has no settable residual_stream attribute; the "
+            "boundary owns that attribute of the engine's batch object (see ForwardBatchLike)"
+        ) from e
+    return stream
+
+
+def norm(
+    hidden_states: Any,
+    forward_batch: Any,
+    layernorm: nn.Module,
+    *,
+    skip_empty: bool = False,
+    capture_output: Optional[Callable[..., Any]] = None,
+    handoff_norm: Any = None,
+) -> torch.Tensor:
+    """Final norm: complete owed work, apply the update, normalize; then release the stream.
+
+    ``skip_empty`` still completes owed work on an empty batch (other ranks may be waiting in
+    that collective) and skips only the norm kernel. ``capture_output`` receives the updated
+    residual, borrowed. ``handoff_norm`` fuses a finalize handoff with all-reduce, add and norm
+    through ``handoff_norm.finalize(handoff, residual, gamma)``.
+    """
+    stream = started_stream(forward_batch)
+    try:
+        read = _read_for(layernorm)
+        state = stream.state
+        if state is StreamState.INITIAL:
+            if not isinstance(hidden_states, torch.Tensor):
+                raise TypeError(f"norm() expects a tensor, got {type(hidden_states).__name__}")
+            residual = hidden_states
+            out = None
+        else:
+            stream.expect(hidden_states)
+            if state is StreamState.WRITTEN:
+                residual, out = stream.residual, None
+            else:
+                c = stream.pending
+                assert c is not None
+                if c.is_handoff and handoff_norm is not None:
+                    if capture_output is not None:
+                        raise BoundaryError(
+                            "norm() cannot capture_output when a finalize handoff arrives with "
+                            "handoff_norm: the fused finalize never materializes the residual. "
+                            "Drop handoff_norm to complete the handoff unfused and capture"
+                        )
+                    stream.consume()
+                    gamma = getattr(layernorm, "gemma_weight", None)
+                    if gamma is None:
+                        raise TypeError(
+                            f"handoff_norm fuses a Gemma RMSNorm and reads layernorm.gemma_weight; "
+                            f"{type(layernorm).__name__} has none. Use a GemmaRMSNorm final norm "
+                            "or drop handoff_norm"
+                        )
+                    return handoff_norm.finalize(c.value, stream.residual, gamma)
+                stream.consume()
+                value = complete(c)
+                if stream.residual is not None:
+                    check_shape("the layer output", value, stream.residual)
+                if skip_empty and value.shape[0] == 0:
+                    residual = c.update.apply(stream.residual, value)
+                    out = value
+                else:
+                    out, residual = read.update_and_read(c.update, value, stream.residual)
+        assert residual is not None
+        if capture_output is not None:
+            capture_output(residual, owned=False)
+        if out is None:
+            out = residual if (skip_empty and residual.shape[0] == 0) else read.read(residual)
+        return out
+    finally:
+        stream.release()
+
+
+def fold(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
+    """Complete a pending contribution and fold it into the residual (stream becomes written).
+
+    Returns the residual, which is the value to pass on.
+    """
+    stream = started_stream(forward_batch)
+    state = stream.state
+    if state is StreamState.INITIAL:
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"fold() expects a tensor, got {type(hidden_states).__name__}")
+        stream.write(hidden_states, hidden_states)
+        return hidden_states
+    stream.expect(hidden_states)
+    if state is StreamState.WRITTEN:
+        return hidden_states
+    c = stream.consume()
+    value = complete(c)
+    residual = c.update.apply(stream.residual, value)
+    stream.write(residual, residual)
+    return residual
+
+
+def written(hidden_states: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+    """Replace the stream with a written one whose residual is ``hidden_states``.
+
+    Any pending contribution is discarded: call ``fold()`` first when one may be pending.
+    """
+    stream = started_stream(forward_batch)
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(
+            f"written() takes the full residual tensor compute produced, got {type(hidden_states).__name__}"
+        )
+    stream.write(hidden_states, hidden_states)
+    return hidden_states
+
+
+def take_output(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
+    """Release the stream at a terminal exit whose output is already written; return it."""
+    stream = started_stream(forward_batch)
+    try:
+        if stream.state is StreamState.INITIAL:
+            if not isinstance(hidden_states, torch.Tensor):
+                raise TypeError(f"take_output() expects a tensor, got {type(hidden_states).__name__}")
+            return hidden_states
+        stream.expect(hidden_states)
+        if stream.state is StreamState.PENDING:
+            raise BoundaryError(WRITE_BEFORE_TAKE)
+        assert stream.residual is not None
+        return stream.residual
+    finally:
+        stream.release()
+
+
+def complete_output(hidden_states: Any, forward_batch: Any) -> Handle:
+    """Finish outstanding communication/finalize work; the residual update stays pending.
+
+    Returns the complete contribution tensor (a new handle; the old one is stale).
+    """
+    stream = started_stream(forward_batch)
+    stream.expect(hidden_states)
+    if stream.state is StreamState.WRITTEN:
+        return hidden_states
+    c = stream.pending
+    assert c is not None
+    complete(c)
+    return stream.rehand()
+
+
+def snapshot(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
+    """An owned copy of the updated residual; owed sums run on a copy, the stream is unchanged."""
+    stream = started_stream(forward_batch)
+    stream.expect(hidden_states)
+    if stream.state is StreamState.WRITTEN:
+        assert stream.residual is not None
+        return stream.residual.clone()
+    c = stream.pending
+    assert c is not None
+    if c.is_handoff:
+        raise BoundaryError(
+            "snapshot() cannot run on a finalize handoff; call residual_batch.complete_output() "
+            "first, which runs the producer's unfused finalize"
+        )
+    if not c.update.plain_add:
+        raise BoundaryError(SNAPSHOT_PLAIN)
+    snap = c.update.apply(stream.residual, completed_copy(c))
+    return snap.clone() if snap is c.value else snap
+
+
+def add_to_output(hidden_states: Any, forward_batch: Any, extra: torch.Tensor) -> Handle:
+    """Complete the contribution, then add ``extra`` to it once; the update stays pending.
+
+    On a written stream ``extra`` becomes the pending contribution (added by a plain add).
+    """
+    stream = started_stream(forward_batch)
+    stream.expect(hidden_states)
+    if not isinstance(extra, torch.Tensor):
+        raise TypeError(f"add_to_output() extra must be a tensor, got {type(extra).__name__}")
+    if stream.state is StreamState.WRITTEN:
+        assert stream.residual is not None
+        check_shape("extra", extra, stream.residual)
+        stream.handle = None
+        return stream.leave(_plain(extra.clone()))
+    c = stream.pending
+    assert c is not None
+    value = complete(c)
+    check_shape("extra", extra, value)
+    c.value = value + extra
+    return stream.rehand()
+
+
+def _plain(value: torch.Tensor) -> Any:
+    from ..output import UnreducedOutput
+
+    return UnreducedOutput(value, PLAIN_ADD)

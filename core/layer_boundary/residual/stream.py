@@ -1,0 +1,191 @@
+"""Per-forward residual state and ownership of outstanding work.
+
+========  ==================================  ===============================================
+State     Stored                              Next preparation
+========  ==================================  ===============================================
+INITIAL   nothing                             start the residual through the read's ``enter``
+WRITTEN   residual, no contribution           read the residual, apply nothing
+PENDING   contribution (+ residual if any)    complete owed work, apply the update, then read
+========  ==================================  ===============================================
+
+The model passes back exactly the object the last boundary call returned (``handle``); anything
+else is refused, because a rebound or foreign output would apply the wrong pending work. A
+contribution is dropped the moment it is consumed, so its tensors are freed and stale handles
+fail.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional, Union
+
+import torch
+
+from ..contracts import Owed
+from ..errors import START_FIRST, BoundaryError, foreign_output
+from ..output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
+from . import StageUpdate
+
+__all__ = ["StreamState", "ResidualStream", "Handle", "started_stream"]
+
+Handle = Union[torch.Tensor, OwedOutput]
+
+
+class StreamState(enum.Enum):
+    INITIAL = "initial"
+    WRITTEN = "written"
+    PENDING = "pending"
+
+
+class ResidualStream:
+    """Residual and pending contribution of one forward (or one microbatch of it)."""
+
+    __slots__ = ("residual", "pending", "handle", "released", "__weakref__")
+
+    def __init__(self) -> None:
+        self.residual: Optional[torch.Tensor] = None
+        self.pending: Optional[Contribution] = None
+        # The object the model must pass to the next boundary call; None right after a read,
+        # when the model holds a compute input rather than a layer output.
+        self.handle: Optional[Handle] = None
+        self.released = False
+
+    @property
+    def state(self) -> StreamState:
+        if self.pending is not None:
+            return StreamState.PENDING
+        if self.residual is not None:
+            return StreamState.WRITTEN
+        return StreamState.INITIAL
+
+    # -- transitions -------------------------------------------------------------------------
+
+    def leave(self, output: UnreducedOutput) -> Handle:
+        """Take ownership of a producer output; return the handle the model keeps.
+
+        The handle is the tensor itself when nothing is owed, otherwise an opaque ``OwedOutput``.
+        """
+        self.check_free()
+        self.pending = Contribution(output.value, output.update, output.owed, output.transform)
+        return self._hand_out(self.pending)
+
+    def check_free(self) -> None:
+        """Refuse a new producer output while an earlier one is still outstanding."""
+        if self.pending is not None:
+            raise BoundaryError(
+                f"a contribution is already pending ({self.pending!r}); only one can be pending at "
+                "a time. Pass the previous layer output through the next boundary's prepare() "
+                "before finishing another stage"
+            )
+        if self.handle is not None:
+            err = BoundaryError(
+                "finish() was called while the stream still holds an unconsumed layer output; "
+                "call the stage's prepare() on that output before finishing this stage"
+            )
+            raise err
+
+    def _hand_out(self, contribution: Contribution) -> Handle:
+        if contribution.owed or isinstance(contribution.value, HandoffOutput):
+            owed = contribution.owed
+            handle: Handle = OwedOutput(self, owed)
+        else:
+            handle = contribution.value  # type: ignore[assignment]
+        self.handle = handle
+        return handle
+
+    def rehand(self) -> Handle:
+        """Issue a fresh handle after the pending contribution changed (old handles go stale)."""
+        assert self.pending is not None
+        return self._hand_out(self.pending)
+
+    def consume(self) -> Contribution:
+        """Remove and return the pending contribution (the caller completes and applies it)."""
+        assert self.pending is not None
+        c, self.pending = self.pending, None
+        self.handle = None
+        return c
+
+    def write(self, residual: torch.Tensor, handle: Optional[Handle] = None) -> None:
+        """Enter the written state; any pending contribution is released."""
+        self.pending = None
+        self.residual = residual
+        self.handle = handle
+
+    def release(self) -> None:
+        """Drop every tensor; later use of this stream reports that the stack was not started."""
+        self.residual = None
+        self.pending = None
+        self.handle = None
+        self.released = True
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def expect(self, hidden: Any) -> None:
+        """Refuse anything but the object the last boundary call handed out."""
+        if hidden is self.handle and hidden is not None:
+            return
+        if isinstance(hidden, OwedOutput) and hidden._stream is not self:
+            raise foreign_output(
+                "this handle was produced by a different ResidualStream (another microbatch or "
+                "another forward); pass each microbatch's output only to its own stream"
+            )
+        if self.handle is None:
+            if self.state is StreamState.INITIAL:
+                why = "the stream holds no layer output yet; call a stage's prepare() first"
+            else:
+                why = (
+                    "the stream holds no layer output: the last call was a read (prepare). "
+                    "Call the stage's finish() or exit().finish() on the compute output first"
+                )
+            raise foreign_output(why)
+        kind = type(hidden).__name__
+        raise foreign_output(
+            f"got a {kind} that is not the object the last boundary call returned (a stale handle, "
+            "a rebound tensor or another stream's output); keep the returned value and pass it on "
+            "unchanged, and use residual_batch.add_to_output() for extra contributions"
+        )
+
+    # -- construction of a stream in a given state ---------------------------------------------
+
+    @classmethod
+    def arrive(
+        cls,
+        *,
+        residual: Optional[torch.Tensor] = None,
+        output: Optional[Union[torch.Tensor, HandoffOutput]] = None,
+        update: Optional[StageUpdate] = None,
+        owed: tuple[Owed, ...] = (),
+        transform: Optional[OutputTransform] = None,
+    ) -> tuple["ResidualStream", Optional[Handle]]:
+        """A stream that arrives already written (``residual`` only) or pending (``output``).
+
+        Used to split a batch into microbatches and to rebuild a stream received from another
+        pipeline stage. Returns the stream and the handle to pass to its next boundary call
+        (``None`` for an initial stream).
+        """
+        stream = cls()
+        if output is None:
+            if owed or transform is not None:
+                raise ValueError("owed work or a transform needs an output to apply to")
+            if residual is not None:
+                stream.write(residual, residual)
+            return stream, stream.handle
+        if update is None:
+            from .add_norm import PLAIN_ADD
+
+            update = PLAIN_ADD
+        stream.residual = residual
+        return stream, stream.leave(UnreducedOutput(output, update, owed, transform))
+
+    def __repr__(self) -> str:
+        if self.released:
+            return "ResidualStream(released)"
+        return f"ResidualStream({self.state.value}, pending={self.pending!r})"
+
+
+def started_stream(forward_batch: Any) -> ResidualStream:
+    """The batch's live stream, or the spec's error when the stack was not started."""
+    stream = getattr(forward_batch, "residual_stream", None)
+    if stream is None or stream.released:
+        raise BoundaryError(START_FIRST)
+    return stream
