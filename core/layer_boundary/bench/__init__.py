@@ -1,0 +1,1 @@
+"""Benchmarks behind ``layer-boundary bench``. Speed is measured here, never in tests."""

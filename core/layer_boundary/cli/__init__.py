@@ -1,0 +1,1 @@
+"""The ``layer-boundary`` command line. Nothing in the library imports it."""

@@ -1,0 +1,79 @@
+"""``layer-boundary`` entry point: ``run`` (the main job) and ``bench`` (benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+DEFAULT_INPUT_IDS = "9,41,7,300,12,5,88,150,2,61,33,404"
+
+
+def _input_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--input-ids {text!r}: give comma-separated integers, for example 1,2,3"
+        ) from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--input-ids is empty; give at least one token id")
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"--input-ids {text!r}: token ids must be non-negative")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="layer-boundary",
+        description="Run and measure transformer layer boundaries (reductions, row movement, "
+        "residual update and normalized input between compute stages).",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="build a reference decoder on the boundaries and run one forward",
+        description="Build a reference decoder on the boundaries and run one forward. With no "
+        "--model it builds an embedded small random Qwen3 in-process.",
+    )
+    run.add_argument("--model", metavar="PATH", help="a Hugging Face checkpoint folder (config.json + *.safetensors)")
+    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    run.add_argument(
+        "--input-ids", type=_input_ids, default=_input_ids(DEFAULT_INPUT_IDS), metavar="IDS",
+        help=f"comma-separated token ids (default: {DEFAULT_INPUT_IDS})",
+    )
+    run.add_argument("--save-logits", metavar="FILE", help="torch.save the float32 logits [tokens, vocab]")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    run.add_argument("--seed", type=int, default=0, help="seed of the embedded random model")
+
+    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks; each prints a table.")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    host = bsub.add_parser(
+        "host",
+        help="host time per boundary and decoder forward time with and without boundaries (CPU)",
+    )
+    host.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (decode-sized)")
+    host.add_argument("--iters", type=int, default=2000, help="timed calls per boundary measurement")
+    host.add_argument("--forward-iters", type=int, default=200, help="timed decoder forwards per measurement")
+    host.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        from .run import run_command
+
+        return run_command(args)
+    if args.command == "bench" and args.bench == "host":
+        from ..bench.host import host_command
+
+        return host_command(args)
+    raise AssertionError(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
