@@ -72,7 +72,7 @@ class StagePlan:
     def describe(self) -> str:
         d = self.declaration
         prev = d.previous.describe() if d.previous is not None else "stack entry"
-        nxt = "terminal" if d.terminal else (self.following.describe() if self.following else "external")
+        nxt = "terminal" if d.terminal else (self.following.describe() if self.following else "next layer")
         return (
             f"{self.name}: {d.describe()} read={self.read.name} update={self.update.name} "
             f"previous={prev} following={nxt} variants={[v.name for v in self.variants]}"

@@ -86,12 +86,10 @@ class ForwardBatch:
 
 def active_variant(forward_batch: Any) -> BatchVariant:
     """The variant a forward runs in; the one place where the priority order is applied."""
-    for variant in VARIANT_PRIORITY:
-        if variant is BatchVariant.ORDINARY:
+    for flag, variant in _FLAGGED:
+        if getattr(forward_batch, flag, False):
             return variant
-        if getattr(forward_batch, _VARIANT_FLAG[variant], False):
-            return variant
-    raise AssertionError("unreachable")
+    return BatchVariant.ORDINARY
 
 
 _VARIANT_FLAG = {
@@ -99,6 +97,7 @@ _VARIANT_FLAG = {
     BatchVariant.INPUT_SCATTERED: "input_scattered",
     BatchVariant.CP: "context_parallel",
 }
+_FLAGGED = tuple((_VARIANT_FLAG[v], v) for v in VARIANT_PRIORITY if v is not BatchVariant.ORDINARY)
 
 
 class ForwardFlags:

@@ -54,6 +54,9 @@ class SumGroup(enum.Enum):
 class BatchVariant(enum.Enum):
     """Row arrangements a forward may be in; a plan holds one path per supported variant."""
 
+    # Members are singletons: identity hashing keeps per-forward dict lookups off Enum.__hash__.
+    __hash__ = object.__hash__
+
     ORDINARY = "ORDINARY"
     SEQUENCE_PARALLEL = "SEQUENCE_PARALLEL"
     INPUT_SCATTERED = "INPUT_SCATTERED"

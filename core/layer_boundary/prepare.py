@@ -9,7 +9,7 @@ import torch
 from .construction import EntryPath, StagePlan
 from .contracts import OwedKind
 from .errors import BoundaryError
-from .output import Contribution, UnreducedOutput
+from .output import Contribution
 from .residual.access import check_shape, complete
 from .residual.stream import Handle, ResidualStream, StreamState
 
@@ -72,9 +72,10 @@ def run_entry(
             assert c is not None
             check_edge(plan, entry, c)
             stream.consume()
+            was_handoff = c.is_handoff
             value = complete(c)
-            if stream.residual is not None:
-                check_shape("the layer output", value, stream.residual)
+            if was_handoff and stream.residual is not None:
+                check_shape("the finalized layer output", value, stream.residual)
             x, residual = read.update_and_read(c.update, value, stream.residual)
         if capture is not None:
             capture(residual, owned=entry.capture_owned)
@@ -100,7 +101,7 @@ def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple) ->
         residual = plan.update.apply(stream.residual, complete(c))
         stream.write(residual, residual)
         return residual
-    return stream.leave(UnreducedOutput(value, plan.update, owed, transform))
+    return stream.leave_parts(value, plan.update, owed, transform)
 
 
 def owes_finalize(owed: tuple) -> bool:

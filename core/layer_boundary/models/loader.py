@@ -105,10 +105,13 @@ def load_tensors(
             duplicated.append(name)
             continue
         loader = getattr(param, "weight_loader", default_weight_loader)
-        if shard is None:
-            loader(param, full)
-        else:
-            loader(param, full, shard)
+        try:
+            if shard is None:
+                loader(param, full)
+            else:
+                loader(param, full, shard)
+        except ValueError as e:
+            raise CheckpointMismatch(f"{source}: tensor {name!r} cannot be loaded: {e}") from e
         loaded.add(key)
 
     missing = sorted(_checkpoint_name(p, s, mapping) for p, s in expected - loaded)

@@ -41,7 +41,8 @@ class PlainAdd:
     def apply(self, residual: Optional[torch.Tensor], contribution: torch.Tensor) -> torch.Tensor:
         if residual is None:
             return contribution
-        return (residual.float() + contribution.float()).to(residual.dtype)
+        acc = torch.promote_types(torch.promote_types(residual.dtype, contribution.dtype), torch.float32)
+        return (residual.to(acc) + contribution.to(acc)).to(residual.dtype)
 
     def __repr__(self) -> str:
         return "PLAIN_ADD"
@@ -72,7 +73,7 @@ class RMSNormRead:
     the parameter object after construction is still honoured.
     """
 
-    __slots__ = ("name", "norm", "offset", "kernels")
+    __slots__ = ("name", "norm", "offset", "kernels", "_eps_attr")
     before_gather = False
     fuses_with = frozenset({PlainAdd.name})
 
@@ -81,6 +82,7 @@ class RMSNormRead:
         self.offset = offset
         self.kernels = kernels
         self.name = "gemma_rmsnorm" if offset == 1.0 else "rmsnorm"
+        self._eps_attr = "eps" if hasattr(norm, "eps") else "variance_epsilon"
 
     @property
     def residual_in_place(self) -> bool:
@@ -92,8 +94,7 @@ class RMSNormRead:
 
     @property
     def eps(self) -> float:
-        n = self.norm
-        return n.eps if hasattr(n, "eps") else n.variance_epsilon
+        return getattr(self.norm, self._eps_attr)
 
     def enter(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(hidden), hidden

@@ -65,8 +65,18 @@ class ResidualStream:
 
         The handle is the tensor itself when nothing is owed, otherwise an opaque ``OwedOutput``.
         """
+        return self.leave_parts(output.value, output.update, output.owed, output.transform)
+
+    def leave_parts(
+        self,
+        value: Union[torch.Tensor, HandoffOutput],
+        update: StageUpdate,
+        owed: tuple[Owed, ...] = (),
+        transform: Optional[OutputTransform] = None,
+    ) -> Handle:
+        """``leave()`` without building the intermediate ``UnreducedOutput`` (the hot path)."""
         self.check_free()
-        self.pending = Contribution(output.value, output.update, output.owed, output.transform)
+        self.pending = Contribution(value, update, owed, transform)
         return self._hand_out(self.pending)
 
     def check_free(self) -> None:
