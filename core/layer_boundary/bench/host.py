@@ -134,8 +134,6 @@ def forward_ratio(tokens: int, iters: int, config: Any = None) -> dict[str, floa
 
 
 def host_command(args: argparse.Namespace) -> int:
-    from ..models.config import small_random_config
-
     torch.manual_seed(0)
     print(f"layer-boundary bench host: CPU {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, {date.today()}")
@@ -150,11 +148,11 @@ def host_command(args: argparse.Namespace) -> int:
     print("\ndecoder forward with / without boundaries (same modules and kernels; µs, median of 7)")
     print(f"{'T':>5} {'H':>6} {'layers':>6} {'with':>9} {'without':>9} {'ratio':>6} {'µs/bnd':>7}")
     fwd = []
-    big = dataclass_replace(small_random_config(), hidden_size=1024, intermediate_size=2816,
-                            num_attention_heads=8, num_key_value_heads=4, head_dim=128)
-    for cfg in (small_random_config(), big):
+    for hidden in args.hidden:
+        cfg = _config_of_width(hidden)
         for t in args.tokens:
-            r = forward_ratio(t, args.forward_iters if cfg.hidden_size < 512 else max(10, args.forward_iters // 10), cfg)
+            iters = max(10, args.forward_iters * 64 // max(64, hidden))
+            r = forward_ratio(t, iters, cfg)
             fwd.append(r)
             print(f"{t:>5} {r['hidden']:>6} {r['layers']:>6} {r['with_boundaries_us']:>9.1f} "
                   f"{r['without_boundaries_us']:>9.1f} {r['ratio']:>6.3f} {r['per_boundary_us']:>7.2f}")
@@ -167,7 +165,14 @@ def host_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def dataclass_replace(obj: Any, **kw: Any) -> Any:
+def _config_of_width(hidden: int) -> Any:
+    """The embedded model's shape at another width (head_dim 16 up to 256 wide, 128 above)."""
     import dataclasses
 
-    return dataclasses.replace(obj, **kw)
+    from ..models.config import small_random_config
+
+    head_dim = 16 if hidden <= 256 else 128
+    heads = max(1, hidden // head_dim)
+    kv = heads // 2 if heads % 2 == 0 else heads
+    return dataclasses.replace(small_random_config(), hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                               num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     host.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (decode-sized)")
     host.add_argument("--iters", type=int, default=2000, help="timed calls per boundary measurement")
     host.add_argument("--forward-iters", type=int, default=200, help="timed decoder forwards per measurement")
+    host.add_argument("--hidden", type=int, nargs="+", default=[64, 1024],
+                      help="decoder hidden sizes for the forward comparison (4 layers each)")
     host.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return p
 

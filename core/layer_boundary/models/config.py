@@ -157,7 +157,9 @@ def _read_rope_theta(d: Mapping[str, Any]) -> float:
         if not isinstance(value, Mapping):
             raise ValueError(f"{name}={value!r} must be a JSON object or null")
         if "full_attention" in value and isinstance(value["full_attention"], Mapping):
-            raise ValueError(f"{name} is given per layer type; only a single rope for all layers is supported")
+            raise ValueError(
+                f"{name} is given per layer type; only one rope for all layers is supported"
+            )
         kind = rope_type_of(value)
         if kind not in (None, "default"):
             raise ValueError(

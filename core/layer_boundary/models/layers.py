@@ -5,14 +5,14 @@ one holds the whole tensor, so the same model code runs on one rank and on many.
 that is sharded carries a ``weight_loader(param, full_tensor[, shard_id])`` attribute that takes
 the *full* checkpoint tensor and copies this rank's slice (the convention of vLLM and SGLang).
 
-| Layer                         | weight held by rank ``r`` of ``R``              | input       | output             |
-| ----------------------------- | ----------------------------------------------- | ----------- | ------------------ |
-| ``ColumnParallelLinear``      | rows ``[r*O/R, (r+1)*O/R)`` of ``[O, I]``       | ``[T, I]``  | ``[T, O/R]``       |
-| ``MergedColumnParallelLinear``| that slice of each merged output, concatenated  | ``[T, I]``  | ``[T, sum(O_i)/R]``|
-| ``QKVParallelLinear``         | q heads ``/R``; kv heads ``/R`` or replicated   | ``[T, I]``  | ``[T, q + 2 kv]``  |
-| ``RowParallelLinear``         | columns ``[r*I/R, (r+1)*I/R)`` of ``[O, I]``    | ``[T, I/R]``| ``[T, O]`` summed  |
-| ``VocabParallelEmbedding``    | vocab rows ``[r*V', (r+1)*V')``, ``V'=ceil(V/R)``| ``[T]`` ids | ``[T, H]`` summed  |
-| ``ParallelLMHead``            | same vocab rows as the embedding                | ``[T, H]``  | ``[T, V]`` gathered|
+| Layer                      | weight of rank r of R                      | input     | output           |
+| -------------------------- | ------------------------------------------ | --------- | ---------------- |
+| ColumnParallelLinear       | rows [r*O/R, (r+1)*O/R) of [O, I]          | [T, I]    | [T, O/R]         |
+| MergedColumnParallelLinear | that slice of each merged output, in order | [T, I]    | [T, sum(O_i)/R]  |
+| QKVParallelLinear          | q heads / R; kv heads / R or replicated    | [T, I]    | [T, q + 2 kv]    |
+| RowParallelLinear          | columns [r*I/R, (r+1)*I/R) of [O, I]       | [T, I/R]  | [T, O] summed    |
+| VocabParallelEmbedding     | vocab rows [r*V', (r+1)*V'), V'=ceil(V/R)  | [T] ids   | [T, H] summed    |
+| ParallelLMHead             | the embedding's vocab rows                 | [T, H]    | [T, V] gathered  |
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ __all__ = [
     "ParallelLMHead",
     "RotaryEmbedding",
     "default_weight_loader",
+    "rope_type_of",
 ]
 
 
@@ -120,7 +121,8 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size_per_partition}/{self.output_size}, tp={self.group.size}"
+        out = f"{self.output_size_per_partition}/{self.output_size}"
+        return f"in={self.input_size}, out={out}, tp={self.group.size}"
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -139,12 +141,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         *,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
-        self.output_sizes = tuple(int(s) for s in output_sizes)
-        for s in self.output_sizes:
+        sizes = tuple(int(s) for s in output_sizes)
+        for s in sizes:
             _divide(s, group.size, "merged output size")
-        super().__init__(input_size, sum(self.output_sizes), bias, group, dtype=dtype)
+        super().__init__(input_size, sum(sizes), bias, group, dtype=dtype)
+        self.output_sizes = sizes
 
-    def weight_loader(self, param: torch.Tensor, full: torch.Tensor, shard_id: int) -> None:  # type: ignore[override]
+    def weight_loader(  # type: ignore[override]
+        self, param: torch.Tensor, full: torch.Tensor, shard_id: int
+    ) -> None:
         if not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id {shard_id} is outside the {len(self.output_sizes)} merged outputs")
         size = self.output_sizes[shard_id]
@@ -175,32 +180,36 @@ class QKVParallelLinear(ColumnParallelLinear):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         tp = group.size
-        self.head_dim = head_dim
-        self.total_num_heads = num_heads
-        self.total_num_kv_heads = num_kv_heads
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}; "
                 "grouped-query attention needs whole groups of query heads per kv head"
             )
-        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        local_heads = _divide(num_heads, tp, "num_attention_heads")
         if num_kv_heads >= tp:
-            self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
-            self.kv_replicas = 1
+            local_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
         else:
             if tp % num_kv_heads:
                 raise ValueError(
                     f"tensor-parallel size {tp} is neither a divisor nor a multiple of "
                     f"num_key_value_heads={num_kv_heads}; choose a TP size that is one or the other"
                 )
-            self.num_kv_heads = 1
-            self.kv_replicas = tp // num_kv_heads
-        self.q_size = self.num_heads * head_dim
-        self.kv_size = self.num_kv_heads * head_dim
+            local_kv_heads = 1
         # output_size counts replicated kv heads once per rank: [q + 2 kv] per rank, times R.
-        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, bias, group, dtype=dtype)
+        per_rank = (local_heads + 2 * local_kv_heads) * head_dim
+        super().__init__(hidden_size, per_rank * tp, bias, group, dtype=dtype)
+        self.head_dim = head_dim
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
+        self.num_heads = local_heads
+        self.num_kv_heads = local_kv_heads
+        self.kv_replicas = max(tp // num_kv_heads, 1)  # ranks sharing one kv head
+        self.q_size = local_heads * head_dim
+        self.kv_size = local_kv_heads * head_dim
 
-    def weight_loader(self, param: torch.Tensor, full: torch.Tensor, shard_id: str) -> None:  # type: ignore[override]
+    def weight_loader(  # type: ignore[override]
+        self, param: torch.Tensor, full: torch.Tensor, shard_id: str
+    ) -> None:
         rank = self.group.rank
         hd = self.head_dim
         if shard_id == "q":
@@ -222,7 +231,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def extra_repr(self) -> str:
         return (
             f"hidden={self.input_size}, heads={self.num_heads}/{self.total_num_heads}, "
-            f"kv_heads={self.num_kv_heads}/{self.total_num_kv_heads}, head_dim={self.head_dim}, tp={self.group.size}"
+            f"kv_heads={self.num_kv_heads}/{self.total_num_kv_heads}, head_dim={self.head_dim}, "
+            f"tp={self.group.size}"
         )
 
 

@@ -20,12 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from layer_boundary import declare_attn, declare_ffn, make_stages
-from layer_boundary.residual import batch as residual_batch
-
-from ..norms import RMSNorm
-from ..topology import GroupInfo, Topology
-from .config import Qwen3Config
-from .layers import (
+from layer_boundary.models.config import Qwen3Config
+from layer_boundary.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -33,6 +29,9 @@ from .layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from layer_boundary.norms import RMSNorm
+from layer_boundary.residual import batch as residual_batch
+from layer_boundary.topology import GroupInfo, Topology
 
 __all__ = [
     "Qwen3Attention",
@@ -72,7 +71,7 @@ def causal_attention(
 
 
 class Qwen3Attention(nn.Module):
-    """``o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))``; the output is a partial sum over attention TP."""
+    """``o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))``, a partial sum over attention TP."""
 
     def __init__(
         self,
@@ -102,7 +101,9 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype=dtype)
         self.rotary_emb = rotary_emb
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: Any
+    ) -> torch.Tensor:
         t = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         q = self.q_norm(q.reshape(t, -1, self.head_dim))
@@ -120,7 +121,9 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         n = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [n, n], False, group, dtype=dtype)
-        self.down_proj = RowParallelLinear(n, config.hidden_size, False, group, reduce_results=True, dtype=dtype)
+        self.down_proj = RowParallelLinear(
+            n, config.hidden_size, False, group, reduce_results=True, dtype=dtype
+        )
 
     def forward(self, x: torch.Tensor, forward_batch: Any = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -171,11 +174,15 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config, topology: Topology, *, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self, config: Qwen3Config, topology: Topology, *, dtype: Optional[torch.dtype] = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.topology = topology
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype
+        )
         # One cos/sin table shared by every layer.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
@@ -216,7 +223,6 @@ class Qwen3ForCausalLM(nn.Module):
         topology = topology or Topology.single()
         self.config = config
         self.topology = topology
-        self.dtype = dtype
         self.model = Qwen3Model(config, topology, dtype=dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
         if config.tie_word_embeddings:
@@ -234,7 +240,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def load_weights(self, folder: str | os.PathLike[str]) -> None:
         """Load a HF safetensors folder (single file or sharded with an index) into this rank's shards."""
-        from .loader import load_checkpoint
+        from layer_boundary.models.loader import load_checkpoint
 
         load_checkpoint(self, folder)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from ..kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-from ..ops import all_reduce
-from .qwen3 import Qwen3ForCausalLM
+from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary.models.qwen3 import Qwen3ForCausalLM
+from layer_boundary.ops import all_reduce
 
 __all__ = ["plain_forward"]
 

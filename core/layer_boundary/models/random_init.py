@@ -30,7 +30,9 @@ def random_state_dict(config: Qwen3Config, *, seed: int = 0) -> dict[str, torch.
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g)
 
-    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size, generator=g)}
+    sd: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size, generator=g)
+    }
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = norm(c.hidden_size)

@@ -1,0 +1,94 @@
+"""The command line as a user runs it: the default job, a checkpoint folder, and misuse."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from layer_boundary.cli.main import main
+from layer_boundary.forward import ForwardBatch
+from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+
+
+def test_default_run_prints_stages_and_saves_logits(tmp_path, capsys):
+    out = tmp_path / "logits.pt"
+    assert main(["run", "--input-ids", "3,1,4,1,5", "--save-logits", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "embedded random Qwen3" in text
+    assert "read=rmsnorm" in text and "update=plain_add" in text
+    assert "forward:" in text
+    logits = torch.load(out)
+    assert logits.dtype == torch.float32 and logits.shape == (5, small_random_config().vocab_size)
+
+    # The saved logits are the embedded model's forward, not something else of that shape.
+    model = Qwen3ForCausalLM(small_random_config())
+    init_random_weights(model, seed=0)
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    pos = torch.arange(5)
+    with torch.inference_mode():
+        ref = model.eval()(ids, pos, ForwardBatch(num_tokens=5, positions=pos))
+    torch.testing.assert_close(logits, ref, atol=0, rtol=0)
+
+
+def test_run_loads_a_checkpoint_folder(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+    )
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    out = tmp_path / "l.pt"
+    assert main(["run", "--model", str(tmp_path / "ckpt"), "--input-ids", "1,2,3,60",
+                 "--save-logits", str(out)]) == 0
+    assert "Qwen3 from" in capsys.readouterr().out
+    with torch.inference_mode():
+        ref = hf(torch.tensor([[1, 2, 3, 60]])).logits[0]
+    torch.testing.assert_close(torch.load(out), ref.float(), atol=1e-4, rtol=0)
+
+
+def test_bfloat16_run(capsys):
+    assert main(["run", "--dtype", "bfloat16", "--input-ids", "7"]) == 0
+    assert "bfloat16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ids", ["1,x,3", "", "-1"])
+def test_bad_input_ids_are_refused(ids, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--input-ids", ids])
+    assert e.value.code == 2
+    assert "--input-ids" in capsys.readouterr().err
+
+
+def test_token_outside_vocabulary(capsys):
+    assert main(["run", "--input-ids", "1,100000"]) == 2
+    assert "outside the vocabulary" in capsys.readouterr().err
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(SystemExit, match="not a folder"):
+        main(["run", "--model", str(tmp_path / "nope")])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_cuda_without_gpu_says_so(capsys):
+    assert main(["run", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    # The installed entry point, as the README runs it.
+    r = subprocess.run([sys.executable, "-m", "layer_boundary.cli.main", "run", "--input-ids", "1,2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "logits:" in r.stdout
+
+
+def test_bench_host_runs(capsys):
+    assert main(["bench", "host", "--tokens", "1", "--iters", "20", "--forward-iters", "2", "--hidden", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "per boundary" in text and "ratio" in text
