@@ -111,7 +111,9 @@ class Qwen3Config:
         rope_theta = _read_rope_theta(d)
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
-        head_dim = d.get("head_dim") or (d["hidden_size"] // heads)
+        # transformers' Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json
+        # omits it; the same checkpoint must give the same model here.
+        head_dim = d.get("head_dim") or 128
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],

@@ -29,6 +29,7 @@ from layer_boundary.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from layer_boundary.models.loader import load_checkpoint
 from layer_boundary.norms import RMSNorm
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.topology import GroupInfo, Topology
@@ -240,8 +241,6 @@ class Qwen3ForCausalLM(nn.Module):
 
     def load_weights(self, folder: str | os.PathLike[str]) -> None:
         """Load a HF safetensors folder (single file or sharded with an index) into this rank's shards."""
-        from layer_boundary.models.loader import load_checkpoint
-
         load_checkpoint(self, folder)
 
     @classmethod
@@ -257,4 +256,4 @@ class Qwen3ForCausalLM(nn.Module):
         model.load_weights(folder)
         if device is not None:
             model.to(device)
-        return model.eval()
+        return model.eval().requires_grad_(False)
