@@ -16,6 +16,7 @@ Importing this package discovers no plugins and creates no process groups.
 """
 
 from .capture import AuxHiddenStateList
+from .context import BoundaryContext
 from .contracts import Owed, OwedKind, ProducerReduction, StageKind
 from .errors import BoundaryError, DeclarationError
 from .exit import FfnExit, MixerExit
@@ -33,6 +34,15 @@ from .norms import GemmaRMSNorm, RMSNorm
 from .output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
 from .residual import LayerResidual, ReadSpec, StageRead, StageUpdate
 from .residual.stream import ResidualStream, StreamState
+from .providers import (
+    ConsumerCandidate,
+    FusionProvider,
+    NormKernelProvider,
+    NormRequest,
+    ResidualSemantics,
+    StageResidual,
+)
+from .selection import SelectionReport
 from .stage import StageBoundary
 from .topology import GroupInfo, Topology
 
@@ -40,8 +50,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuxHiddenStateList",
+    "BoundaryContext",
     "BatchVariant",
     "BoundaryError",
+    "ConsumerCandidate",
+    "FusionProvider",
+    "NormKernelProvider",
+    "NormRequest",
+    "ResidualSemantics",
+    "SelectionReport",
+    "StageResidual",
     "Contribution",
     "DeclarationError",
     "FfnExit",

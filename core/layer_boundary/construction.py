@@ -6,7 +6,7 @@ the active variant.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
 from torch import nn
@@ -33,6 +33,7 @@ class EntryPath:
     accepts: frozenset[tuple[OwedKind, Optional[SumGroup]]]
     expected_update: Optional[str]
     capture_owned: bool
+    candidates: tuple[Any, ...] = ()  # consumer fusion candidates, tried in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ class StagePlan:
     topology: Topology
     read: StageRead
     update: StageUpdate
-    fusions: Any
+    fusions: tuple[Any, ...]
     options: Mapping[str, Any]
     entries: Mapping[BatchVariant, EntryPath] = field(default_factory=dict)
     exits: Mapping[BatchVariant, ExitPath] = field(default_factory=dict)
@@ -74,7 +75,7 @@ class StagePlan:
         prev = d.previous.describe() if d.previous is not None else "stack entry"
         nxt = "terminal" if d.terminal else (self.following.describe() if self.following else "next layer")
         return (
-            f"{self.name}: {d.describe()} read={self.read.name} update={self.update.name} "
+            f"{self.name.split(' #')[0]}: {d.describe()} read={self.read.name} update={self.update.name} "
             f"previous={prev} following={nxt} variants={[v.name for v in self.variants]}"
         )
 
@@ -117,13 +118,17 @@ def build_stage(
     following: Any,
     next_local_norm: Optional[nn.Module],
     next_local_decl: Any,
-    topology: Topology,
+    context: Any,
 ) -> Any:
     from .stage import StageBoundary
 
+    topology: Topology = context.topology
+    kind = "mixer" if decl.is_mixer else decl.kind.value
+    name = context.next_stage_name(kind)
     if decl.prepared_from is None and norm is None:
         raise TypeError(f"{decl.kind.value} stage needs its norm module; got None")
-    read = decl.read.bind(norm) if norm is not None else None
+    variants = _supported_variants(topology)
+    read = decl.read.bind(norm, context.kernel_selector(name, variants[0].name)) if norm is not None else None
     # A certificate that the next local read leaves the residual it is given untouched.
     capture_owned = False
     if next_local_decl is not None and next_local_norm is not None:
@@ -135,7 +140,7 @@ def build_stage(
     mixer_before_mixer = following is not None and following.is_mixer
     entries = {}
     exits = {}
-    for variant in _supported_variants(topology):
+    for variant in variants:
         entries[variant] = EntryPath(
             variant=variant,
             accepts=_accepts(decl.previous, topology),
@@ -162,17 +167,52 @@ def build_stage(
             always_defer_sum=always,
             may_defer_finalize=decl.kind is StageKind.FFN and decl.sparse,
         )
-    kind = "mixer" if decl.is_mixer else decl.kind.value
+    if "fusions" in options:
+        fusions: tuple[Any, ...] = (options["fusions"],) if options["fusions"] is not None else ()
+    else:
+        fusions = context.fusion_providers()
     plan = StagePlan(
-        name=kind,
+        name=name,
         declaration=decl,
         following=following,
         topology=topology,
         read=read,  # type: ignore[arg-type]
         update=decl.update,
-        fusions=options.get("fusions"),
+        fusions=fusions,
         options=dict(options),
         entries=entries,
         exits=exits,
     )
+    _bind_candidates(plan, context)
     return StageBoundary(plan)
+
+
+def _bind_candidates(plan: StagePlan, context: Any) -> None:
+    """Ask each fusion provider for consumer candidates; keep those that accept this stage."""
+    from .selection import Candidate, Selection
+
+    if not plan.fusions:
+        return
+    hook = "attention_input" if plan.declaration.kind is StageKind.ATTN else "ffn_input"
+    accepted: list[Any] = []
+    cands: list[Candidate] = []
+    for provider in plan.fusions:
+        origin = context.provider_origin(provider)
+        offer = getattr(provider, hook, None)
+        if offer is None:
+            continue
+        for cand in offer(plan) or ():
+            why = cand.refuse(plan) if hasattr(cand, "refuse") else None
+            if why is None and plan.declaration.previous is None:
+                why = "stack entry: nothing is owed to this input"
+            if why is None and not getattr(plan.read, "fuses_with", ()):
+                why = f"read {plan.read.name} declares no fusable update"
+            cands.append(Candidate(cand.name, origin, why))
+            if why is None:
+                accepted.append(cand)
+    for variant, entry in list(plan.entries.items()):
+        plan.entries[variant] = replace(entry, candidates=tuple(accepted))  # type: ignore[index]
+        context.report.add(Selection(
+            plan.name, variant.name, "consumer fusion", hook,
+            accepted[0].name if accepted else None, tuple(cands),
+        ))

@@ -25,17 +25,28 @@ _FINALIZE = Owed(OwedKind.FINALIZE)
 
 
 def decide(plan: StagePlan, path: ExitPath, forward_batch: Any) -> tuple[bool, bool]:
-    """``(defer_sum, defer_finalize)`` for this batch."""
-    provider = plan.fusions
+    """``(defer_sum, defer_finalize)`` for this batch.
+
+    The first provider that implements a decision makes it; providers were bound at construction.
+    """
     defer_finalize = False
     defer_sum = path.always_defer_sum
-    if provider is not None:
-        can_fin = getattr(provider, "can_defer_finalize", None)
-        if can_fin is not None and plan.declaration.kind.value == "ffn":
-            defer_finalize = bool(can_fin(plan, forward_batch)) and path.may_defer_finalize
-        if path.may_defer_sum and not defer_sum:
+    is_ffn = plan.declaration.kind.value == "ffn"
+    asked_fin = not is_ffn
+    asked_ar = not path.may_defer_sum or defer_sum
+    for provider in plan.fusions:
+        if not asked_fin:
+            can_fin = getattr(provider, "can_defer_finalize", None)
+            if can_fin is not None:
+                asked_fin = True
+                defer_finalize = bool(can_fin(plan, forward_batch)) and path.may_defer_finalize
+        if not asked_ar:
             can_ar = getattr(provider, "can_defer_all_reduce", None)
-            defer_sum = bool(can_ar(plan, forward_batch)) if can_ar is not None else False
+            if can_ar is not None:
+                asked_ar = True
+                defer_sum = bool(can_ar(plan, forward_batch))
+        if asked_fin and asked_ar:
+            break
     if defer_finalize and path.skip_owed is not None:
         defer_sum = True  # a deferred finalize carries the sum that follows it
     return defer_sum, defer_finalize

@@ -172,9 +172,9 @@ def _split_item(i: int, item: Any) -> tuple[StageDeclaration, nn.Module, dict[st
             f"got {item!r}"
         )
     decl, norm = item[0], item[1]
-    options = dict(item[2]) if len(item) == 3 else {}
     if len(item) == 3 and not isinstance(item[2], Mapping):
         raise TypeError(f"make_stages item {i}: options must be a dict, got {type(item[2]).__name__}")
+    options = dict(item[2]) if len(item) == 3 else {}
     if not isinstance(decl, StageDeclaration):
         raise TypeError(
             f"make_stages item {i}: expected a StageDeclaration from declare_attn()/declare_ffn(), "
@@ -204,14 +204,16 @@ def make_stages(
     terminal: bool = False,
     prepared_from: Optional[StageDeclaration] = None,
     topology: Optional[Topology] = None,
+    context: Any = None,
 ) -> tuple[Any, ...]:
     """Connect local stages and return one independent ``StageBoundary`` per item.
 
     ``previous`` describes the real producer before the first stage (``None`` at stack entry),
     ``following`` the external consumer after the last one. ``terminal`` marks the end of the
     model's layer stack. ``prepared_from`` makes the first stage a branch entered through
-    ``branch_input``. ``topology`` is the process groups (``Topology.single()`` when omitted and
-    torch.distributed runs a single process).
+    ``branch_input``. ``context`` (a ``BoundaryContext``) carries the process groups, plugins and
+    the selection report; ``topology=`` alone is shorthand for a context without plugins, and
+    with neither the single-rank topology is used when torch.distributed runs one process.
     """
     from .construction import build_stage
 
@@ -235,7 +237,7 @@ def make_stages(
                 "terminal; declare it without them and pass previous=, prepared_from= or "
                 "terminal= to make_stages"
             )
-    topology = _resolve_topology(topology)
+    ctx = _resolve_context(context, topology)
     decls = [d for d, _, _ in split]
     resolved = []
     for i, decl in enumerate(decls):
@@ -254,7 +256,7 @@ def make_stages(
         boundaries.append(
             build_stage(decl, norm, options, following=nxt, next_local_norm=next_local,
                         next_local_decl=(decls[i + 1] if i + 1 < len(decls) else None),
-                        topology=topology)
+                        context=ctx)
         )
     return tuple(boundaries)
 
@@ -266,6 +268,7 @@ def _make_single(
     options: Optional[Mapping[str, Any]],
     following: Optional[StageDeclaration],
     topology: Optional[Topology],
+    context: Any,
 ) -> Any:
     from .construction import build_stage
 
@@ -283,7 +286,7 @@ def _make_single(
         if decl.terminal:
             raise DeclarationError("a terminal stage has no following consumer; drop following=")
     return build_stage(decl, norm, opts, following=following, next_local_norm=None,
-                       next_local_decl=None, topology=_resolve_topology(topology))
+                       next_local_decl=None, context=_resolve_context(context, topology))
 
 
 def make_attn_stage(
@@ -293,9 +296,10 @@ def make_attn_stage(
     *,
     following: Optional[StageDeclaration] = None,
     topology: Optional[Topology] = None,
+    context: Any = None,
 ) -> Any:
     """Build one attention stage whose declaration carries its own source fields."""
-    return _make_single(StageKind.ATTN, declaration, norm, options, following, topology)
+    return _make_single(StageKind.ATTN, declaration, norm, options, following, topology, context)
 
 
 def make_ffn_stage(
@@ -305,9 +309,18 @@ def make_ffn_stage(
     *,
     following: Optional[StageDeclaration] = None,
     topology: Optional[Topology] = None,
+    context: Any = None,
 ) -> Any:
     """Build one FFN stage whose declaration carries its own source fields."""
-    return _make_single(StageKind.FFN, declaration, norm, options, following, topology)
+    return _make_single(StageKind.FFN, declaration, norm, options, following, topology, context)
+
+
+def _resolve_context(context: Any, topology: Optional[Topology]) -> Any:
+    from .context import BoundaryContext, as_context
+
+    if context is not None:
+        return as_context(context, topology)
+    return BoundaryContext(_resolve_topology(topology))
 
 
 def _resolve_topology(topology: Optional[Topology]) -> Topology:

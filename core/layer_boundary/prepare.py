@@ -38,6 +38,24 @@ def check_edge(plan: StagePlan, entry: EntryPath, c: Contribution) -> None:
             )
 
 
+def _fusable(c: Contribution) -> bool:
+    """A single owed sum of a tensor, no transform: what a consumer candidate may complete."""
+    return (
+        len(c.owed) == 1 and c.owed[0].kind is OwedKind.SUM and c.transform is None
+        and isinstance(c.value, torch.Tensor)
+    )
+
+
+def _try_candidates(entry: EntryPath, c: Contribution, residual: Any, read: Any, forward_batch: Any) -> Any:
+    if c.update.name not in read.fuses_with:
+        return None
+    for cand in entry.candidates:
+        out = cand(c.value, residual, read, forward_batch)
+        if out is not None:
+            return out
+    return None
+
+
 def run_entry(
     plan: StagePlan,
     entry: EntryPath,
@@ -45,6 +63,7 @@ def run_entry(
     hidden: Any,
     capture: Optional[Capture] = None,
     collector: Any = None,
+    forward_batch: Any = None,
 ) -> torch.Tensor:
     """Return the compute input and leave the stream written with the updated residual."""
     read = plan.read
@@ -72,6 +91,16 @@ def run_entry(
             assert c is not None
             check_edge(plan, entry, c)
             stream.consume()
+            if entry.candidates and _fusable(c):
+                fused = _try_candidates(entry, c, stream.residual, read, forward_batch)
+                if fused is not None:
+                    x, residual = fused
+                    if capture is not None:
+                        capture(residual, owned=entry.capture_owned)
+                    stream.write(residual)
+                    if collector is not None:
+                        collector.capture(residual, owned=entry.capture_owned)
+                    return x
             was_handoff = c.is_handoff
             value = complete(c)
             if was_handoff and stream.residual is not None:

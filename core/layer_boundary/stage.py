@@ -87,7 +87,7 @@ class StageBoundary:
             )
         return run_entry(
             self.plan, self._entry(forward_batch), stream, hidden_states,
-            capture_output, captured_last_layer_outputs,
+            capture_output, captured_last_layer_outputs, forward_batch,
         )
 
     def finish(self, hidden_states: torch.Tensor, forward_batch: Any) -> Handle:

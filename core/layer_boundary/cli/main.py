@@ -49,6 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     run.add_argument("--seed", type=int, default=0, help="seed of the embedded random model")
 
+    plugins = sub.add_parser(
+        "plugins",
+        help="list the plugins found through entry points, their status and why",
+        description="List the plugins found in the entry-point group layer_boundary.plugins. "
+        "Honours LAYER_BOUNDARY_PLUGINS, LAYER_BOUNDARY_DISABLE, "
+        "LAYER_BOUNDARY_DISABLE_PLUGIN_AUTOLOAD and LAYER_BOUNDARY_STRICT_PLUGINS.",
+    )
+    plugins.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    plugins.add_argument("--check", nargs="+", metavar="NAME",
+                         help="exit non-zero unless every named plugin is active")
+
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks; each prints a table.")
     bsub = bench.add_subparsers(dest="bench", required=True)
     host = bsub.add_parser(
@@ -70,6 +81,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .run import run_command
 
         return run_command(args)
+    if args.command == "plugins":
+        from .plugins import plugins_command
+
+        return plugins_command(args)
     if args.command == "bench" and args.bench == "host":
         from ..bench.host import host_command
 

@@ -52,25 +52,29 @@ def _ranges(xs: list[int]) -> str:
 
 
 def _build(args: argparse.Namespace, dtype: torch.dtype, device: str) -> tuple[Any, str]:
+    from ..context import BoundaryContext
     from ..models.qwen3 import Qwen3ForCausalLM
 
-    topology = Topology.single()
+    context = BoundaryContext.discover(Topology.single(), device=device)
+    topology = None
     if args.model:
         if not os.path.isdir(args.model):
             raise SystemExit(f"layer-boundary run: --model {args.model!r} is not a folder; give a "
                              "Hugging Face checkpoint folder with config.json and *.safetensors")
-        model = Qwen3ForCausalLM.from_pretrained(args.model, topology, dtype=dtype, device=device)
+        model = Qwen3ForCausalLM.from_pretrained(args.model, topology, context=context, dtype=dtype,
+                                                 device=device)
         what = f"Qwen3 from {args.model}"
     else:
         from ..models.config import small_random_config
         from ..models.random_init import init_random_weights
 
         config = small_random_config()
-        model = Qwen3ForCausalLM(config, topology, dtype=dtype)
+        model = Qwen3ForCausalLM(config, topology, context=context, dtype=dtype)
         init_random_weights(model, seed=args.seed)
         model = model.to(device).eval()
         what = (f"embedded random Qwen3 (seed {args.seed}): {config.num_hidden_layers} layers, "
                 f"hidden {config.hidden_size}, vocab {config.vocab_size}")
+    context.freeze()
     return model, what
 
 
@@ -95,6 +99,13 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"dtype:    {args.dtype}   device: {device}   topology: {model.topology.describe()}")
     print(f"stages:   {2 * len(model.model.layers)} boundaries")
     for line in describe_stages(model):
+        print(line)
+    registry = model.context.registry
+    if registry is not None:
+        found = ", ".join(f"{r.name} ({r.status.value})" for r in registry.records) or "none found"
+        print(f"plugins:  {found}")
+    print("selection:")
+    for line in model.context.report.lines():
         print(line)
 
     def forward() -> torch.Tensor:

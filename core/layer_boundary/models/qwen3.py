@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layer_boundary import declare_attn, declare_ffn, make_stages
+from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
 from layer_boundary.models.config import Qwen3Config
 from layer_boundary.models.layers import (
     MergedColumnParallelLinear,
@@ -136,7 +136,7 @@ class Qwen3DecoderLayer(nn.Module):
         self,
         config: Qwen3Config,
         layer_id: int,
-        topology: Topology,
+        context: BoundaryContext,
         *,
         rotary_emb: Optional[RotaryEmbedding] = None,
         dtype: Optional[torch.dtype] = None,
@@ -145,6 +145,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.layer_id = layer_id
         if rotary_emb is None:
             rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        topology = context.topology
         self.self_attn = Qwen3Attention(config, topology.attn_tp, rotary_emb, dtype=dtype)
         self.mlp = Qwen3MLP(config, topology.tp, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -154,7 +155,7 @@ class Qwen3DecoderLayer(nn.Module):
             (declare_ffn(), self.post_attention_layernorm),
             previous=declare_ffn() if layer_id != 0 else None,
             terminal=layer_id == config.num_hidden_layers - 1,
-            topology=topology,
+            context=context,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
@@ -176,21 +177,22 @@ class Qwen3DecoderLayer(nn.Module):
 
 class Qwen3Model(nn.Module):
     def __init__(
-        self, config: Qwen3Config, topology: Topology, *, dtype: Optional[torch.dtype] = None
+        self, config: Qwen3Config, context: BoundaryContext, *, dtype: Optional[torch.dtype] = None
     ) -> None:
         super().__init__()
         self.config = config
-        self.topology = topology
+        topology = self.topology = context.topology
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype
         )
         # One cos/sin table shared by every layer.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, topology, rotary_emb=self.rotary_emb, dtype=dtype)
+            Qwen3DecoderLayer(config, i, context, rotary_emb=self.rotary_emb, dtype=dtype)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        residual_batch.bind_final_norm(self.norm, context=context)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
         residual_batch.start(forward_batch)
@@ -218,13 +220,19 @@ class Qwen3ForCausalLM(nn.Module):
         config: Qwen3Config,
         topology: Optional[Topology] = None,
         *,
+        context: Optional[BoundaryContext] = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        topology = topology or Topology.single()
+        if context is None:
+            context = BoundaryContext(topology)
+        elif topology is not None and topology is not context.topology:
+            raise ValueError("give either topology= or context= (which has its own topology), not both")
+        topology = context.topology
         self.config = config
         self.topology = topology
-        self.model = Qwen3Model(config, topology, dtype=dtype)
+        self.context = context
+        self.model = Qwen3Model(config, context, dtype=dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -249,10 +257,11 @@ class Qwen3ForCausalLM(nn.Module):
         folder: str | os.PathLike[str],
         topology: Optional[Topology] = None,
         *,
+        context: Optional[BoundaryContext] = None,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
     ) -> "Qwen3ForCausalLM":
-        model = cls(Qwen3Config.from_folder(folder), topology, dtype=dtype)
+        model = cls(Qwen3Config.from_folder(folder), topology, context=context, dtype=dtype)
         model.load_weights(folder)
         if device is not None:
             model.to(device)

@@ -16,7 +16,7 @@ Capabilities are declared, not inferred, and boundary paths are chosen from them
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -60,11 +60,15 @@ class StageRead(Protocol):
 
 @runtime_checkable
 class ReadSpec(Protocol):
-    """An unbound read kind carried by a declaration; ``bind(norm)`` gives the stage's read."""
+    """An unbound read kind carried by a declaration; ``bind(norm, select)`` gives the stage's read.
+
+    ``select(NormRequest) -> NormKernels`` picks norm kernels at construction (``None``: the torch
+    reference); a read that runs no norm kernel ignores it.
+    """
 
     name: str
 
-    def bind(self, norm: torch.nn.Module) -> StageRead: ...
+    def bind(self, norm: torch.nn.Module, select: Optional[Callable[..., Any]] = None) -> StageRead: ...
 
 
 class LayerResidual:

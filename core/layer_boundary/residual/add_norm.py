@@ -146,14 +146,18 @@ class ModuleRead:
 
 class AddNormReadSpec:
     """The default read kind: RMSNorm (or Gemma RMSNorm) when the norm exposes its parameters,
-    otherwise the norm module called as a black box."""
+    otherwise the norm module called as a black box.
+
+    ``kernels=None`` lets construction select the kernels (plugins, core Triton, the torch
+    reference); given kernels are used as they are.
+    """
 
     name = "add_norm"
 
-    def __init__(self, kernels: NormKernels = REFERENCE_KERNELS) -> None:
+    def __init__(self, kernels: Optional[NormKernels] = None) -> None:
         self.kernels = kernels
 
-    def bind(self, norm: nn.Module) -> StageRead:
+    def bind(self, norm: nn.Module, select: Optional[Callable[..., NormKernels]] = None) -> StageRead:
         if not isinstance(norm, nn.Module):
             raise TypeError(
                 f"a stage norm must be a torch.nn.Module, got {type(norm).__name__}; pass the "
@@ -162,10 +166,19 @@ class AddNormReadSpec:
         params = norm_params(norm)
         if params is None:
             return ModuleRead(norm)
-        return RMSNormRead(norm, params[2], self.kernels)
+        weight, _, offset = params
+        kernels = self.kernels
+        if kernels is None:
+            if select is None:
+                kernels = REFERENCE_KERNELS
+            else:
+                from ..providers import NormRequest
+
+                kernels = select(NormRequest(weight.device.type, weight.dtype, weight.shape[0], offset))
+        return RMSNormRead(norm, offset, kernels)
 
     def __repr__(self) -> str:
-        return f"AddNormReadSpec(kernels={self.kernels.name})"
+        return f"AddNormReadSpec(kernels={self.kernels.name if self.kernels else 'selected'})"
 
 
 ADD_NORM = AddNormReadSpec()

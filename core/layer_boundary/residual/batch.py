@@ -19,6 +19,7 @@ from .add_norm import ADD_NORM, PLAIN_ADD
 from .stream import Handle, ResidualStream, StreamState, started_stream
 
 __all__ = [
+    "bind_final_norm",
     "start",
     "norm",
     "fold",
@@ -38,6 +39,20 @@ def _read_for(module: nn.Module) -> StageRead:
     if read is None:
         read = _READS[module] = ADD_NORM.bind(module)
     return read
+
+
+def bind_final_norm(layernorm: nn.Module, *, context: Any = None, read: Any = None) -> StageRead:
+    """Bind the final norm's read at model construction.
+
+    ``context`` selects its kernels (and records the choice in the selection report); ``read``
+    is a read kind other than the plain add+norm (for example an MHC exit that contracts the
+    expanded residual). Without this call ``norm()`` binds the torch reference on first use.
+    """
+    spec = read if read is not None else ADD_NORM
+    select = context.kernel_selector("final norm", "ORDINARY") if context is not None else None
+    bound = spec.bind(layernorm, select)
+    _READS[layernorm] = bound
+    return bound
 
 
 def start(forward_batch: Any) -> ResidualStream:

@@ -1,0 +1,144 @@
+"""The construction context: process groups, plugins and policy a model is built with.
+
+One context per model per process. ``make_stages(..., context=ctx)`` selects each stage's kernels
+and fusion providers from it and records the choices in ``ctx.report``; ``ctx.freeze()`` ends
+construction (the registry accepts nothing more) and logs the report once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from .kernels.providers import core_norm_providers
+from .providers import NormRequest
+from .residual.add_norm import NormKernels
+from .selection import Candidate, Selection, SelectionReport
+from .topology import Topology
+
+__all__ = ["BoundaryContext"]
+
+log = logging.getLogger("layer_boundary")
+
+
+class BoundaryContext:
+    """Everything ``make_stages`` needs besides the declarations.
+
+    ``registry``: a ``PluginRegistry`` (``None``: the core's own providers only).
+    ``device``: where the model will run, for kernel selection (default: where each norm's
+    weight is at construction).
+    """
+
+    def __init__(
+        self,
+        topology: Optional[Topology] = None,
+        *,
+        registry: Any = None,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        self.topology = topology or Topology.single()
+        self.registry = registry
+        self.device = torch.device(device) if device is not None else None
+        self.report = SelectionReport()
+        self._stage_count = 0
+        self._frozen = False
+
+    @classmethod
+    def discover(cls, topology: Optional[Topology] = None, *, device: Any = None, **options: Any) -> "BoundaryContext":
+        """A context with the plugins found through entry points (options as ``plugins.discover``)."""
+        from .plugins import discover
+
+        return cls(topology, registry=discover(**options), device=device)
+
+    # -- construction-time queries ---------------------------------------------------------------
+
+    def next_stage_name(self, kind: str) -> str:
+        self._stage_count += 1
+        return f"{kind} #{self._stage_count}"
+
+    def _check_open(self) -> None:
+        if self._frozen:
+            raise RuntimeError(
+                "this BoundaryContext is frozen: model construction is over. Build another "
+                "context for another model"
+            )
+
+    def norm_candidates(self) -> list[tuple[str, Any]]:
+        plugin = list(self.registry.norm_kernels) if self.registry is not None else []
+        return plugin + [("core", p) for p in core_norm_providers()]
+
+    def kernel_selector(self, stage: str, variant: str) -> Callable[[NormRequest], NormKernels]:
+        def select(request: NormRequest) -> NormKernels:
+            self._check_open()
+            cands: list[Candidate] = []
+            chosen = None
+            for origin, prov in self.norm_candidates():
+                if chosen is None:
+                    why = prov.refuse(request)
+                    if why is None:
+                        chosen = (origin, prov)
+                        cands.append(Candidate(prov.name, origin))
+                        continue
+                    cands.append(Candidate(prov.name, origin, why))
+                else:
+                    cands.append(Candidate(prov.name, origin, f"{chosen[1].name} comes first"))
+            assert chosen is not None, "the torch reference accepts every request"
+            self.report.add(Selection(stage, variant, "norm kernels", request.describe(), chosen[1].name, tuple(cands)))
+            return chosen[1].kernels(request)
+
+        return select
+
+    def fusion_providers(self) -> tuple[Any, ...]:
+        if self.registry is None:
+            return ()
+        return tuple(p for _, p in self.registry.fusion_providers)
+
+    def provider_origin(self, provider: Any) -> str:
+        if self.registry is not None:
+            for origin, p in self.registry.fusion_providers:
+                if p is provider:
+                    return origin
+        return "model option"
+
+    def semantics(self, name: str) -> Any:
+        if self.registry is None:
+            if name == "plain":
+                from .residual.semantics import PLAIN_RESIDUAL
+
+                return PLAIN_RESIDUAL
+            from .plugins import PluginError
+
+            raise PluginError(
+                f"residual semantics {name!r} needs plugins; build the context with "
+                "BoundaryContext.discover() so installed plugins are found"
+            )
+        return self.registry.semantics(name)
+
+    def freeze(self) -> SelectionReport:
+        """End construction: freeze the registry and log the selection report once."""
+        if not self._frozen:
+            self._frozen = True
+            if self.registry is not None:
+                self.registry.freeze()
+            if self.report.selections:
+                log.info("layer-boundary selection report:\n%s", "\n".join(self.report.lines()))
+        return self.report
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+
+def as_context(context: Optional[BoundaryContext], topology: Optional[Topology]) -> BoundaryContext:
+    """The context a factory builds with (``topology=`` alone is shorthand for a plugin-free one)."""
+    if context is not None:
+        if not isinstance(context, BoundaryContext):
+            raise TypeError(f"context= must be a BoundaryContext, got {type(context).__name__}")
+        if topology is not None and topology is not context.topology:
+            raise ValueError("give either context= or topology=, not both (the context has a topology)")
+        return context
+    return BoundaryContext(topology)
+
+

@@ -1,0 +1,235 @@
+"""Find plugins through entry points and decide, for each, whether it takes part.
+
+Order is deterministic: entry points sorted by name (then distribution), or the allowlist's
+order when one is given. For each plugin, in this order:
+
+1. the denylist and the allowlist decide ``disabled``;
+2. the entry point is loaded (a light module holding the manifest);
+3. the manifest's hook-API version decides ``incompatible``;
+4. declared hardware, distributions and the plugin's own check decide ``unavailable``;
+5. the hook module is imported and registered: ``active``, or ``failed`` if anything raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from .manifest import ENTRY_POINT_GROUP, HOOK_API_VERSION, PluginManifest, PluginStatus
+
+__all__ = ["PluginRecord", "PluginError", "DiscoveryOptions", "find_plugins", "load_hooks"]
+
+ENV_ALLOW = "LAYER_BOUNDARY_PLUGINS"
+ENV_DENY = "LAYER_BOUNDARY_DISABLE"
+ENV_NO_AUTOLOAD = "LAYER_BOUNDARY_DISABLE_PLUGIN_AUTOLOAD"
+ENV_STRICT = "LAYER_BOUNDARY_STRICT_PLUGINS"
+
+
+class PluginError(RuntimeError):
+    """A plugin asked for by name is not active, or strict mode met a plugin warning."""
+
+
+@dataclass
+class PluginRecord:
+    """What discovery found out about one plugin (the rows of ``layer-boundary plugins``)."""
+
+    name: str
+    distribution: Optional[str]
+    version: Optional[str]
+    api_version: Optional[int]
+    provides: tuple[str, ...]
+    status: PluginStatus
+    reason: str
+    entry_point: str
+    manifest: Optional[PluginManifest] = field(default=None, repr=False)
+    hooks: Any = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("manifest", "hooks"):
+            d.pop(k)
+        d["status"] = self.status.value
+        d["provides"] = list(self.provides)
+        return d
+
+
+def _split(value: Optional[str]) -> Optional[list[str]]:
+    if value is None:
+        return None
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class DiscoveryOptions:
+    """Controls, from arguments or else from the environment.
+
+    ``allow``: ordered allowlist (``[]`` means no plugin; ``None`` means every plugin).
+    ``deny``: names never loaded. ``autoload=False``: only plugins named in ``allow`` load.
+    ``strict``: every plugin warning (failed, incompatible, a requested plugin missing) raises.
+    """
+
+    allow: Optional[tuple[str, ...]] = None
+    deny: tuple[str, ...] = ()
+    autoload: bool = True
+    strict: bool = False
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        allow: Optional[Sequence[str]] = None,
+        deny: Optional[Sequence[str]] = None,
+        autoload: Optional[bool] = None,
+        strict: Optional[bool] = None,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> "DiscoveryOptions":
+        env = os.environ if env is None else env
+        a = list(allow) if allow is not None else _split(env.get(ENV_ALLOW))
+        d = list(deny) if deny is not None else (_split(env.get(ENV_DENY)) or [])
+        auto = autoload if autoload is not None else not _truthy(env.get(ENV_NO_AUTOLOAD))
+        s = strict if strict is not None else _truthy(env.get(ENV_STRICT))
+        return cls(tuple(a) if a is not None else None, tuple(d), auto, s)
+
+
+def _entry_points(group: str) -> list[md.EntryPoint]:
+    eps = md.entry_points(group=group)
+    return sorted(eps, key=lambda ep: (ep.name, _dist_name(ep) or ""))
+
+
+def _dist_name(ep: md.EntryPoint) -> Optional[str]:
+    dist = getattr(ep, "dist", None)
+    return dist.metadata["Name"] if dist is not None else None
+
+
+def _dist_version(ep: md.EntryPoint) -> Optional[str]:
+    dist = getattr(ep, "dist", None)
+    return dist.version if dist is not None else None
+
+
+def _hardware_reason(hw: Optional[str]) -> Optional[str]:
+    if hw is None:
+        return None
+    import torch
+
+    if hw == "rocm":
+        if getattr(torch.version, "hip", None) is None:
+            return f"not a ROCm build of torch (torch {torch.__version__})"
+        if not torch.cuda.is_available():
+            return "no ROCm GPU visible"
+        return None
+    if getattr(torch.version, "hip", None) is not None:
+        return f"needs CUDA, but torch {torch.__version__} is a ROCm build"
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__} sees none)"
+    return None
+
+
+def _missing_distributions(names: Iterable[str]) -> list[str]:
+    missing = []
+    for n in names:
+        try:
+            md.version(n)
+        except md.PackageNotFoundError:
+            missing.append(n)
+    return missing
+
+
+def load_hooks(manifest: PluginManifest) -> Any:
+    module, _, attr = manifest.hooks.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _describe_exc(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".strip()
+
+
+def find_plugins(options: DiscoveryOptions, group: str = ENTRY_POINT_GROUP) -> list[PluginRecord]:
+    """Examine every entry point of ``group`` and import the hooks of those that qualify."""
+    eps = _entry_points(group)
+    if options.allow is not None:
+        rank = {n: i for i, n in enumerate(options.allow)}
+        eps.sort(key=lambda ep: rank.get(ep.name, len(rank)))
+    records: list[PluginRecord] = []
+    seen: dict[str, PluginRecord] = {}
+    for ep in eps:
+        rec = PluginRecord(
+            name=ep.name, distribution=_dist_name(ep), version=_dist_version(ep), api_version=None,
+            provides=(), status=PluginStatus.DISABLED, reason="", entry_point=ep.value,
+        )
+        records.append(rec)
+        if ep.name in seen:
+            rec.status = PluginStatus.FAILED
+            rec.reason = (f"duplicate plugin name {ep.name!r}: also registered by "
+                          f"{seen[ep.name].distribution}; uninstall one of the two")
+            continue
+        seen[ep.name] = rec
+        if ep.name in options.deny:
+            rec.reason = f"disabled by {ENV_DENY} / deny"
+            continue
+        if options.allow is not None and ep.name not in options.allow:
+            rec.reason = f"not in the allowlist ({ENV_ALLOW} / allow)"
+            continue
+        if not options.autoload and (options.allow is None or ep.name not in options.allow):
+            rec.reason = f"autoload is off ({ENV_NO_AUTOLOAD}=1); name it in {ENV_ALLOW} to load it"
+            continue
+        _examine(ep, rec)
+    return records
+
+
+def _examine(ep: md.EntryPoint, rec: PluginRecord) -> None:
+    try:
+        manifest = ep.load()
+    except BaseException as e:  # a plugin may raise anything, SystemExit included
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        rec.status, rec.reason = PluginStatus.FAILED, f"loading its manifest raised {_describe_exc(e)}"
+        return
+    if not isinstance(manifest, PluginManifest):
+        rec.status = PluginStatus.FAILED
+        rec.reason = (f"entry point {ep.value!r} gives a {type(manifest).__name__}, not a "
+                      "layer_boundary.plugins.PluginManifest")
+        return
+    rec.manifest, rec.api_version, rec.provides = manifest, manifest.api_version, tuple(manifest.provides)
+    if manifest.name != ep.name:
+        rec.status = PluginStatus.FAILED
+        rec.reason = f"manifest name {manifest.name!r} differs from its entry point name {ep.name!r}"
+        return
+    if manifest.api_version != HOOK_API_VERSION:
+        rec.status = PluginStatus.INCOMPATIBLE
+        rec.reason = (f"built for hook API {manifest.api_version}, this layer-boundary speaks "
+                      f"{HOOK_API_VERSION}; install a matching version of {rec.distribution or ep.name}")
+        return
+    try:
+        missing = _missing_distributions(manifest.requires_distributions)
+        reason = None
+        if missing:
+            lib = manifest.vendor_library or ", ".join(missing)
+            reason = f"{lib} not installed (distribution {', '.join(missing)} not found)"
+        reason = reason or _hardware_reason(manifest.requires_hardware)
+        reason = reason or (manifest.check() if manifest.check is not None else None)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        rec.status, rec.reason = PluginStatus.FAILED, f"its availability check raised {_describe_exc(e)}"
+        return
+    if reason:
+        rec.status, rec.reason = PluginStatus.UNAVAILABLE, str(reason)
+        return
+    try:
+        rec.hooks = load_hooks(manifest)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        rec.status, rec.reason = PluginStatus.FAILED, f"importing {manifest.hooks!r} raised {_describe_exc(e)}"
+        return
+    rec.status, rec.reason = PluginStatus.ACTIVE, ""

@@ -1,0 +1,159 @@
+"""The plugin registry: pluggy's PluginManager, the providers collected from it, and freezing.
+
+Hooks are called here, once, while the registry is built; each plugin is called through its own
+subset caller so that one plugin raising marks only that plugin ``failed``. After ``freeze()``
+nothing can be registered and no hook is called again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional, Sequence
+
+import pluggy
+
+from .discovery import DiscoveryOptions, PluginError, PluginRecord, find_plugins
+from .hookspecs import PROJECT, LayerBoundarySpecs
+from .manifest import ENTRY_POINT_GROUP, PluginStatus, Provides
+
+__all__ = ["PluginRegistry", "discover"]
+
+log = logging.getLogger("layer_boundary.plugins")
+
+_HOOKS = (
+    ("layer_boundary_norm_kernels", Provides.NORM_KERNELS),
+    ("layer_boundary_fusion_providers", Provides.FUSION_PROVIDERS),
+    ("layer_boundary_residual_semantics", Provides.RESIDUAL_SEMANTICS),
+)
+
+
+class PluginRegistry:
+    """Active plugins and what they provide, in discovery order."""
+
+    def __init__(self, records: Sequence[PluginRecord], options: Optional[DiscoveryOptions] = None) -> None:
+        self.options = options or DiscoveryOptions()
+        self.records = list(records)
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(LayerBoundarySpecs)
+        self._frozen = False
+        self.norm_kernels: list[tuple[str, Any]] = []
+        self.fusion_providers: list[tuple[str, Any]] = []
+        self.residual_semantics: dict[str, tuple[str, Any]] = {}
+        for rec in self.records:
+            if rec.status is PluginStatus.ACTIVE:
+                self._activate(rec)
+        self._enforce()
+
+    # -- building ----------------------------------------------------------------------------
+
+    def _activate(self, rec: PluginRecord) -> None:
+        try:
+            self.pm.register(rec.hooks, name=rec.name)
+        except Exception as e:
+            rec.status, rec.reason = PluginStatus.FAILED, f"its hooks do not match the specification: {e}"
+            return
+        others = [p for p in self.pm.get_plugins() if p is not rec.hooks]
+        collected: dict[str, list[Any]] = {}
+        try:
+            for hook, _ in _HOOKS:
+                caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
+                results = caller()
+                items = [x for r in results for x in (r or [])]
+                for x in items:
+                    if not getattr(x, "name", None):
+                        raise TypeError(f"{hook} returned {x!r}, which has no name")
+                collected[hook] = items
+        except Exception as e:
+            self.pm.unregister(rec.hooks)
+            rec.status, rec.reason = PluginStatus.FAILED, f"a hook raised {type(e).__name__}: {e}"
+            return
+        self.norm_kernels += [(rec.name, x) for x in collected["layer_boundary_norm_kernels"]]
+        self.fusion_providers += [(rec.name, x) for x in collected["layer_boundary_fusion_providers"]]
+        for x in collected["layer_boundary_residual_semantics"]:
+            if x.name in self.residual_semantics:
+                log.warning("residual semantics %r of plugin %s is shadowed by plugin %s",
+                            x.name, rec.name, self.residual_semantics[x.name][0])
+                continue
+            self.residual_semantics[x.name] = (rec.name, x)
+
+    def _enforce(self) -> None:
+        by_name = {r.name: r for r in self.records}
+        if self.options.allow:
+            for name in self.options.allow:
+                rec = by_name.get(name)
+                if rec is None:
+                    raise PluginError(
+                        f"plugin {name!r} is asked for by name but no installed distribution "
+                        f"registers it in the entry-point group {ENTRY_POINT_GROUP!r}; install it "
+                        "or remove it from LAYER_BOUNDARY_PLUGINS"
+                    )
+                if rec.status is not PluginStatus.ACTIVE:
+                    raise PluginError(f"plugin {name!r} is asked for by name but is {rec.status.value}: {rec.reason}")
+        for rec in self.records:
+            if rec.status in (PluginStatus.FAILED, PluginStatus.INCOMPATIBLE):
+                msg = f"plugin {rec.name} ({rec.distribution}) is {rec.status.value} and skipped: {rec.reason}"
+                if self.options.strict:
+                    raise PluginError(msg + " [LAYER_BOUNDARY_STRICT_PLUGINS]")
+                log.warning(msg)
+            elif rec.status is PluginStatus.UNAVAILABLE:
+                log.info("plugin %s is unavailable here: %s", rec.name, rec.reason)
+
+    # -- use -----------------------------------------------------------------------------------
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def freeze(self) -> None:
+        """No registration after this; the providers bound at construction are final."""
+        self._frozen = True
+
+    def register(self, hooks: Any, *, name: str) -> None:
+        """Register a plugin object directly (tests, engines with in-process providers)."""
+        if self._frozen:
+            raise PluginError(
+                f"the plugin registry is frozen (model construction is over); register {name!r} "
+                "before building the model"
+            )
+        rec = PluginRecord(name=name, distribution=None, version=None, api_version=None, provides=(),
+                           status=PluginStatus.ACTIVE, reason="", entry_point="<registered in process>",
+                           hooks=hooks)
+        self.records.append(rec)
+        self._activate(rec)
+        if rec.status is not PluginStatus.ACTIVE:
+            raise PluginError(f"plugin {name!r} could not be registered: {rec.reason}")
+
+    def semantics(self, name: str) -> Any:
+        """The residual scheme called ``name``; ``plain`` is always there."""
+        if name == "plain":
+            from ..residual.semantics import PLAIN_RESIDUAL
+
+            return PLAIN_RESIDUAL
+        found = self.residual_semantics.get(name)
+        if found is None:
+            known = ["plain", *sorted(self.residual_semantics)]
+            raise PluginError(
+                f"no active plugin provides residual semantics {name!r} (available: {known}); "
+                "install the plugin that provides it (for MHC: pip install layer-boundary[mhc])"
+            )
+        return found[1]
+
+    def by_status(self) -> Mapping[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for r in self.records:
+            out.setdefault(r.status.value, []).append(r.name)
+        return out
+
+
+def discover(
+    *,
+    allow: Optional[Sequence[str]] = None,
+    deny: Optional[Sequence[str]] = None,
+    autoload: Optional[bool] = None,
+    strict: Optional[bool] = None,
+    env: Optional[Mapping[str, str]] = None,
+    group: str = ENTRY_POINT_GROUP,
+) -> PluginRegistry:
+    """Find, check and register plugins; arguments override the environment variables."""
+    options = DiscoveryOptions.resolve(allow=allow, deny=deny, autoload=autoload, strict=strict, env=env)
+    return PluginRegistry(find_plugins(options, group), options)

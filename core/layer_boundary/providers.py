@@ -1,0 +1,124 @@
+"""Interfaces a plugin implements: norm-read kernels, fusion providers and residual semantics.
+
+Each is a plain ``Protocol``: the core binds the chosen callables at model construction and a
+forward step never goes back through pluggy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import nn
+
+from .residual import ReadSpec, StageUpdate
+from .residual.add_norm import NormKernels
+
+__all__ = [
+    "NormRequest",
+    "NormKernelProvider",
+    "ConsumerCandidate",
+    "FusionProvider",
+    "StageResidual",
+    "ResidualSemantics",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class NormRequest:
+    """What a stage's norm read needs from a kernel, known at construction.
+
+    ``weight_offset`` 0 is RMSNorm, 1 Gemma RMSNorm. ``quant`` names a quantized output format
+    for a quantized consumer (``None``: the activation dtype; ``"fp8_e4m3"``: per-token FP8).
+    """
+
+    device_type: str
+    dtype: torch.dtype
+    hidden_size: int
+    weight_offset: float = 0.0
+    quant: Optional[str] = None
+
+    def describe(self) -> str:
+        kind = "gemma_rmsnorm" if self.weight_offset == 1.0 else "rmsnorm"
+        q = f" -> {self.quant}" if self.quant else ""
+        return f"{kind} {self.device_type} {str(self.dtype).replace('torch.', '')} H={self.hidden_size}{q}"
+
+
+@runtime_checkable
+class NormKernelProvider(Protocol):
+    """A set of norm-read kernels with the reference's signatures.
+
+    ``refuse(request)`` returns why it cannot serve a request (``None`` when it can), without
+    touching any tensor; ``kernels(request)`` returns the bound kernels. ``tolerance`` maps a
+    dtype to the ``(atol, rtol)`` its results keep against the torch reference.
+    """
+
+    name: str
+    tolerance: dict[torch.dtype, tuple[float, float]]
+
+    def refuse(self, request: NormRequest) -> Optional[str]: ...
+
+    def kernels(self, request: NormRequest) -> NormKernels: ...
+
+
+@runtime_checkable
+class ConsumerCandidate(Protocol):
+    """One fused way to complete an owed sum together with the consumer's update and read.
+
+    ``refuse(plan)`` is the static eligibility check at construction. ``__call__(contribution,
+    residual, read, forward_batch)`` returns ``(input, residual')`` or ``None``; it must return
+    ``None`` before modifying any input or starting a collective, so the fallback stays valid.
+    """
+
+    name: str
+    sum_group: Any
+
+    def refuse(self, plan: Any) -> Optional[str]: ...
+
+    def __call__(
+        self, contribution: torch.Tensor, residual: Optional[torch.Tensor], read: Any, forward_batch: Any
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+@runtime_checkable
+class FusionProvider(Protocol):
+    """Backend fusion for a stage: ordered consumer candidates and output-deferral decisions.
+
+    Every method is optional except ``name``; a provider that lacks one offers nothing there.
+    """
+
+    name: str
+
+    def attention_input(self, plan: Any) -> Sequence[ConsumerCandidate]: ...
+
+    def ffn_input(self, plan: Any) -> Sequence[ConsumerCandidate]: ...
+
+    def can_defer_finalize(self, plan: Any, forward_batch: Any) -> bool: ...
+
+    def can_defer_all_reduce(self, plan: Any, forward_batch: Any) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StageResidual:
+    """The residual pieces of one stage: its update kind, its read kind and the parameters they
+    own (an ``nn.Module`` the model registers so checkpoints and ``.to()`` reach it)."""
+
+    update: StageUpdate
+    read: ReadSpec
+    params: Optional[nn.Module] = None
+
+
+@runtime_checkable
+class ResidualSemantics(Protocol):
+    """A named residual scheme for a whole stack (plain add, MHC, ...).
+
+    ``stage(hidden_size, ...)`` gives each stage its update, read and parameters; ``exit(...)``
+    gives the read the final norm uses (it may contract an expanded residual).
+    """
+
+    name: str
+
+    def stage(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual: ...
+
+    def exit(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual: ...

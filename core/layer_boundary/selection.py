@@ -1,0 +1,65 @@
+"""The selection report: per stage and batch variant, the candidates, the choice and the refusals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["Candidate", "Selection", "SelectionReport"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    origin: str  # the plugin that provides it, or "core"
+    refused: Optional[str] = None  # why it was not chosen (None for the chosen one)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One decision: what was chosen for ``what`` (e.g. "norm kernels", "consumer fusion")."""
+
+    stage: str
+    variant: str
+    what: str
+    request: str
+    chosen: Optional[str]
+    candidates: tuple[Candidate, ...]
+
+    def text(self) -> str:
+        refused = "; ".join(f"{c.name} ({c.origin}): {c.refused}" for c in self.candidates if c.refused)
+        chosen = self.chosen or "none"
+        line = f"{self.what} [{self.request}] -> {chosen}"
+        return line + (f"   refused: {refused}" if refused else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage, "variant": self.variant, "what": self.what, "request": self.request,
+            "chosen": self.chosen,
+            "candidates": [{"name": c.name, "origin": c.origin, "refused": c.refused} for c in self.candidates],
+        }
+
+
+@dataclass
+class SelectionReport:
+    selections: list[Selection] = field(default_factory=list)
+
+    def add(self, selection: Selection) -> None:
+        self.selections.append(selection)
+
+    def for_stage(self, stage: str) -> list[Selection]:
+        return [s for s in self.selections if s.stage == stage]
+
+    def lines(self) -> list[str]:
+        """Readable report; stages whose selections are identical share one line."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for s in self.selections:
+            kind = s.stage.split("#", 1)[0].strip()
+            groups.setdefault((f"{kind} {s.variant}", s.text()), []).append(s.stage)
+        out = []
+        for (head, text), stages in groups.items():
+            out.append(f"  {head} x{len(stages)}: {text}")
+        return out
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [s.to_json() for s in self.selections]
