@@ -68,6 +68,10 @@ def run_entry(
     """Return the compute input and leave the stream written with the updated residual."""
     read = plan.read
     state = stream.state
+    # A read with makes_update returns, beside its input, the update this stage's output will
+    # use (per-invocation coefficients, e.g. MHC): it travels with the stream, not the layer.
+    makes_update = getattr(read, "makes_update", False)
+    upd = None
     if state is StreamState.INITIAL:
         if plan.declaration.previous is not None:
             raise BoundaryError(
@@ -80,12 +84,16 @@ def run_entry(
         if capture is not None:
             capture(hidden, owned=False)  # the residual aliases the model's own input
         x, residual = read.enter(hidden)
+        if makes_update:
+            x, residual, upd = x
     else:
         stream.expect(hidden)
         if state is StreamState.WRITTEN:
             residual = stream.residual
             assert residual is not None
             x = read.read(residual)
+            if makes_update:
+                x, upd = x
         else:
             c = stream.pending
             assert c is not None
@@ -94,7 +102,7 @@ def run_entry(
             if entry.candidates and _fusable(c):
                 fused = _try_candidates(entry, c, stream.residual, read, forward_batch)
                 if fused is not None:
-                    x, residual = fused
+                    x, residual = fused  # only reads without makes_update fuse
                     if capture is not None:
                         capture(residual, owned=entry.capture_owned)
                     stream.write(residual)
@@ -106,9 +114,12 @@ def run_entry(
             if was_handoff and stream.residual is not None:
                 check_shape("the finalized layer output", value, stream.residual)
             x, residual = read.update_and_read(c.update, value, stream.residual)
+            if makes_update:
+                x, residual, upd = x
         if capture is not None:
             capture(residual, owned=entry.capture_owned)
     stream.write(residual)
+    stream.next_update = upd
     if collector is not None:
         collector.capture(residual, owned=entry.capture_owned)
     return x
@@ -122,15 +133,19 @@ def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple) ->
             "prepare() before compute and finish() after it"
         )
     transform = plan.declaration.output_transform
-    if isinstance(value, torch.Tensor) and stream.residual is not None and stream.pending is None:
+    update = stream.next_update or plan.update
+    if update.plain_add and isinstance(value, torch.Tensor) and stream.residual is not None \
+            and stream.pending is None:
         check_shape(f"the {plan.name} output", value, stream.residual)
-    if plan.update.at_producer:
+    if update.at_producer:
         stream.check_free()
-        c = Contribution(value, plan.update, owed, transform)
-        residual = plan.update.apply(stream.residual, complete(c))
+        c = Contribution(value, update, owed, transform)
+        residual = update.apply(stream.residual, complete(c))
         stream.write(residual, residual)
         return residual
-    return stream.leave_parts(value, plan.update, owed, transform)
+    handle = stream.leave_parts(value, update, owed, transform)
+    stream.next_update = None
+    return handle
 
 
 def owes_finalize(owed: tuple) -> bool:

@@ -43,11 +43,17 @@ class StageRead(Protocol):
     ``read(residual) -> input`` reads a written residual;
     ``update_and_read(update, contribution, residual) -> (input, residual')`` applies the
     producer's update and reads the result, fused where ``update.name in fuses_with``.
+
+    A read with ``makes_update = True`` also returns the update this stage's own output will
+    carry (per-invocation state such as MHC coefficients): ``enter`` and ``update_and_read``
+    return ``(input, residual, update)`` and ``read`` returns ``(input, update)``. The update
+    travels with the stream and then with the stage's contribution, never on the layer.
     """
 
     name: str
     before_gather: bool
     fuses_with: frozenset[str]
+    makes_update: bool
 
     def enter(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 

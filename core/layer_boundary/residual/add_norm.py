@@ -75,6 +75,7 @@ class RMSNormRead:
 
     __slots__ = ("name", "norm", "offset", "kernels", "_eps_attr")
     before_gather = False
+    makes_update = False
     fuses_with = frozenset({PlainAdd.name})
 
     def __init__(self, norm: nn.Module, offset: float, kernels: NormKernels) -> None:
@@ -121,6 +122,7 @@ class ModuleRead:
 
     __slots__ = ("norm", "name")
     before_gather = False
+    makes_update = False
     residual_in_place = False
     fuses_with: frozenset[str] = frozenset()
 

@@ -127,12 +127,18 @@ def norm(
                     residual = c.update.apply(stream.residual, value)
                     out = value
                 else:
-                    out, residual = read.update_and_read(c.update, value, stream.residual)
+                    # [:2]: a read that makes updates also returns one; the stack ends here.
+                    out, residual = read.update_and_read(c.update, value, stream.residual)[:2]
         assert residual is not None
         if capture_output is not None:
             capture_output(residual, owned=False)
         if out is None:
-            out = residual if (skip_empty and residual.shape[0] == 0) else read.read(residual)
+            if skip_empty and residual.shape[0] == 0:
+                out = residual
+            else:
+                out = read.read(residual)
+                if getattr(read, "makes_update", False):
+                    out = out[0]
         return out
     finally:
         stream.release()

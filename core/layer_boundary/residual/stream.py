@@ -40,7 +40,7 @@ class StreamState(enum.Enum):
 class ResidualStream:
     """Residual and pending contribution of one forward (or one microbatch of it)."""
 
-    __slots__ = ("residual", "pending", "handle", "released", "__weakref__")
+    __slots__ = ("residual", "pending", "handle", "released", "next_update", "__weakref__")
 
     def __init__(self) -> None:
         self.residual: Optional[torch.Tensor] = None
@@ -49,6 +49,8 @@ class ResidualStream:
         # when the model holds a compute input rather than a layer output.
         self.handle: Optional[Handle] = None
         self.released = False
+        # The update the current stage's output will carry, when its read made one.
+        self.next_update: Optional[StageUpdate] = None
 
     @property
     def state(self) -> StreamState:
@@ -126,6 +128,7 @@ class ResidualStream:
         self.residual = None
         self.pending = None
         self.handle = None
+        self.next_update = None
         self.released = True
 
     # -- checks ------------------------------------------------------------------------------
