@@ -1,0 +1,40 @@
+"""The conformance kit: test classes a plugin vendor subclasses to prove a provider.
+
+Opt in with ``pytest -p layer_boundary.testing`` (or ``pytest_plugins = ["layer_boundary.testing"]``
+in a conftest), then subclass and provide the fixtures each class documents::
+
+    from layer_boundary.testing import NormKernelConformance
+
+    class TestMyKernels(NormKernelConformance):
+        @pytest.fixture
+        def provider(self):
+            return MyNormProvider()
+
+Classes: :class:`NormKernelConformance` (norm-read kernels), :class:`FusionProviderConformance`
+(consumer candidates and deferral decisions), :class:`ResidualSemanticsConformance` (update/read
+pairs). Each checks numerics against the core's torch reference with the provider's declared
+tolerance, the rounding order of update and read, stream state transitions, and, where the
+provider claims a GPU, CUDA-graph capture safety.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .fusion import FusionProviderConformance
+from .norm_kernels import NormKernelConformance
+from .semantics import ResidualSemanticsConformance
+from .tolerances import DEFAULT_TOLERANCE, tolerance_of
+
+__all__ = [
+    "NormKernelConformance",
+    "FusionProviderConformance",
+    "ResidualSemanticsConformance",
+    "DEFAULT_TOLERANCE",
+    "tolerance_of",
+]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped where none is visible)")
+    config.addinivalue_line("markers", "conformance: a layer-boundary conformance-kit check")

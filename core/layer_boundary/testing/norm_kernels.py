@@ -1,0 +1,153 @@
+"""Conformance of a ``NormKernelProvider`` against the torch reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ..kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from ..providers import NormRequest
+from .tolerances import tolerance_of
+
+__all__ = ["NormKernelConformance"]
+
+# Shapes that find bugs: one token, a few tokens, and more rows than a block usually covers.
+TOKENS = (1, 3, 130)
+
+
+class NormKernelConformance:
+    """Subclass and provide the ``provider`` fixture (a ``NormKernelProvider``).
+
+    Optional overrides: ``device`` fixture (default: ``cuda`` when the provider's requests need
+    it, else ``cpu``), ``dtypes`` and ``hidden_sizes`` class attributes for the requests tried.
+    Requests the provider refuses are skipped, and at least one must be accepted.
+    """
+
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    hidden_sizes: tuple[int, ...] = (64, 127, 4096)
+    offsets: tuple[float, ...] = (0.0, 1.0)
+
+    @pytest.fixture
+    def device(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _accepted(self, provider: Any, device: str) -> list[NormRequest]:
+        reqs = [NormRequest(device, dt, h, off) for dt in self.dtypes for h in self.hidden_sizes
+                for off in self.offsets]
+        ok = []
+        for r in reqs:
+            why = provider.refuse(r)
+            assert why is None or (isinstance(why, str) and why), (
+                f"refuse() must return None or a non-empty reason, got {why!r} for {r.describe()}")
+            if why is None:
+                ok.append(r)
+        return ok
+
+    def _tensors(self, r: NormRequest, tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, r.hidden_size, generator=g).to(r.dtype).to(r.device_type)
+        res = torch.randn(tokens, r.hidden_size, generator=g).to(r.dtype).to(r.device_type)
+        w = (torch.rand(r.hidden_size, generator=g) + 0.5).to(r.dtype).to(r.device_type)
+        return x, res, w
+
+    def test_refuses_with_reasons_and_accepts_something(self, provider: Any, device: str) -> None:
+        assert isinstance(provider.name, str) and provider.name
+        if not self._accepted(provider, device):
+            pytest.skip(f"{provider.name} accepts none of the requests tried on {device}")
+
+    def test_rmsnorm_matches_reference(self, provider: Any, device: str) -> None:
+        for r in self._accepted(provider, device):
+            k = provider.kernels(r)
+            for t in TOKENS:
+                x, _, w = self._tensors(r, t)
+                got = k.rmsnorm(x, w, 1e-6, weight_offset=r.weight_offset)
+                want = rmsnorm_ref(x, w, 1e-6, weight_offset=r.weight_offset)
+                torch.testing.assert_close(got, want, **tolerance_of(provider, r.dtype),
+                                           msg=lambda m: f"{r.describe()} T={t}: {m}")
+
+    def test_fused_add_rmsnorm_matches_reference(self, provider: Any, device: str) -> None:
+        for r in self._accepted(provider, device):
+            k = provider.kernels(r)
+            for t in TOKENS:
+                x, res, w = self._tensors(r, t)
+                want_y, want_r = fused_add_rmsnorm_ref(x, res, w, 1e-6, weight_offset=r.weight_offset)
+                got_y, got_r = k.fused_add_rmsnorm(x.clone(), res.clone(), w, 1e-6, weight_offset=r.weight_offset)
+                torch.testing.assert_close(got_y, want_y, **tolerance_of(provider, r.dtype),
+                                           msg=lambda m: f"{r.describe()} T={t}: {m}")
+                # The stored residual is the FP32 sum rounded once: no tolerance applies.
+                torch.testing.assert_close(got_r, want_r, atol=0, rtol=0,
+                                           msg=lambda m: f"{r.describe()} T={t} residual: {m}")
+
+    def test_normalizes_the_unrounded_sum(self, provider: Any, device: str) -> None:
+        """Rounding order: the output comes from the FP32 sum, not from the stored residual."""
+        for r in self._accepted(provider, device):
+            if r.dtype not in (torch.bfloat16, torch.float16):
+                continue
+            k = provider.kernels(r)
+            x, res, w = self._tensors(r, 130, seed=3)
+            y, _ = k.fused_add_rmsnorm(x.clone(), res.clone(), w, 1e-6, weight_offset=r.weight_offset)
+            exact = (x.double() + res.double())
+            from_fp32 = rmsnorm_ref(exact, w.double(), 1e-6, weight_offset=r.weight_offset)
+            from_rounded = rmsnorm_ref(exact.to(r.dtype).double(), w.double(), 1e-6,
+                                       weight_offset=r.weight_offset)
+            err_fp32 = (y.double() - from_fp32).abs().mean().item()
+            err_rounded = (y.double() - from_rounded).abs().mean().item()
+            assert err_fp32 <= err_rounded, (
+                f"{r.describe()}: the output is closer to normalizing the rounded residual "
+                f"({err_rounded:.3g}) than the FP32 sum ({err_fp32:.3g}); normalize before rounding")
+
+    def test_non_contiguous_input(self, provider: Any, device: str) -> None:
+        for r in self._accepted(provider, device):
+            k = provider.kernels(r)
+            g = torch.Generator().manual_seed(5)
+            wide = torch.randn(7, 2 * r.hidden_size, generator=g).to(r.dtype).to(r.device_type)
+            x = wide[:, ::2]
+            w = (torch.rand(r.hidden_size, generator=g) + 0.5).to(r.dtype).to(r.device_type)
+            torch.testing.assert_close(
+                k.rmsnorm(x, w, 1e-6, weight_offset=r.weight_offset),
+                rmsnorm_ref(x.contiguous(), w, 1e-6, weight_offset=r.weight_offset),
+                **tolerance_of(provider, r.dtype))
+
+    def test_declared_in_place_residual(self, provider: Any, device: str) -> None:
+        for r in self._accepted(provider, device):
+            k = provider.kernels(r)
+            x, res, w = self._tensors(r, 3)
+            before = res.clone()
+            _, out_r = k.fused_add_rmsnorm(x, res, w, 1e-6, weight_offset=r.weight_offset)
+            if k.residual_in_place:
+                assert out_r.data_ptr() == res.data_ptr(), "declares residual_in_place but returned a new tensor"
+            else:
+                assert torch.equal(res, before), (
+                    "overwrote the residual it was given without declaring residual_in_place=True; "
+                    "captures of that residual would be reported as owned")
+
+    @pytest.mark.gpu
+    def test_cuda_graph_capture_replays(self, provider: Any) -> None:
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        reqs = self._accepted(provider, "cuda")
+        if not reqs:
+            pytest.skip(f"{provider.name} accepts no CUDA request")
+        for r in reqs[:4]:
+            k = provider.kernels(r)
+            x, res, w = self._tensors(r, 64)
+            res0 = res.clone()
+            static_x, static_r = x.clone(), res.clone()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):  # warm up outside capture (JIT, autotune)
+                k.fused_add_rmsnorm(static_x.clone(), static_r.clone(), w, 1e-6, weight_offset=r.weight_offset)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y, out_r = k.fused_add_rmsnorm(static_x, static_r, w, 1e-6, weight_offset=r.weight_offset)
+            want_y, want_r = fused_add_rmsnorm_ref(x, res0, w, 1e-6, weight_offset=r.weight_offset)
+            static_x.copy_(x)
+            static_r.copy_(res0)
+            y.fill_(float("nan"))  # poison: replay must restore it
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(y, want_y, **tolerance_of(provider, r.dtype))
+            torch.testing.assert_close(out_r, want_r, atol=0, rtol=0)

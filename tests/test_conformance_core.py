@@ -1,0 +1,62 @@
+"""The conformance kit run over the core's own providers (and a deliberately broken one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layer_boundary.kernels.providers import REFERENCE_PROVIDER
+from layer_boundary.kernels.reference import rmsnorm_ref
+from layer_boundary.residual.add_norm import NormKernels
+from layer_boundary.residual.semantics import PLAIN_RESIDUAL
+from layer_boundary.testing import NormKernelConformance, ResidualSemanticsConformance
+
+
+class TestReferenceKernels(NormKernelConformance):
+    hidden_sizes = (64, 127)
+
+    @pytest.fixture
+    def provider(self):
+        return REFERENCE_PROVIDER
+
+
+class TestPlainResidual(ResidualSemanticsConformance):
+    @pytest.fixture
+    def semantics(self):
+        return PLAIN_RESIDUAL
+
+    @pytest.fixture
+    def reference(self):
+        def direct(stack, x):
+            r = x.double()
+            for i, w in enumerate(stack.weights):
+                n = stack.norms[i]
+                r = r + rmsnorm_ref(r, n.weight.double(), n.eps) @ w.double()
+            n = stack.norms[-1]
+            return rmsnorm_ref(r, n.weight.double(), n.eps).to(x.dtype)
+
+        return direct
+
+
+class _RoundsFirst:
+    """A kernel set that rounds the sum before normalizing: the kit must reject it."""
+
+    name = "rounds-first"
+    tolerance = {torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+    def refuse(self, request):
+        return None if request.dtype == torch.bfloat16 and request.device_type == "cpu" else "bf16 cpu only"
+
+    def kernels(self, request):
+        def fused(x, r, w, eps, *, weight_offset=0.0):
+            s = (x.float() + r.float()).to(r.dtype)
+            return rmsnorm_ref(s, w, eps, weight_offset=weight_offset), s
+
+        return NormKernels(self.name, rmsnorm_ref, fused)
+
+
+def test_kit_catches_a_kernel_that_rounds_before_normalizing():
+    kit = NormKernelConformance()
+    kit.hidden_sizes = (4096,)
+    with pytest.raises(AssertionError, match="closer to normalizing the rounded residual"):
+        kit.test_normalizes_the_unrounded_sum(_RoundsFirst(), "cpu")
