@@ -84,7 +84,14 @@ class BoundaryContext:
                     cands.append(Candidate(prov.name, origin, why))
                 else:
                     cands.append(Candidate(prov.name, origin, f"{chosen[1].name} comes first"))
-            assert chosen is not None, "the torch reference accepts every request"
+            if chosen is None:
+                from .errors import DeclarationError
+
+                refusals = "; ".join(f"{c.name}: {c.refused}" for c in cands)
+                raise DeclarationError(
+                    f"{stage}: no norm kernel serves {request.describe()} ({refusals}); install a "
+                    "plugin that provides it (for FP8 outputs: layer-boundary[flashinfer] on a GPU)"
+                )
             self.report.add(Selection(stage, variant, "norm kernels", request.describe(), chosen[1].name, tuple(cands)))
             return chosen[1].kernels(request)
 

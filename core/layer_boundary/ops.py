@@ -11,7 +11,12 @@ import torch.distributed as dist
 
 from .topology import GroupInfo
 
-__all__ = ["all_reduce", "all_gather_rows"]
+# torch 2.13 renamed the single-tensor collectives; older torch (2.11 on the GPU hosts) has only
+# the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+__all__ = ["all_reduce", "all_gather_rows", "reduce_scatter_rows", "all_to_all_rows"]
 
 
 def all_reduce(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
@@ -27,5 +32,27 @@ def all_gather_rows(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     if group.size == 1:
         return x
     out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group.group)
+    _all_gather(out, x.contiguous(), group=group.group)
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
+    """Sum ``x [group.size * C, ...]`` over ``group``; rank ``i`` keeps rows ``[i*C, (i+1)*C)``."""
+    if group.size == 1:
+        return x
+    rows = x.shape[0] // group.size
+    assert rows * group.size == x.shape[0], "callers pad rows to a multiple of the group size"
+    out = x.new_empty((rows, *x.shape[1:]))
+    _reduce_scatter(out, x.contiguous(), group=group.group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: GroupInfo) -> torch.Tensor:
+    """Send ``send_rows[i]`` consecutive rows of ``x`` to group rank ``i``; receive ``recv_rows[i]``
+    rows from rank ``i``, concatenated in rank order."""
+    if group.size == 1:
+        return x
+    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_rows,
+                           input_split_sizes=send_rows, group=group.group)
     return out

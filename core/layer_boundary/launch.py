@@ -1,0 +1,147 @@
+"""Run a function on N ranks over torch.distributed (spawned processes, or under torchrun).
+
+A rank that raises stops the whole run: the others are terminated and the caller gets that
+rank's traceback, within the process-group timeout at worst, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import socket
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankError", "spawn", "under_torchrun", "init_rank"]
+
+
+class RankError(RuntimeError):
+    """A rank failed; ``rank`` and the remote traceback are in the message."""
+
+    def __init__(self, rank: int, remote: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{remote}")
+        self.rank = rank
+        self.remote = remote
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: float) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast here
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else None,
+    )
+
+
+def _worker(rank: int, world_size: int, backend: str, port: int, timeout_s: float,
+            fn: Callable[..., Any], args: Sequence[Any], results: Any) -> None:
+    try:
+        torch.set_num_threads(1)  # N ranks share the host's cores
+        init_rank(rank, world_size, backend, port, timeout_s)
+        out = fn(rank, world_size, *args)
+        try:
+            pickle.dumps(out)
+        except Exception:
+            out = repr(out)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, SystemExit included
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """``[fn(rank, world_size, *args) for each rank]``, each in its own process.
+
+    ``fn`` must be importable (a module-level function). Returns the per-rank results in rank
+    order; raises :class:`RankError` with the first failing rank's traceback.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPUs)")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"--backend nccl with {world_size} ranks needs {world_size} GPUs; "
+            f"{torch.cuda.device_count()} visible"
+        )
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, backend, port, timeout_s, fn, tuple(args), results),
+                    daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    failure: Optional[RankError] = None
+    deadline = timeout_s * 2 + 60
+    waited = 0.0
+    try:
+        while len(got) < world_size and failure is None:
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in got]
+                if dead and all(not p.is_alive() for p in procs) or (dead and waited > 5):
+                    # A rank died without reporting (killed, segfault): give the queue a moment.
+                    try:
+                        rank, ok, payload = results.get(timeout=2.0)
+                    except queue.Empty:
+                        code = procs[dead[0]].exitcode
+                        failure = RankError(dead[0], f"exited with code {code} without a report")
+                        break
+                elif waited > deadline:
+                    failure = RankError(-1, f"no result after {deadline:.0f} s")
+                    break
+                else:
+                    continue
+            if ok:
+                got[rank] = payload
+            else:
+                failure = RankError(rank, payload)
+    finally:
+        if failure is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if failure is not None:
+        raise failure
+    return [got[r] for r in range(world_size)]

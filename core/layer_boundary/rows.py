@@ -1,0 +1,126 @@
+"""Token-row movement under attention data parallelism.
+
+Under attention DP a rank's residual holds its own DP group's rows (``T_d`` of them, replicated
+over the group's attention-TP ranks) while the FFN runs tensor-parallel over every rank on all
+groups' rows. ``DpRows`` holds the per-batch row counts and implements the moves between the two:
+
+============================  =====================================================  ===========
+move                          shapes                                                  collective
+============================  =====================================================  ===========
+``gather``                    [T_d, H] -> [ΣT, H] (all groups, DP-rank order)         all-gather over attention DP (padded to max T)
+``joined_sum``                partial [T_d, H] (+ residual on attn-TP rank 0)         all-reduce over TP
+                              -> complete [ΣT, H]
+``take_local``                complete [ΣT, H] -> [T_d, H]                            none
+``reduce_scatter``            partial [ΣT, H] -> complete [T_d, H]                    reduce-scatter over TP (padded),
+                                                                                      all-gather over attention TP when > 1
+``reduce_scatter_v``          partial [ΣT, H] -> complete [T_d, H]                    all-to-all over TP, local FP32 sum
+============================  =====================================================  ===========
+
+Padded moves need every group's rows padded to ``max T`` (a multiple of the attention-TP size
+for ``reduce_scatter``); padding rows are zeros and never reach the residual.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import ops
+from .topology import Topology
+
+__all__ = ["DpRows"]
+
+
+class DpRows:
+    """Row bookkeeping of one batch under attention DP (built once per batch per stage)."""
+
+    __slots__ = ("counts", "dp_rank", "offsets", "total", "max_rows", "topology")
+
+    def __init__(self, counts: Sequence[int], topology: Topology) -> None:
+        dp = topology.attn_dp
+        if len(counts) != dp.size:
+            raise ValueError(
+                f"ForwardBatch.dp_num_tokens has {len(counts)} entries but attention DP has "
+                f"{dp.size} groups; give the row count of every DP group in DP-rank order"
+            )
+        self.counts = tuple(int(c) for c in counts)
+        self.dp_rank = dp.rank
+        offs = [0]
+        for c in self.counts:
+            offs.append(offs[-1] + c)
+        self.offsets = tuple(offs)
+        self.total = offs[-1]
+        self.max_rows = max(self.counts) if self.counts else 0
+        self.topology = topology
+
+    @property
+    def local(self) -> int:
+        return self.counts[self.dp_rank]
+
+    def _padded_to(self, multiple: int) -> int:
+        m = self.max_rows
+        return -(-m // multiple) * multiple if m else 0
+
+    def _pad_groups(self, x_all: torch.Tensor, rows: int) -> torch.Tensor:
+        """[ΣT, H] in group order -> [D * rows, H], group d at rows [d*rows, d*rows + T_d)."""
+        out = x_all.new_zeros((len(self.counts) * rows, *x_all.shape[1:]))
+        for d, c in enumerate(self.counts):
+            if c:
+                out[d * rows : d * rows + c] = x_all[self.offsets[d] : self.offsets[d + 1]]
+        return out
+
+    def _compact(self, padded: torch.Tensor, rows: int) -> torch.Tensor:
+        """Inverse of ``_pad_groups``."""
+        if all(c == rows for c in self.counts):
+            return padded
+        return torch.cat([padded[d * rows : d * rows + c] for d, c in enumerate(self.counts)])
+
+    def gather(self, x_local: torch.Tensor) -> torch.Tensor:
+        """Every group's rows, in DP-rank order, on every rank."""
+        dp = self.topology.attn_dp
+        rows = self.max_rows
+        if x_local.shape[0] != rows:
+            pad = x_local.new_zeros((rows, *x_local.shape[1:]))
+            pad[: x_local.shape[0]] = x_local
+            x_local = pad
+        return self._compact(ops.all_gather_rows(x_local, dp), rows)
+
+    def joined_sum(self, partial_local: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """Complete an attention-TP partial sum and gather all groups' rows in one all-reduce.
+
+        ``residual`` (this group's rows) joins the sum on attention-TP rank 0 only, so the result
+        is ``residual + Σ partial`` for every group: the plain add rides on the collective.
+        """
+        rows = self.max_rows
+        buf = partial_local.new_zeros((len(self.counts) * rows, *partial_local.shape[1:]))
+        lo = self.dp_rank * rows
+        mine = buf[lo : lo + self.local]
+        mine.copy_(partial_local)
+        if residual is not None and self.topology.attn_tp.rank == 0:
+            mine.add_(residual)
+        ops.all_reduce(buf, self.topology.tp)
+        return self._compact(buf, rows)
+
+    def take_local(self, x_all: torch.Tensor) -> torch.Tensor:
+        return x_all[self.offsets[self.dp_rank] : self.offsets[self.dp_rank + 1]]
+
+    def reduce_scatter(self, partial_all: torch.Tensor) -> torch.Tensor:
+        """Fixed-size (padded) reduce-scatter over TP back to this group's rows."""
+        a = self.topology.attn_tp.size
+        rows = self._padded_to(a)
+        padded = self._pad_groups(partial_all, rows)
+        mine = ops.reduce_scatter_rows(padded, self.topology.tp)  # [rows / a, H]: slice a of group d
+        if a > 1:
+            mine = ops.all_gather_rows(mine, self.topology.attn_tp)
+        return mine[: self.local]
+
+    def reduce_scatter_v(self, partial_all: torch.Tensor) -> torch.Tensor:
+        """Variable-size reduce-scatter over TP (attention TP 1): each rank receives exactly its
+        group's rows from every rank and sums them in FP32 (FP64 for FP64 data)."""
+        tp = self.topology.tp
+        assert self.topology.attn_tp.size == 1, "eligibility keeps RSv to attention TP 1"
+        recv = [self.local] * tp.size
+        got = ops.all_to_all_rows(partial_all, list(self.counts), recv, tp)
+        acc = torch.promote_types(got.dtype, torch.float32)
+        return got.view(tp.size, self.local, *got.shape[1:]).to(acc).sum(0).to(got.dtype)
