@@ -34,6 +34,10 @@ class EntryPath:
     expected_update: Optional[str]
     capture_owned: bool
     candidates: tuple[Any, ...] = ()  # consumer fusion candidates, tried in order
+    # Under attention DP an FFN input is moved to every group's rows: "join" completes the
+    # attention sum, the plain add and the gather in one all-reduce; "read_first" reads on the
+    # local rows and gathers the normalized input.
+    dp_gather: Optional[str] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,9 @@ class ExitPath:
     may_defer_sum: bool
     always_defer_sum: bool
     may_defer_finalize: bool
+    # Under attention DP an FFN output returns to its group's rows at finish(), by the first of
+    # these that the batch allows ("rsv", "rs", "ar"); empty without attention DP.
+    dp_returns: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,6 +143,20 @@ def build_stage(
 
     out_sum = _output_sum(decl, topology)
     scoped = decl.reduction is not ProducerReduction.PARTIAL
+    dp = topology.attn_dp.size > 1
+    is_ffn = decl.kind is StageKind.FFN
+    dp_gather = None
+    if dp and is_ffn:
+        prev = decl.previous
+        plain = prev is None or prev.update.plain_add
+        dp_gather = "join" if plain and read is not None and not read.before_gather else "read_first"
+    dp_returns: tuple[str, ...] = ()
+    if dp and is_ffn:
+        from .reduction import refusals, return_paths
+
+        dp_returns = return_paths(context.reduction, topology)
+        _report_returns(context, name, variants[0].name, context.reduction, dp_returns,
+                        refusals(context.reduction, topology))
     before_ffn = following is not None and following.kind is StageKind.FFN
     mixer_before_mixer = following is not None and following.is_mixer
     entries = {}
@@ -146,13 +167,16 @@ def build_stage(
             accepts=_accepts(decl.previous, topology),
             expected_update=decl.previous.update.name if decl.previous is not None else None,
             capture_owned=capture_owned,
+            dp_gather=dp_gather,
         )
+        # An FFN's next consumer is the next layer's first stage when following is not given.
         may_defer = (
             scoped
             and out_sum is not None
             and not decl.terminal
             and decl.reduction is not ProducerReduction.LOCAL_TAIL
-            and following is not None
+            and (following is not None or is_ffn)
+            and not (dp and is_ffn)  # under DP the output returns to its rows at finish()
         )
         always = bool(may_defer and decl.is_mixer and before_ffn)
         if decl.is_mixer and not (before_ffn or mixer_before_mixer):
@@ -165,7 +189,8 @@ def build_stage(
             skip_owed=out_sum if scoped else None,
             may_defer_sum=may_defer,
             always_defer_sum=always,
-            may_defer_finalize=decl.kind is StageKind.FFN and decl.sparse,
+            may_defer_finalize=decl.kind is StageKind.FFN and decl.sparse and not dp,
+            dp_returns=dp_returns,
         )
     if "fusions" in options:
         fusions: tuple[Any, ...] = (options["fusions"],) if options["fusions"] is not None else ()
@@ -216,3 +241,13 @@ def _bind_candidates(plan: StagePlan, context: Any) -> None:
             plan.name, variant.name, "consumer fusion", hook,
             accepted[0].name if accepted else None, tuple(cands),
         ))
+
+
+def _report_returns(context: Any, stage: str, variant: str, policy: str, chosen: tuple[str, ...],
+                    refused: dict[str, str]) -> None:
+    from .selection import Candidate, Selection
+
+    cands = [Candidate(p, "policy", refused.get(p)) for p in ("rsv", "rs") if p in refused or p in chosen]
+    cands.append(Candidate("ar", "core"))
+    context.report.add(Selection(stage, variant, "output return", f"policy {policy}",
+                                 "/".join(chosen), tuple(cands)))

@@ -28,7 +28,8 @@ class BoundaryContext:
 
     ``registry``: a ``PluginRegistry`` (``None``: the core's own providers only).
     ``device``: where the model will run, for kernel selection (default: where each norm's
-    weight is at construction).
+    weight is at construction). ``reduction``: the FFN output policy (``ar``, ``rs``, ``rsv``,
+    ``rs+rsv`` or ``auto``, which resolves from ``architecture`` here, before any stage is built).
     """
 
     def __init__(
@@ -37,8 +38,13 @@ class BoundaryContext:
         *,
         registry: Any = None,
         device: Optional[torch.device | str] = None,
+        reduction: str = "auto",
+        architecture: Optional[str] = None,
     ) -> None:
+        from .reduction import resolve_policy
+
         self.topology = topology or Topology.single()
+        self.reduction = resolve_policy(reduction, architecture)
         self.registry = registry
         self.device = torch.device(device) if device is not None else None
         self.report = SelectionReport()
@@ -46,11 +52,20 @@ class BoundaryContext:
         self._frozen = False
 
     @classmethod
-    def discover(cls, topology: Optional[Topology] = None, *, device: Any = None, **options: Any) -> "BoundaryContext":
+    def discover(
+        cls,
+        topology: Optional[Topology] = None,
+        *,
+        device: Any = None,
+        reduction: str = "auto",
+        architecture: Optional[str] = None,
+        **options: Any,
+    ) -> "BoundaryContext":
         """A context with the plugins found through entry points (options as ``plugins.discover``)."""
         from .plugins import discover
 
-        return cls(topology, registry=discover(**options), device=device)
+        return cls(topology, registry=discover(**options), device=device, reduction=reduction,
+                   architecture=architecture)
 
     # -- construction-time queries ---------------------------------------------------------------
 

@@ -53,19 +53,24 @@ def decide(plan: StagePlan, path: ExitPath, forward_batch: Any) -> tuple[bool, b
 
 
 class _Exit:
-    __slots__ = ("_plan", "_path", "_stream", "_defer_sum", "_defer_finalize", "_saved", "_done")
+    __slots__ = ("_plan", "_path", "_stream", "_defer_sum", "_defer_finalize", "_saved", "_done",
+                 "_return", "_fb")
 
     def __init__(self, plan: StagePlan, path: ExitPath, stream: ResidualStream, forward_batch: Any) -> None:
         self._plan = plan
         self._path = path
         self._stream = stream
+        self._fb = forward_batch
         self._defer_sum, self._defer_finalize = decide(plan, path, forward_batch)
+        # Under attention DP the output returns to its group's rows at finish(); a scatter
+        # return leaves the sum to that reduce-scatter (mlp_reduce_scatter).
+        self._return = path.dp_returns[0] if path.dp_returns else None
         self._saved: Optional[tuple[bool, bool, bool]] = None
         self._done = False
 
     def __enter__(self) -> "_Exit":
         self._saved = _FLAGS.snapshot()
-        _FLAGS.restore((self._defer_sum, False, self._defer_finalize))
+        _FLAGS.restore((self._defer_sum, self.mlp_reduce_scatter, self._defer_finalize))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -78,7 +83,12 @@ class _Exit:
 
     @property
     def mlp_reduce_scatter(self) -> bool:
-        return False
+        return self._return in ("rs", "rsv")
+
+    @property
+    def output_return(self) -> Optional[str]:
+        """``"ar"``, ``"rs"`` or ``"rsv"`` under attention DP; ``None`` otherwise."""
+        return self._return
 
     @property
     def defer_moe_finalize(self) -> bool:
@@ -105,9 +115,24 @@ class _Exit:
                 f"exit().finish() takes the compute output tensor (or a HandoffOutput), got "
                 f"{type(hidden_states).__name__}"
             )
+        if self._return is not None:
+            return publish(self._plan, self._stream, self._returned(hidden_states, owed), ())
         if self._defer_sum and self._path.skip_owed is not None:
             owed = owed + (self._path.skip_owed,)
         return publish(self._plan, self._stream, hidden_states, owed)
+
+    def _returned(self, value: Any, owed: tuple[Owed, ...]) -> torch.Tensor:
+        """Move a DP-gathered output back to this group's rows, completing its sum."""
+        from .prepare import dp_rows
+
+        if owed:  # a handoff: its finalize runs before the rows move
+            value = value.complete()
+        rows = dp_rows(self._stream, self._plan, self._fb)
+        if self._return == "ar":
+            return rows.take_local(value)  # compute summed over TP: flags asked it to
+        if self._return == "rs":
+            return rows.reduce_scatter(value)
+        return rows.reduce_scatter_v(value)
 
     def __repr__(self) -> str:
         return (

@@ -8,6 +8,7 @@ import torch
 
 from .construction import EntryPath, StagePlan
 from .contracts import OwedKind
+from .layout import SumGroup
 from .errors import BoundaryError
 from .output import Contribution
 from .residual.access import check_shape, complete
@@ -67,6 +68,8 @@ def run_entry(
 ) -> torch.Tensor:
     """Return the compute input and leave the stream written with the updated residual."""
     read = plan.read
+    if entry.dp_gather is not None:
+        return _dp_entry(plan, entry, stream, hidden, forward_batch)
     state = stream.state
     # A read with makes_update returns, beside its input, the update this stage's output will
     # use (per-invocation coefficients, e.g. MHC): it travels with the stream, not the layer.
@@ -83,9 +86,10 @@ def run_entry(
             raise TypeError(f"stack entry expects the embedding output tensor, got {type(hidden).__name__}")
         if capture is not None:
             capture(hidden, owned=False)  # the residual aliases the model's own input
-        x, residual = read.enter(hidden)
         if makes_update:
-            x, residual, upd = x
+            x, residual, upd = read.enter(hidden)
+        else:
+            x, residual = read.enter(hidden)
     else:
         stream.expect(hidden)
         if state is StreamState.WRITTEN:
@@ -111,11 +115,12 @@ def run_entry(
                     return x
             was_handoff = c.is_handoff
             value = complete(c)
-            if was_handoff and stream.residual is not None:
+            if was_handoff and stream.residual is not None and c.update.plain_add:
                 check_shape("the finalized layer output", value, stream.residual)
-            x, residual = read.update_and_read(c.update, value, stream.residual)
             if makes_update:
-                x, residual, upd = x
+                x, residual, upd = read.update_and_read(c.update, value, stream.residual)
+            else:
+                x, residual = read.update_and_read(c.update, value, stream.residual)
         if capture is not None:
             capture(residual, owned=entry.capture_owned)
     stream.write(residual)
@@ -150,3 +155,65 @@ def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple) ->
 
 def owes_finalize(owed: tuple) -> bool:
     return any(o.kind is OwedKind.FINALIZE for o in owed)
+
+
+def dp_rows(stream: ResidualStream, plan: StagePlan, forward_batch: Any) -> Any:
+    """The batch's DP row bookkeeping, built once per stream (once per forward or microbatch)."""
+    rows = stream.dp_rows
+    if rows is None:
+        from .rows import DpRows
+
+        counts = getattr(forward_batch, "dp_num_tokens", None)
+        if counts is None:
+            raise BoundaryError(
+                f"attention DP has {plan.topology.attn_dp.size} groups but forward_batch.dp_num_tokens "
+                "is not set; give the row count of every DP group (in DP-rank order) for this batch"
+            )
+        rows = DpRows(counts, plan.topology)
+        if rows.local != forward_batch.num_tokens:
+            raise BoundaryError(
+                f"forward_batch.num_tokens={forward_batch.num_tokens} but dp_num_tokens gives this DP "
+                f"group (rank {rows.dp_rank}) {rows.local} rows; they must agree"
+            )
+        stream.dp_rows = rows
+    return rows
+
+
+def _joinable(c: Contribution, entry: EntryPath) -> bool:
+    return (
+        c.update.plain_add and c.transform is None and isinstance(c.value, torch.Tensor)
+        and all(o.kind is OwedKind.SUM and o.group_name is SumGroup.ATTN_TP for o in c.owed)
+    )
+
+
+def _dp_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, hidden: Any, forward_batch: Any) -> torch.Tensor:
+    """FFN input under attention DP: every group's rows, normalized, on every rank."""
+    rows = dp_rows(stream, plan, forward_batch)
+    read = plan.read
+    if entry.dp_gather == "join" and stream.state is StreamState.PENDING:
+        stream.expect(hidden)
+        c = stream.pending
+        assert c is not None
+        check_edge(plan, entry, c)
+        if _joinable(c, entry):
+            stream.consume()
+            residual_all = rows.joined_sum(c.value, stream.residual, partial=bool(c.owed))
+            x_all = read.read(residual_all)
+            stream.write(rows.take_local(residual_all))
+            return x_all
+    x_local = run_entry(plan, _LOCAL[entry], stream, hidden, None, None, forward_batch)
+    return rows.gather(x_local)
+
+
+class _LocalEntries(dict):
+    """The same entry path without its DP move (for the read on the local rows)."""
+
+    def __missing__(self, entry: EntryPath) -> EntryPath:
+        from dataclasses import replace
+
+        local = replace(entry, dp_gather=None)
+        self[entry] = local
+        return local
+
+
+_LOCAL = _LocalEntries()

@@ -86,18 +86,23 @@ class DpRows:
             x_local = pad
         return self._compact(ops.all_gather_rows(x_local, dp), rows)
 
-    def joined_sum(self, partial_local: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
-        """Complete an attention-TP partial sum and gather all groups' rows in one all-reduce.
+    def joined_sum(
+        self, value_local: torch.Tensor, residual: Optional[torch.Tensor], *, partial: bool = True
+    ) -> torch.Tensor:
+        """Complete an attention-TP sum and gather all groups' rows in one all-reduce over TP.
 
         ``residual`` (this group's rows) joins the sum on attention-TP rank 0 only, so the result
-        is ``residual + Σ partial`` for every group: the plain add rides on the collective.
+        is ``residual + Σ value`` for every group: the plain add rides on the collective. A value
+        that is already complete (``partial=False``) also enters on attention-TP rank 0 only.
         """
         rows = self.max_rows
-        buf = partial_local.new_zeros((len(self.counts) * rows, *partial_local.shape[1:]))
+        buf = value_local.new_zeros((len(self.counts) * rows, *value_local.shape[1:]))
         lo = self.dp_rank * rows
         mine = buf[lo : lo + self.local]
-        mine.copy_(partial_local)
-        if residual is not None and self.topology.attn_tp.rank == 0:
+        first = self.topology.attn_tp.rank == 0
+        if partial or first:
+            mine.copy_(value_local)
+        if residual is not None and first:
             mine.add_(residual)
         ops.all_reduce(buf, self.topology.tp)
         return self._compact(buf, rows)

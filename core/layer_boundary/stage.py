@@ -125,9 +125,13 @@ class StageBoundary:
         stream = started_stream(forward_batch)
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"postprocess() takes a tensor, got {type(hidden_states).__name__}")
-        self._exit_path(forward_batch)
+        path = self._exit_path(forward_batch)
         transform = self.plan.declaration.output_transform
         value = transform.fn(hidden_states) if transform is not None else hidden_states
+        if path.dp_returns:  # fully reduced on every group's rows: keep this group's
+            from .prepare import dp_rows
+
+            value = dp_rows(stream, self.plan, forward_batch).take_local(value)
         stream.check_free()
         return stream.leave(UnreducedOutput(value, self.plan.update, ()))
 

@@ -40,7 +40,7 @@ class StreamState(enum.Enum):
 class ResidualStream:
     """Residual and pending contribution of one forward (or one microbatch of it)."""
 
-    __slots__ = ("residual", "pending", "handle", "released", "next_update", "__weakref__")
+    __slots__ = ("residual", "pending", "handle", "released", "next_update", "dp_rows", "__weakref__")
 
     def __init__(self) -> None:
         self.residual: Optional[torch.Tensor] = None
@@ -51,6 +51,8 @@ class ResidualStream:
         self.released = False
         # The update the current stage's output will carry, when its read made one.
         self.next_update: Optional[StageUpdate] = None
+        # Attention-DP row counts of this batch (built on first use; see prepare.dp_rows).
+        self.dp_rows: Any = None
 
     @property
     def state(self) -> StreamState:
@@ -129,6 +131,7 @@ class ResidualStream:
         self.pending = None
         self.handle = None
         self.next_update = None
+        self.dp_rows = None
         self.released = True
 
     # -- checks ------------------------------------------------------------------------------
