@@ -126,7 +126,8 @@ def run_entry(
     stream.write(residual)
     stream.next_update = upd
     if collector is not None:
-        collector.capture(residual, owned=entry.capture_owned)
+        # At stack entry the residual is the model's own input tensor: never owned.
+        collector.capture(residual, owned=entry.capture_owned and state is not StreamState.INITIAL)
     return x
 
 

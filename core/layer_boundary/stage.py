@@ -12,7 +12,6 @@ from .errors import BRANCH_ENTRY, SNAPSHOT_PLAIN, BoundaryError, no_path
 from .exit import FfnExit, MixerExit
 from .forward import active_variant
 from .ops import all_reduce
-from .output import UnreducedOutput
 from .prepare import publish, run_entry
 from .residual.access import completed_copy
 from .residual.stream import Handle, StreamState, started_stream
@@ -132,8 +131,7 @@ class StageBoundary:
             from .prepare import dp_rows
 
             value = dp_rows(stream, self.plan, forward_batch).take_local(value)
-        stream.check_free()
-        return stream.leave(UnreducedOutput(value, self.plan.update, ()))
+        return publish(self.plan, stream, value, ())
 
     def capture_output(self, hidden_states: Any, forward_batch: Any) -> tuple[Handle, torch.Tensor]:
         """``(handle, snapshot)``: dynamic owed work is completed on the main output (a fresh

@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--save-logits", metavar="FILE", help="torch.save the float32 logits [tokens, vocab]")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     run.add_argument("--seed", type=int, default=0, help="seed of the embedded random model")
+    run.add_argument(
+        "--residual", choices=("plain", "mhc"), default="plain",
+        help="residual scheme: plain add (built in) or mhc, manifold-constrained hyper-connections "
+        "from the layer-boundary-mhc plugin (default: plain)",
+    )
 
     plugins = sub.add_parser(
         "plugins",

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -51,25 +51,31 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(parts)
 
 
-def _build(args: argparse.Namespace, dtype: torch.dtype, device: str) -> tuple[Any, str]:
+def _build(args: argparse.Namespace, dtype: torch.dtype, device: str) -> Optional[tuple[Any, str]]:
     from ..context import BoundaryContext
     from ..models.qwen3 import Qwen3ForCausalLM
+    from ..plugins import PluginError
 
     context = BoundaryContext.discover(Topology.single(), device=device)
     topology = None
+    try:
+        residual = context.semantics(args.residual)
+    except PluginError as e:  # the scheme's plugin is missing, disabled or failed: say why
+        print(f"layer-boundary run: --residual {args.residual}: {e}", file=sys.stderr)
+        return None
     if args.model:
         if not os.path.isdir(args.model):
             raise SystemExit(f"layer-boundary run: --model {args.model!r} is not a folder; give a "
                              "Hugging Face checkpoint folder with config.json and *.safetensors")
         model = Qwen3ForCausalLM.from_pretrained(args.model, topology, context=context, dtype=dtype,
-                                                 device=device)
+                                                 device=device, residual=residual)
         what = f"Qwen3 from {args.model}"
     else:
         from ..models.config import small_random_config
         from ..models.random_init import init_random_weights
 
         config = small_random_config()
-        model = Qwen3ForCausalLM(config, topology, context=context, dtype=dtype)
+        model = Qwen3ForCausalLM(config, topology, context=context, dtype=dtype, residual=residual)
         init_random_weights(model, seed=args.seed)
         model = model.to(device).eval()
         what = (f"embedded random Qwen3 (seed {args.seed}): {config.num_hidden_layers} layers, "
@@ -85,7 +91,10 @@ def run_command(args: argparse.Namespace) -> int:
         print("layer-boundary run: --device cuda but no CUDA device is visible to torch "
               f"{torch.__version__}; run with --device cpu or on a machine with a GPU", file=sys.stderr)
         return 2
-    model, what = _build(args, dtype, device)
+    built = _build(args, dtype, device)
+    if built is None:
+        return 2
+    model, what = built
     vocab = model.config.vocab_size
     bad = [i for i in args.input_ids if i >= vocab]
     if bad:
@@ -97,6 +106,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     print(f"model:    {what}")
     print(f"dtype:    {args.dtype}   device: {device}   topology: {model.topology.describe()}")
+    print(f"residual: {_describe_residual(model.residual)}")
     print(f"stages:   {2 * len(model.model.layers)} boundaries")
     for line in describe_stages(model):
         print(line)
@@ -137,6 +147,11 @@ def run_command(args: argparse.Namespace) -> int:
         torch.save(logits.float().cpu(), args.save_logits)
         print(f"saved:    {args.save_logits}")
     return 0
+
+
+def _describe_residual(semantics: Any) -> str:
+    describe = getattr(semantics, "describe", None)
+    return describe() if callable(describe) else f"{semantics.name}: r' = r + y, add+RMSNorm reads"
 
 
 def _sync(device: str) -> None:

@@ -6,7 +6,9 @@ parameters (``qkv_proj``, ``gate_up_proj``) come from the model's ``stacked_para
 ``(checkpoint fragment, parameter fragment, shard id)``. The parameter's ``weight_loader`` slices the
 full tensor for this rank and casts it to the parameter's dtype. Every parameter (and every shard of
 a fused one) must be filled exactly once, and every checkpoint tensor must be used or explicitly
-ignored by the model; anything else is an error naming the tensors.
+ignored by the model; anything else is an error naming the tensors. The model's
+``optional_parameter(name) -> bool`` names parameters a checkpoint may lack (those a residual
+scheme owns, such as MHC's): they are loaded when present and keep their init otherwise.
 """
 
 from __future__ import annotations
@@ -74,14 +76,18 @@ def load_tensors(
 ) -> None:
     """Load full, HF-named ``tensors`` into ``model``'s (possibly sharded) parameters.
 
-    ``model`` may define ``stacked_params_mapping`` and ``ignored_checkpoint_name(name) -> bool``.
+    ``model`` may define ``stacked_params_mapping``, ``ignored_checkpoint_name(name) -> bool`` and
+    ``optional_parameter(name) -> bool``.
     """
     mapping: tuple[tuple[str, str, Any], ...] = tuple(getattr(model, "stacked_params_mapping", ()))
     ignored: Callable[[str], bool] = getattr(model, "ignored_checkpoint_name", lambda name: False)
+    optional: Callable[[str], bool] = getattr(model, "optional_parameter", lambda name: False)
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
 
     expected: set[tuple[str, Any]] = set()
     for pname in params:
+        if optional(pname):
+            continue
         shards = [sid for _, dst, sid in mapping if dst in pname]
         expected.update((pname, sid) for sid in shards or [None])
 

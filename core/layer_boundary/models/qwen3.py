@@ -8,12 +8,18 @@ attention-TP group, the MLP over the full TP group, the embedding and LM head (b
 the attention-TP group, whose ranks hold the same token rows. ``o_proj`` never reduces (the
 ``PARTIAL`` attention contract: the next boundary completes the sum); ``down_proj`` reduces unless
 the FFN exit scope tells it not to.
+
+Residual schemes: ``residual="plain"`` (the default) is ``r' = r + y`` with fused add+RMSNorm
+reads; another name (for example ``"mhc"`` from the ``layer-boundary-mhc`` plugin) is looked up in
+the context's plugins. A scheme that owns parameters registers them per stage as
+``attn_residual`` / ``ffn_residual`` (and ``model.final_residual`` for its exit): checkpoints
+without them still load, and the scheme's own init fills them.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +37,7 @@ from layer_boundary.models.layers import (
 )
 from layer_boundary.models.loader import load_checkpoint
 from layer_boundary.norms import RMSNorm
+from layer_boundary.providers import ResidualSemantics
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.topology import GroupInfo, Topology
 
@@ -41,7 +48,11 @@ __all__ = [
     "Qwen3Model",
     "Qwen3ForCausalLM",
     "causal_attention",
+    "RESIDUAL_MODULES",
 ]
+
+# Attribute names of the parameter modules a residual scheme owns (none for the plain residual).
+RESIDUAL_MODULES = ("attn_residual", "ffn_residual", "final_residual")
 
 
 def causal_attention(
@@ -140,9 +151,12 @@ class Qwen3DecoderLayer(nn.Module):
         *,
         rotary_emb: Optional[RotaryEmbedding] = None,
         dtype: Optional[torch.dtype] = None,
+        residual: Optional[ResidualSemantics] = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
+        if residual is None:
+            residual = context.semantics("plain")
         if rotary_emb is None:
             rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         topology = context.topology
@@ -150,10 +164,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config, topology.tp, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        attn_res = residual.stage(config.hidden_size, dtype=dtype)
+        ffn_res = residual.stage(config.hidden_size, dtype=dtype)
+        if attn_res.params is not None:
+            self.attn_residual = attn_res.params
+        if ffn_res.params is not None:
+            self.ffn_residual = ffn_res.params
         self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(), self.input_layernorm),
-            (declare_ffn(), self.post_attention_layernorm),
-            previous=declare_ffn() if layer_id != 0 else None,
+            (declare_attn(update=attn_res.update, read=attn_res.read), self.input_layernorm),
+            (declare_ffn(update=ffn_res.update, read=ffn_res.read), self.post_attention_layernorm),
+            # The previous layer's FFN is declared like this layer's: same scheme, same update.
+            previous=declare_ffn(update=ffn_res.update) if layer_id != 0 else None,
             terminal=layer_id == config.num_hidden_layers - 1,
             context=context,
         )
@@ -177,10 +198,17 @@ class Qwen3DecoderLayer(nn.Module):
 
 class Qwen3Model(nn.Module):
     def __init__(
-        self, config: Qwen3Config, context: BoundaryContext, *, dtype: Optional[torch.dtype] = None
+        self,
+        config: Qwen3Config,
+        context: BoundaryContext,
+        *,
+        dtype: Optional[torch.dtype] = None,
+        residual: Optional[ResidualSemantics] = None,
     ) -> None:
         super().__init__()
         self.config = config
+        if residual is None:
+            residual = context.semantics("plain")
         topology = self.topology = context.topology
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype
@@ -188,11 +216,14 @@ class Qwen3Model(nn.Module):
         # One cos/sin table shared by every layer.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, context, rotary_emb=self.rotary_emb, dtype=dtype)
+            Qwen3DecoderLayer(config, i, context, rotary_emb=self.rotary_emb, dtype=dtype, residual=residual)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        residual_batch.bind_final_norm(self.norm, context=context)
+        final = residual.exit(config.hidden_size, dtype=dtype)
+        if final.params is not None:
+            self.final_residual = final.params
+        residual_batch.bind_final_norm(self.norm, context=context, read=final.read)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
         residual_batch.start(forward_batch)
@@ -204,7 +235,12 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """``forward(input_ids [T], positions [T], forward_batch) -> logits [T, vocab]`` (FP32)."""
+    """``forward(input_ids [T], positions [T], forward_batch) -> logits [T, vocab]`` (FP32).
+
+    ``residual``: the residual scheme's name, looked up with ``context.semantics(residual)``
+    (``"plain"`` is built in; a plugin's scheme such as ``"mhc"`` needs a context built with
+    ``BoundaryContext.discover()``), or a ``ResidualSemantics`` object.
+    """
 
     # HF checkpoint name fragment -> our fused parameter and the shard it fills.
     stacked_params_mapping: tuple[tuple[str, str, Any], ...] = (
@@ -222,6 +258,7 @@ class Qwen3ForCausalLM(nn.Module):
         *,
         context: Optional[BoundaryContext] = None,
         dtype: torch.dtype = torch.float32,
+        residual: Union[str, ResidualSemantics] = "plain",
     ) -> None:
         super().__init__()
         if context is None:
@@ -232,16 +269,27 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = config
         self.topology = topology
         self.context = context
-        self.model = Qwen3Model(config, context, dtype=dtype)
+        self.residual = context.semantics(residual) if isinstance(residual, str) else residual
+        self.model = Qwen3Model(config, context, dtype=dtype, residual=self.residual)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._residual_prefixes = tuple(name + "." for name, _ in self.residual_modules())
 
     def ignored_checkpoint_name(self, name: str) -> bool:
         """Checkpoint tensors that carry nothing for this model (rope tables, tied copies)."""
         if "rotary_emb.inv_freq" in name:
             return True
         return self.config.tie_word_embeddings and name == "lm_head.weight"
+
+    def residual_modules(self) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of each parameter module the residual scheme owns (plain: none)."""
+        return [(n, m) for n, m in self.named_modules() if n.rpartition(".")[2] in RESIDUAL_MODULES]
+
+    def optional_parameter(self, name: str) -> bool:
+        """Parameters a checkpoint may lack: the residual scheme's (HF checkpoints have none;
+        the scheme's init fills them). A checkpoint that has them loads them."""
+        return name.startswith(self._residual_prefixes)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
         hidden_states = self.model(input_ids, positions, forward_batch)
@@ -260,8 +308,9 @@ class Qwen3ForCausalLM(nn.Module):
         context: Optional[BoundaryContext] = None,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
+        residual: Union[str, ResidualSemantics] = "plain",
     ) -> "Qwen3ForCausalLM":
-        model = cls(Qwen3Config.from_folder(folder), topology, context=context, dtype=dtype)
+        model = cls(Qwen3Config.from_folder(folder), topology, context=context, dtype=dtype, residual=residual)
         model.load_weights(folder)
         if device is not None:
             model.to(device)

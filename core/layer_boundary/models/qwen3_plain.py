@@ -22,6 +22,11 @@ def plain_forward(
     model: Qwen3ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any
 ) -> torch.Tensor:
     """``logits [T, vocab]`` (FP32) of ``model`` computed without its boundaries."""
+    if model.residual.name != "plain":
+        raise ValueError(
+            f"plain_forward writes out the plain residual (r' = r + y), but the model was built "
+            f"with residual={model.residual.name!r}; use model.forward (the boundary path)"
+        )
     if model.topology.attn_dp.size != 1:
         raise ValueError(
             f"plain_forward runs without row movement, but the topology has attention DP "

@@ -2,6 +2,8 @@
 
 The full, HF-named tensors are drawn from one CPU generator and loaded through the same weight
 loaders as a checkpoint, so rank ``r`` of ``R`` holds exactly its slice of the single-rank model.
+Parameters a residual scheme owns (``model.residual_modules()``, not in HF checkpoints) are drawn
+by each module's ``init_random(generator)`` from a second CPU generator, in module order.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from .config import Qwen3Config
 from .loader import load_tensors
 
 __all__ = ["random_state_dict", "init_random_weights"]
+
+_RESIDUAL_STREAM = 0x5EED  # offsets the residual scheme's generator from the weights' one
 
 
 def random_state_dict(config: Qwen3Config, *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -59,3 +63,10 @@ def init_random_weights(model: nn.Module, *, seed: int = 0) -> None:
     """Fill a Qwen3 model (any topology) with this rank's slice of ``random_state_dict(seed)``."""
     config = getattr(model, "config")
     load_tensors(model, random_state_dict(config, seed=seed).items(), source=f"random weights (seed {seed})")
+    residual_modules = getattr(model, "residual_modules", lambda: [])()
+    if residual_modules:
+        g = torch.Generator().manual_seed(seed + _RESIDUAL_STREAM)
+        for _, module in residual_modules:
+            init = getattr(module, "init_random", None)
+            if init is not None:
+                init(g)

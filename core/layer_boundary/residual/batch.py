@@ -6,7 +6,6 @@ keeps next; the stream refuses any other object.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,14 +29,16 @@ __all__ = [
     "add_to_output",
 ]
 
-# Final norms are bound to a read once, not per forward. Keyed weakly by the module.
-_READS: "weakref.WeakKeyDictionary[nn.Module, StageRead]" = weakref.WeakKeyDictionary()
+# Final norms are bound to a read once, not per forward. The bound read lives on the norm module
+# itself (a read refers back to its norm, so a weak-keyed cache would keep every norm alive).
+_READ_ATTR = "_layer_boundary_final_read"
 
 
 def _read_for(module: nn.Module) -> StageRead:
-    read = _READS.get(module)
+    read = module.__dict__.get(_READ_ATTR)
     if read is None:
-        read = _READS[module] = ADD_NORM.bind(module)
+        read = ADD_NORM.bind(module)
+        module.__dict__[_READ_ATTR] = read
     return read
 
 
@@ -51,7 +52,7 @@ def bind_final_norm(layernorm: nn.Module, *, context: Any = None, read: Any = No
     spec = read if read is not None else ADD_NORM
     select = context.kernel_selector("final norm", "ORDINARY") if context is not None else None
     bound = spec.bind(layernorm, select)
-    _READS[layernorm] = bound
+    layernorm.__dict__[_READ_ATTR] = bound
     return bound
 
 
@@ -110,7 +111,6 @@ def norm(
                             "handoff_norm: the fused finalize never materializes the residual. "
                             "Drop handoff_norm to complete the handoff unfused and capture"
                         )
-                    stream.consume()
                     gamma = getattr(layernorm, "gemma_weight", None)
                     if gamma is None:
                         raise TypeError(
@@ -118,10 +118,12 @@ def norm(
                             f"{type(layernorm).__name__} has none. Use a GemmaRMSNorm final norm "
                             "or drop handoff_norm"
                         )
+                    stream.consume()
                     return handoff_norm.finalize(c.value, stream.residual, gamma)
                 stream.consume()
                 value = complete(c)
-                if stream.residual is not None:
+                if stream.residual is not None and c.update.plain_add:
+                    # A nonlinear update may own a residual of another shape (MHC streams).
                     check_shape("the layer output", value, stream.residual)
                 if skip_empty and value.shape[0] == 0:
                     residual = c.update.apply(stream.residual, value)

@@ -1,0 +1,126 @@
+"""Run a reference model on N ranks: sequences spread over attention-DP groups, logits gathered.
+
+Used by ``layer-boundary run`` and by the multi-process tests. Every rank builds the same model
+(the same checkpoint or the same seeded random weights) on its topology; DP group ``d`` gets the
+sequences ``i`` with ``i % dp == d`` (a group may get none) and runs them packed in one forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..context import BoundaryContext
+from ..forward import ForwardBatch
+from ..topology import Topology
+
+__all__ = ["RunSpec", "assign_sequences", "build_model", "rank_forward", "single_rank_logits",
+           "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    sequences: tuple[tuple[int, ...], ...]
+    model: Optional[str] = None  # a Hugging Face folder; None: the embedded random model
+    seed: int = 0
+    dtype: str = "float32"
+    tp: int = 1
+    dp: int = 1
+    reduction: str = "auto"
+    residual: str = "plain"
+    device: str = "cpu"
+    plugins: bool = True  # discover plugins through entry points
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.sequences or any(len(s) == 0 for s in self.sequences):
+            raise ValueError("every sequence needs at least one token")
+        if self.tp < 1 or self.dp < 1 or self.tp % self.dp:
+            raise ValueError(f"--dp {self.dp} must divide --tp {self.tp} (attention DP splits the TP group)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: use one of {sorted(DTYPES)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+
+def assign_sequences(n: int, dp: int) -> list[list[int]]:
+    """Sequence indices of each DP group, round-robin."""
+    return [list(range(d, n, dp)) for d in range(dp)]
+
+
+def _config(spec: RunSpec) -> Any:
+    import dataclasses
+
+    from .config import Qwen3Config, small_random_config
+
+    cfg = Qwen3Config.from_folder(spec.model) if spec.model else small_random_config()
+    return dataclasses.replace(cfg, **spec.config_overrides) if spec.config_overrides else cfg
+
+
+def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
+    """The model this spec names, on ``topology``, with its construction context frozen."""
+    from .qwen3 import Qwen3ForCausalLM
+    from .random_init import init_random_weights
+
+    cfg = _config(spec)
+    arch = cfg.model_type
+    ctx = (BoundaryContext.discover(topology, device=device, reduction=spec.reduction, architecture=arch)
+           if spec.plugins else
+           BoundaryContext(topology, device=device, reduction=spec.reduction, architecture=arch))
+    kw: dict[str, Any] = {"context": ctx, "dtype": DTYPES[spec.dtype]}
+    if spec.residual != "plain":
+        kw["residual"] = spec.residual
+    if spec.model:
+        model = Qwen3ForCausalLM.from_pretrained(spec.model, device=device, **kw)
+    else:
+        model = Qwen3ForCausalLM(cfg, **kw)
+        init_random_weights(model, seed=spec.seed)
+        model = model.to(device).eval().requires_grad_(False)
+    ctx.freeze()
+    return model
+
+
+def _batch(seqs: Sequence[Sequence[int]], device: str, dp_counts: Optional[tuple[int, ...]]) -> tuple[torch.Tensor, ForwardBatch]:
+    flat = [t for s in seqs for t in s]
+    ids = torch.tensor(flat, dtype=torch.long, device=device)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs]).to(device) if seqs else torch.zeros(0, dtype=torch.long, device=device)
+    fb = ForwardBatch(num_tokens=len(flat), positions=pos, seq_lens=tuple(len(s) for s in seqs) or None,
+                      dp_num_tokens=dp_counts)
+    return ids, fb
+
+
+def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], torch.Tensor, float]:
+    """This rank's forward: (global token indices of its rows, float32 logits, seconds)."""
+    topo = model.topology
+    groups = assign_sequences(len(spec.sequences), spec.dp)
+    counts = tuple(sum(len(spec.sequences[i]) for i in g) for g in groups)
+    mine = groups[topo.attn_dp.rank]
+    starts = [0]
+    for s in spec.sequences:
+        starts.append(starts[-1] + len(s))
+    token_index = [starts[i] + j for i in mine for j in range(len(spec.sequences[i]))]
+    ids, fb = _batch([spec.sequences[i] for i in mine], device, counts if spec.dp > 1 else None)
+    with torch.inference_mode():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = model(ids, fb.positions, fb)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    return token_index, logits.float().cpu(), seconds
+
+
+def single_rank_logits(spec: RunSpec, device: Optional[str] = None) -> torch.Tensor:
+    """Logits of every token, in input order, from the single-rank model (all sequences packed)."""
+    model = build_model(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1}), Topology.single(), device or spec.device)
+    ids, fb = _batch(spec.sequences, device or spec.device, None)
+    with torch.inference_mode():
+        return model(ids, fb.positions, fb).float().cpu()

@@ -1,0 +1,53 @@
+"""layer-boundary-mhc: manifold-constrained hyper-connections (DeepSeek's mHC) as residual semantics.
+
+The residual becomes ``n`` streams ``x [T, n, C]``. Each stage reads ``norm(H_pre x)`` and updates
+``x' = H_res x + H_post^T y`` with per-token coefficients computed in FP32 from its input streams;
+``H_res`` is doubly stochastic (Sinkhorn-Knopp). Select it by name::
+
+    context = BoundaryContext.discover()
+    model = Qwen3ForCausalLM(config, context=context, residual="mhc")
+
+Importing this package is light (no torch): the entry point loads only the manifest, and the
+names below are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._manifest import MANIFEST
+
+__all__ = [
+    "MANIFEST",
+    "MhcSemantics",
+    "MhcStageParams",
+    "MhcHead",
+    "MhcUpdate",
+    "MhcCoefficients",
+    "MHC_UPDATE",
+    "sinkhorn",
+    "mhc_coefficients",
+]
+__version__ = "0.1.0"
+
+_LAZY = {
+    "MhcSemantics": "semantics",
+    "MhcStageParams": "params",
+    "MhcHead": "params",
+    "MhcUpdate": "update",
+    "MhcCoefficients": "update",
+    "MHC_UPDATE": "update",
+    "sinkhorn": "coefficients",
+    "mhc_coefficients": "coefficients",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'layer_boundary_mhc' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"layer_boundary_mhc.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,94 @@
+"""``MhcSemantics``: the ``ResidualSemantics`` named ``"mhc"``.
+
+A model asks its context for it by name (``context.semantics("mhc")``), then per stage::
+
+    part = semantics.stage(hidden_size, dtype=dtype)   # StageResidual(update, read, params)
+    declare_attn(update=part.update, read=part.read)    # register part.params on the layer
+
+and at the stack exit::
+
+    final = semantics.exit(hidden_size, dtype=dtype)
+    residual_batch.bind_final_norm(norm, context=context, read=final.read)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from layer_boundary import StageResidual
+
+from .coefficients import SINKHORN_ITERS
+from .params import MhcHead, MhcStageParams
+from .read import MhcExitReadSpec, MhcReadSpec
+from .update import MHC_UPDATE
+
+__all__ = ["MhcSemantics", "CONTRACTIONS"]
+
+CONTRACTIONS = ("mean", "head")
+
+
+class MhcSemantics:
+    """Manifold-constrained hyper-connections with ``n`` residual streams.
+
+    ``sinkhorn_iters``: Sinkhorn-Knopp iterations (one row and one column normalization each).
+    ``contraction``: how the stack exit merges the streams, ``"mean"`` or a learned ``"head"``.
+    ``eps``: of the weight-free RMSNorm the coefficients read the flat streams through.
+    ``seed``: ``None`` gives every stage the deterministic near-plain init (see ``params``);
+    an int draws each stage's parameters with ``init_random`` from one generator seeded with it,
+    in construction order (tests and demos that want non-trivial coefficients at once).
+    """
+
+    name = "mhc"
+    # (atol, rtol) of the MHC stack against its equations written out directly.
+    tolerance: dict[torch.dtype, tuple[float, float]] = {
+        torch.float32: (1e-5, 1e-5),  # FP32 coefficient math in another operation order
+        torch.bfloat16: (1.6e-2, 1.6e-2),  # one bf16 rounding of each stored stream and input
+        torch.float64: (1e-10, 1e-10),  # FP64 throughout; Sinkhorn reassociation only
+    }
+
+    def __init__(
+        self,
+        n: int = 4,
+        *,
+        sinkhorn_iters: int = SINKHORN_ITERS,
+        contraction: str = "mean",
+        eps: float = 1e-6,
+        seed: Optional[int] = None,
+    ) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"MhcSemantics(n={n!r}): the number of streams must be a positive int")
+        if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+            raise ValueError(f"MhcSemantics(sinkhorn_iters={sinkhorn_iters!r}) must be a positive int")
+        if contraction not in CONTRACTIONS:
+            raise ValueError(f"MhcSemantics(contraction={contraction!r}): choose one of {CONTRACTIONS}")
+        self.n = n
+        self.sinkhorn_iters = sinkhorn_iters
+        self.contraction = contraction
+        self.eps = float(eps)
+        self.seed = seed
+        self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def _init(self, module: Any) -> Any:
+        if self._generator is not None:
+            module.init_random(self._generator)
+        return module
+
+    def stage(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
+        """The update kind, the read (bound to this stage's parameters) and the parameters."""
+        params = self._init(MhcStageParams(self.n, hidden_size, dtype=dtype, device=device, eps=self.eps))
+        return StageResidual(MHC_UPDATE, MhcReadSpec(params, self.sinkhorn_iters), params)
+
+    def exit(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
+        """The final norm's read: contract the streams, then normalize. A ``head`` owns parameters."""
+        head = self._init(MhcHead(self.n, dtype=dtype, device=device)) if self.contraction == "head" else None
+        return StageResidual(MHC_UPDATE, MhcExitReadSpec(self.n, head), head)
+
+    def describe(self) -> str:
+        return (f"mhc: {self.n} streams, Sinkhorn {self.sinkhorn_iters} iterations, "
+                f"exit {self.contraction}, FP32 coefficients")
+
+    def __repr__(self) -> str:
+        return (f"MhcSemantics(n={self.n}, sinkhorn_iters={self.sinkhorn_iters}, "
+                f"contraction={self.contraction!r})")

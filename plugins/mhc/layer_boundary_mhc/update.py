@@ -1,0 +1,83 @@
+"""The MHC residual update: ``x'_i = sum_j H_res[i, j] x_j + H_post[i] y``.
+
+``y [T, C]`` is the stage's (completed) output, ``x [T, n, C]`` the streams. The update is
+nonlinear in what it carries (per-token coefficients), so it never joins a sum, never fuses with
+a plain add+norm read and cannot be snapshotted: ``plain_add = False``. It is applied at the next
+read, after every owed reduction (``at_producer = False``); its coefficients belong to the
+contribution and its parameters to the model, so it outlives the producer.
+
+Two objects share the name ``"mhc"``: :data:`MHC_UPDATE`, the kind a declaration carries (the
+edge check compares names), and :class:`MhcCoefficients`, the update one stage invocation's output
+actually carries, made by that stage's read.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from layer_boundary import BoundaryError
+
+__all__ = ["MhcUpdate", "MHC_UPDATE", "MhcCoefficients"]
+
+
+class _MhcCapabilities:
+    __slots__ = ()
+    name = "mhc"
+    plain_add = False
+    at_producer = False
+    outlives_producer = True
+
+
+class MhcUpdate(_MhcCapabilities):
+    """The declared update kind of every MHC stage. It holds no coefficients and applies nothing:
+    each invocation's coefficients come from the stage's MHC read."""
+
+    def apply(self, residual: Optional[torch.Tensor], contribution: torch.Tensor) -> torch.Tensor:
+        raise BoundaryError(
+            "an MHC stage output was published without the coefficients its read makes; declare "
+            "the stage with the MHC read (StageResidual.read) and call its prepare() before "
+            "finish()/exit() (operation-scheduled postprocess() does not carry MHC coefficients)"
+        )
+
+    def __repr__(self) -> str:
+        return "MHC_UPDATE"
+
+
+MHC_UPDATE = MhcUpdate()
+
+
+class MhcCoefficients(_MhcCapabilities):
+    """The update of one stage invocation: ``h_post [T, n]`` and ``h_res [T, n, n]`` (FP32, or FP64
+    for FP64 streams), computed by the read from that invocation's input streams."""
+
+    __slots__ = ("h_post", "h_res")
+
+    def __init__(self, h_post: torch.Tensor, h_res: torch.Tensor) -> None:
+        self.h_post = h_post
+        self.h_res = h_res
+
+    def apply(self, residual: Optional[torch.Tensor], contribution: torch.Tensor) -> torch.Tensor:
+        """``H_res x + H_post^T y`` accumulated in the coefficients' precision, rounded once to the
+        residual dtype. ``residual=None`` (no streams yet) gives ``H_post^T y``."""
+        t, n = self.h_post.shape
+        if contribution.dim() != 2 or contribution.shape[0] != t:
+            raise ValueError(
+                f"the MHC update got a stage output of shape {tuple(contribution.shape)}; it was made "
+                f"for {t} token rows and takes an output [{t}, hidden]"
+            )
+        acc = self.h_res.dtype
+        out = self.h_post.unsqueeze(-1) * contribution.to(acc).unsqueeze(1)  # [T, n, C]
+        if residual is None:
+            return out.to(contribution.dtype)
+        if residual.shape != out.shape:
+            raise ValueError(
+                f"the MHC streams have shape {tuple(residual.shape)} but the update expects "
+                f"{tuple(out.shape)} ([tokens, n, hidden]); pass the stage's own output"
+            )
+        return torch.baddbmm(out, self.h_res, residual.to(acc)).to(residual.dtype)
+
+    def __repr__(self) -> str:
+        t, n = self.h_post.shape
+        return f"MhcCoefficients(tokens={t}, n={n}, {str(self.h_res.dtype).replace('torch.', '')})"
