@@ -151,11 +151,12 @@ def build_stage(
         plain = prev is None or prev.update.plain_add
         dp_gather = "join" if plain and read is not None and not read.before_gather else "read_first"
     dp_returns: tuple[str, ...] = ()
-    if dp and is_ffn:
+    if is_ffn:
         from .reduction import refusals, return_paths
 
-        dp_returns = return_paths(context.reduction, topology)
-        _report_returns(context, name, variants[0].name, context.reduction, dp_returns,
+        returns = return_paths(context.reduction, topology)
+        dp_returns = returns if dp else ()
+        _report_returns(context, name, variants[0].name, context.reduction, returns,
                         refusals(context.reduction, topology))
     before_ffn = following is not None and following.kind is StageKind.FFN
     mixer_before_mixer = following is not None and following.is_mixer

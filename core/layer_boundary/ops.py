@@ -2,6 +2,8 @@
 
 Every function takes a :class:`~layer_boundary.topology.GroupInfo`; on a group of one it returns
 its input untouched and starts nothing, which is what makes the single-rank model the same code.
+Collectives are not differentiable: they run under ``no_grad`` so that a caller that forgot
+inference mode does not trip autograd's view checks inside gloo.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 __all__ = ["all_reduce", "all_gather_rows", "reduce_scatter_rows", "all_to_all_rows"]
 
 
+@torch.no_grad()
 def all_reduce(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     """Sum ``x`` over ``group`` in place and return it."""
     if group.size == 1:
@@ -27,6 +30,7 @@ def all_reduce(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     return x
 
 
+@torch.no_grad()
 def all_gather_rows(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     """Concatenate equal-shaped ``[T, ...]`` slices of every rank along dim 0, in group order."""
     if group.size == 1:
@@ -36,6 +40,7 @@ def all_gather_rows(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()
 def reduce_scatter_rows(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     """Sum ``x [group.size * C, ...]`` over ``group``; rank ``i`` keeps rows ``[i*C, (i+1)*C)``."""
     if group.size == 1:
@@ -47,6 +52,7 @@ def reduce_scatter_rows(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()
 def all_to_all_rows(x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: GroupInfo) -> torch.Tensor:
     """Send ``send_rows[i]`` consecutive rows of ``x`` to group rank ``i``; receive ``recv_rows[i]``
     rows from rank ``i``, concatenated in rank order."""
