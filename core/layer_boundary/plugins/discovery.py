@@ -6,7 +6,8 @@ order when one is given. For each plugin, in this order:
 1. the denylist and the allowlist decide ``disabled``;
 2. the entry point is loaded (a light module holding the manifest);
 3. the manifest's hook-API version decides ``incompatible``;
-4. declared hardware, distributions and the plugin's own check decide ``unavailable``;
+4. declared hardware, then declared distributions, then the plugin's own check decide
+   ``unavailable`` (the check's reason wins when it gives one);
 5. the hook module is imported and registered: ``active``, or ``failed`` if anything raises.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .manifest import ENTRY_POINT_GROUP, HOOK_API_VERSION, PluginManifest, PluginStatus
@@ -48,9 +49,8 @@ class PluginRecord:
     hooks: Any = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("manifest", "hooks"):
-            d.pop(k)
+        # Not asdict(): it deep-copies every field, and ``hooks`` is often a module (unpicklable).
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("manifest", "hooks")}
         d["status"] = self.status.value
         d["provides"] = list(self.provides)
         return d
@@ -210,18 +210,37 @@ def _examine(ep: md.EntryPoint, rec: PluginRecord) -> None:
                       f"{HOOK_API_VERSION}; install a matching version of {rec.distribution or ep.name}")
         return
     try:
-        missing = _missing_distributions(manifest.requires_distributions)
-        reason = None
+        # Most fundamental first: no pip install helps on the wrong hardware or torch build.
+        declared = _hardware_reason(manifest.requires_hardware)
+        missing = [] if declared else _missing_distributions(manifest.requires_distributions)
         if missing:
             lib = manifest.vendor_library or ", ".join(missing)
-            reason = f"{lib} not installed (distribution {', '.join(missing)} not found)"
-        reason = reason or _hardware_reason(manifest.requires_hardware)
-        reason = reason or (manifest.check() if manifest.check is not None else None)
+            declared = f"{lib} not installed (distribution {', '.join(missing)} not found)"
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt):
             raise
         rec.status, rec.reason = PluginStatus.FAILED, f"its availability check raised {_describe_exc(e)}"
         return
+    # The plugin's own probe is asked even when a declared requirement fails: it may know the
+    # precise reason (an unrelated distribution owning the vendor's module name, say), and its
+    # reason then wins. A probe that raises while a declared requirement fails was run outside its
+    # preconditions, so the declared reason stands; with every declaration met it is a defect.
+    own: Optional[str] = None
+    if manifest.check is not None:
+        try:
+            own = manifest.check()
+            if own is not None and not isinstance(own, str):
+                raise TypeError(f"it returned {own!r}; return a reason string, or None when the "
+                                "plugin can run here")
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            if declared is None:
+                rec.status = PluginStatus.FAILED
+                rec.reason = f"its availability check raised {_describe_exc(e)}"
+                return
+            own = None
+    reason = own or declared
     if reason:
         rec.status, rec.reason = PluginStatus.UNAVAILABLE, str(reason)
         return

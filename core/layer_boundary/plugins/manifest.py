@@ -38,8 +38,12 @@ class PluginManifest:
     ``hooks``: ``"module"`` or ``"module:attribute"`` holding the hook implementations, imported
     only once every requirement holds. ``requires_hardware``: ``None``, ``"cuda"`` or ``"rocm"``.
     ``requires_distributions``: distribution names that must be installed (checked through
-    importlib.metadata, never by importing them). ``check``: an optional further probe that
-    returns why the plugin cannot run here, or ``None``.
+    importlib.metadata, never by importing them). ``check``: an optional probe of the plugin's
+    own that returns why the plugin cannot run here, or ``None``. It is asked after the declared
+    hardware and distributions are checked, even when one of them fails, and its reason then
+    replaces the declared one (it may know better, e.g. that an unrelated distribution owns the
+    vendor's module); it must not assume the declared requirements hold, and an exception it
+    raises counts only when they do.
     """
 
     name: str

@@ -1,0 +1,25 @@
+"""AITER's hook implementations, imported only where the plugin can run.
+
+Empty for now: AITER's norm-read kernels (RMSNorm and fused residual-add RMSNorm, FP8-quantized
+where the installed version has them) and the fused all-reduce + add + RMSNorm consumer candidate
+arrive with issue 8 ("The AMD AITER plugin"). Until then the plugin registers, reports its
+availability and offers nothing, so selection falls back to the core's kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from layer_boundary.plugins import hookimpl
+
+__all__ = ["layer_boundary_norm_kernels", "layer_boundary_fusion_providers"]
+
+
+@hookimpl
+def layer_boundary_norm_kernels() -> list[Any]:
+    return []
+
+
+@hookimpl
+def layer_boundary_fusion_providers() -> list[Any]:
+    return []
