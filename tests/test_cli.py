@@ -18,19 +18,55 @@ def test_default_run_prints_stages_and_saves_logits(tmp_path, capsys):
     assert main(["run", "--input-ids", "3,1,4,1,5", "--save-logits", str(out)]) == 0
     text = capsys.readouterr().out
     assert "embedded random Qwen3" in text
+    assert "ranks: 2 (gloo)" in text  # the embedded default runs tensor parallel on 2 CPU ranks
     assert "read=rmsnorm" in text and "update=plain_add" in text
     assert "forward:" in text
     logits = torch.load(out)
     assert logits.dtype == torch.float32 and logits.shape == (5, small_random_config().vocab_size)
 
-    # The saved logits are the embedded model's forward, not something else of that shape.
+    # The saved logits are the embedded model's forward (on 2 ranks: sums regroup, so within
+    # float32 rounding), not something else of that shape.
     model = Qwen3ForCausalLM(small_random_config())
     init_random_weights(model, seed=0)
     ids = torch.tensor([3, 1, 4, 1, 5])
     pos = torch.arange(5)
     with torch.inference_mode():
         ref = model.eval()(ids, pos, ForwardBatch(num_tokens=5, positions=pos))
-    torch.testing.assert_close(logits, ref, atol=0, rtol=0)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+
+
+def test_single_rank_run_is_bitwise_the_model(tmp_path):
+    out = tmp_path / "logits.pt"
+    assert main(["run", "--tp", "1", "--input-ids", "3,1,4", "--save-logits", str(out)]) == 0
+    model = Qwen3ForCausalLM(small_random_config())
+    init_random_weights(model, seed=0)
+    pos = torch.arange(3)
+    with torch.inference_mode():
+        ref = model.eval()(torch.tensor([3, 1, 4]), pos, ForwardBatch(num_tokens=3, positions=pos))
+    assert torch.equal(torch.load(out), ref)
+
+
+def test_data_parallel_run_checks_against_one_rank(tmp_path, capsys):
+    out = tmp_path / "logits.pt"
+    rc = main(["run", "--tp", "2", "--dp", "2", "--reduction", "rsv", "--input-ids", "5,6,7;8;9,10",
+               "--check", "--save-logits", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "check:    ok" in text and "3 sequence(s)" in text
+    assert "output return [policy rsv] -> rsv/ar" in text
+    logits = torch.load(out)
+    assert logits.shape == (6, small_random_config().vocab_size)
+    # Input order: sequence 1 ([8]) ran on DP group 1, the others on group 0.
+    model = Qwen3ForCausalLM(small_random_config())
+    init_random_weights(model, seed=0)
+    with torch.inference_mode():
+        one = model.eval()(torch.tensor([8]), torch.arange(1), ForwardBatch.for_tokens(1))
+    torch.testing.assert_close(logits[3:4], one, atol=1e-4, rtol=0)
+
+
+def test_bad_layout_is_refused(capsys):
+    assert main(["run", "--tp", "3", "--dp", "2"]) == 2
+    assert "must divide" in capsys.readouterr().err
 
 
 def test_run_loads_a_checkpoint_folder(tmp_path, capsys):

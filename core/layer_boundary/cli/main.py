@@ -11,18 +11,24 @@ __all__ = ["main", "build_parser"]
 DEFAULT_INPUT_IDS = "9,41,7,300,12,5,88,150,2,61,33,404"
 
 
-def _input_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip() != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--input-ids {text!r}: give comma-separated integers, for example 1,2,3"
-        ) from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--input-ids is empty; give at least one token id")
-    if any(i < 0 for i in ids):
-        raise argparse.ArgumentTypeError(f"--input-ids {text!r}: token ids must be non-negative")
-    return ids
+def _input_ids(text: str) -> list[list[int]]:
+    """``1,2,3`` is one sequence; ``1,2;3,4,5`` two, spread over the DP groups as requests."""
+    seqs = []
+    for part in text.split(";"):
+        try:
+            ids = [int(t) for t in part.split(",") if t.strip() != ""]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--input-ids {text!r}: give comma-separated integers, for example 1,2,3 "
+                "(several sequences separated by ';')"
+            ) from None
+        if not ids:
+            raise argparse.ArgumentTypeError(
+                f"--input-ids {text!r} has an empty sequence; give at least one token id each")
+        if any(i < 0 for i in ids):
+            raise argparse.ArgumentTypeError(f"--input-ids {text!r}: token ids must be non-negative")
+        seqs.append(ids)
+    return seqs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,17 +42,29 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="build a reference decoder on the boundaries and run one forward",
-        description="Build a reference decoder on the boundaries and run one forward. With no "
-        "--model it builds an embedded small random Qwen3 in-process.",
+        description="Build a reference decoder on the boundaries and run one forward on N ranks "
+        "(spawned here, or started by torchrun). With no --model it builds an embedded small "
+        "random Qwen3 on 2 CPU ranks (gloo).",
     )
     run.add_argument("--model", metavar="PATH", help="a Hugging Face checkpoint folder (config.json + *.safetensors)")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument(
         "--input-ids", type=_input_ids, default=_input_ids(DEFAULT_INPUT_IDS), metavar="IDS",
-        help=f"comma-separated token ids (default: {DEFAULT_INPUT_IDS})",
+        help=f"comma-separated token ids; several sequences separated by ';' (default: {DEFAULT_INPUT_IDS})",
     )
     run.add_argument("--save-logits", metavar="FILE", help="torch.save the float32 logits [tokens, vocab]")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    run.add_argument("--tp", type=int, default=None, metavar="N",
+                     help="ranks (the world size of a stage group); default 2 for the embedded model "
+                     "on CPU, else 1")
+    run.add_argument("--dp", type=int, default=1, metavar="D",
+                     help="attention data parallel: D groups of N/D attention-TP ranks (D divides N)")
+    run.add_argument("--reduction", choices=("auto", "ar", "rs", "rsv", "rs+rsv"), default="auto",
+                     help="FFN output return permissions under attention DP (default: auto)")
+    run.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                     help="torch.distributed backend (default: gloo on CPU, nccl on CUDA)")
+    run.add_argument("--check", action="store_true",
+                     help="compare every rank's logits with the single-rank model; exit 1 on a mismatch")
     run.add_argument("--seed", type=int, default=0, help="seed of the embedded random model")
     run.add_argument(
         "--residual", choices=("plain", "mhc"), default="plain",

@@ -5,18 +5,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..forward import ForwardBatch
+from ..launch import RankError, spawn, under_torchrun
+from ..models.runner import RunSpec, build_model, rank_forward, single_rank_logits
+from ..plugins import PluginError
 from ..topology import Topology
 
 __all__ = ["run_command", "describe_stages"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def describe_stages(model: Any) -> list[str]:
     """One line per run of layers whose stages are built alike."""
@@ -51,102 +50,157 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(parts)
 
 
-def _build(args: argparse.Namespace, dtype: torch.dtype, device: str) -> Optional[tuple[Any, str]]:
-    from ..context import BoundaryContext
-    from ..models.qwen3 import Qwen3ForCausalLM
-    from ..plugins import PluginError
+# Tolerance of --check against the single-rank model, relative to the largest |logit|: regrouped
+# sums round differently. float32: a few ulps through the stack; bfloat16: measured against
+# transformers at 0.015 (see tests/test_qwen3_transformers.py), doubled.
+CHECK_REL = {"float32": 1e-5, "bfloat16": 0.03, "float64": 1e-12}
 
-    context = BoundaryContext.discover(Topology.single(), device=device)
-    topology = None
-    try:
-        residual = context.semantics(args.residual)
-    except PluginError as e:  # the scheme's plugin is missing, disabled or failed: say why
-        print(f"layer-boundary run: --residual {args.residual}: {e}", file=sys.stderr)
-        return None
-    if args.model:
-        if not os.path.isdir(args.model):
-            raise SystemExit(f"layer-boundary run: --model {args.model!r} is not a folder; give a "
-                             "Hugging Face checkpoint folder with config.json and *.safetensors")
-        model = Qwen3ForCausalLM.from_pretrained(args.model, topology, context=context, dtype=dtype,
-                                                 device=device, residual=residual)
-        what = f"Qwen3 from {args.model}"
-    else:
-        from ..models.config import small_random_config
-        from ..models.random_init import init_random_weights
 
-        config = small_random_config()
-        model = Qwen3ForCausalLM(config, topology, context=context, dtype=dtype, residual=residual)
-        init_random_weights(model, seed=args.seed)
-        model = model.to(device).eval()
-        what = (f"embedded random Qwen3 (seed {args.seed}): {config.num_hidden_layers} layers, "
-                f"hidden {config.hidden_size}, vocab {config.vocab_size}")
-    context.freeze()
-    return model, what
+def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
+    return RunSpec(sequences=tuple(tuple(s) for s in args.input_ids), model=args.model, seed=args.seed,
+                   dtype=args.dtype, tp=tp, dp=args.dp, reduction=args.reduction, residual=args.residual,
+                   device=args.device)
+
+
+def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, Any]:
+    """One rank: build, run ``repeats`` forwards, return its rows' logits (rank 0 also the report)."""
+    topo = Topology.from_sizes(tp=spec.tp, dp=spec.dp) if world > 1 else Topology.single()
+    device = spec.device
+    model = build_model(spec, topo, device)
+    idx, logits, first = rank_forward(model, spec, device)
+    times = []
+    for _ in range(repeats):
+        idx2, again, t = rank_forward(model, spec, device)
+        if not torch.equal(again, logits):
+            raise RuntimeError(f"rank {rank}: two forwards of the same input gave different logits")
+        times.append(t)
+    times.sort()
+    out: dict[str, Any] = {"rank": rank, "tokens": idx, "logits": logits, "first": first,
+                           "median": times[len(times) // 2] if times else first,
+                           "attn_tp_rank": topo.attn_tp.rank}
+    if rank == 0:
+        registry = model.context.registry
+        out["header"] = {
+            "topology": topo.describe(),
+            "residual": _describe_residual(model.residual),
+            "boundaries": 2 * len(model.model.layers),
+            "stages": describe_stages(model),
+            "plugins": (", ".join(f"{r.name} ({r.status.value})" for r in registry.records) or "none found")
+            if registry is not None else "not discovered",
+            "selection": model.context.report.lines(),
+            "vocab": model.config.vocab_size,
+        }
+    return out
+
+
+def _run_ranks(spec: RunSpec, backend: str, repeats: int) -> list[dict[str, Any]]:
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != spec.tp:
+            raise SystemExit(f"layer-boundary run: torchrun started {world} ranks but --tp is {spec.tp}")
+        rank = int(os.environ["RANK"])
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        mine = _rank_job(rank, world, spec, repeats)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        return everyone
+    if spec.tp == 1:
+        return [_rank_job(0, 1, spec, repeats)]
+    return spawn(_rank_job, spec.tp, args=(spec, repeats), backend=backend)
 
 
 def run_command(args: argparse.Namespace) -> int:
-    dtype = _DTYPES[args.dtype]
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("layer-boundary run: --device cuda but no CUDA device is visible to torch "
               f"{torch.__version__}; run with --device cpu or on a machine with a GPU", file=sys.stderr)
         return 2
-    built = _build(args, dtype, device)
-    if built is None:
+    if args.model and not os.path.isdir(args.model):
+        raise SystemExit(f"layer-boundary run: --model {args.model!r} is not a folder; give a "
+                         "Hugging Face checkpoint folder with config.json and *.safetensors")
+    tp = args.tp if args.tp is not None else (1 if args.model or device == "cuda" else 2)
+    backend = args.backend or ("nccl" if device == "cuda" else "gloo")
+    if backend == "nccl" and device != "cuda":
+        print("layer-boundary run: --backend nccl needs --device cuda", file=sys.stderr)
         return 2
-    model, what = built
-    vocab = model.config.vocab_size
-    bad = [i for i in args.input_ids if i >= vocab]
+    try:
+        spec = _spec(args, tp)
+    except ValueError as e:
+        print(f"layer-boundary run: {e}", file=sys.stderr)
+        return 2
+    from ..models.runner import _config
+
+    vocab = _config(spec).vocab_size
+    bad = sorted({i for s in spec.sequences for i in s if i >= vocab})
     if bad:
         print(f"layer-boundary run: --input-ids {bad} are outside the vocabulary of {vocab} tokens",
               file=sys.stderr)
         return 2
-    ids = torch.tensor(args.input_ids, dtype=torch.long, device=device)
-    positions = torch.arange(len(args.input_ids), device=device)
-
-    print(f"model:    {what}")
-    print(f"dtype:    {args.dtype}   device: {device}   topology: {model.topology.describe()}")
-    print(f"residual: {_describe_residual(model.residual)}")
-    print(f"stages:   {2 * len(model.model.layers)} boundaries")
-    for line in describe_stages(model):
-        print(line)
-    registry = model.context.registry
-    if registry is not None:
-        found = ", ".join(f"{r.name} ({r.status.value})" for r in registry.records) or "none found"
-        print(f"plugins:  {found}")
-    print("selection:")
-    for line in model.context.report.lines():
-        print(line)
-
-    def forward() -> torch.Tensor:
-        fb = ForwardBatch(num_tokens=len(args.input_ids), positions=positions)
-        return model(ids, positions, fb)
-
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        logits = forward()
-        _sync(device)
-        first = time.perf_counter() - t0
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            again = forward()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-    if not torch.equal(logits, again):
-        print("layer-boundary run: two forwards of the same input gave different logits", file=sys.stderr)
+    try:
+        results = _run_ranks(spec, backend, repeats=5)
+    except PluginError as e:
+        print(f"layer-boundary run: {e}", file=sys.stderr)
+        return 2
+    except RankError as e:
+        last = e.remote.strip().splitlines()[-1] if e.remote.strip() else str(e)
+        if "PluginError" in last:
+            print(f"layer-boundary run: {last.split(': ', 1)[-1]}", file=sys.stderr)
+            return 2
+        print(f"layer-boundary run: {e}", file=sys.stderr)
         return 1
-    times.sort()
-    last = logits[-1]
-    top = torch.topk(last, k=min(5, vocab))
-    print(f"forward:  {len(args.input_ids)} tokens, {1e3 * times[len(times) // 2]:.2f} ms median of 5 "
-          f"(first call {1e3 * first:.2f} ms)")
-    print(f"logits:   [{logits.shape[0]}, {logits.shape[1]}] float32; last token top-5 ids "
-          f"{top.indices.tolist()}")
+    return _report(args, spec, results, backend)
+
+
+def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any]], backend: str) -> int:
+    head = results[0]["header"]
+    total = sum(len(s) for s in spec.sequences)
+    what = f"Qwen3 from {spec.model}" if spec.model else (
+        f"embedded random Qwen3 (seed {spec.seed})")
+    print(f"model:    {what}")
+    print(f"dtype:    {spec.dtype}   device: {spec.device}   ranks: {spec.tp} ({backend})   "
+          f"topology: {head['topology']}   reduction: {spec.reduction}")
+    print(f"residual: {head['residual']}")
+    print(f"stages:   {head['boundaries']} boundaries")
+    for line in head["stages"]:
+        print(line)
+    print(f"plugins:  {head['plugins']}")
+    print("selection:")
+    for line in head["selection"]:
+        print(line)
+    logits = torch.zeros(total, head["vocab"])
+    for r in results:
+        if r["attn_tp_rank"] == 0 and r["tokens"]:
+            logits[r["tokens"]] = r["logits"]
+    slowest = max(results, key=lambda r: r["median"])
+    print(f"forward:  {total} tokens in {len(spec.sequences)} sequence(s) on {spec.tp} rank(s): "
+          f"{1e3 * results[0]['median']:.2f} ms median on rank 0, slowest rank {slowest['rank']} "
+          f"{1e3 * slowest['median']:.2f} ms (first call {1e3 * results[0]['first']:.2f} ms)")
+    top = torch.topk(logits[-1], k=min(5, head["vocab"]))
+    print(f"logits:   [{total}, {head['vocab']}] float32; last token top-5 ids {top.indices.tolist()}")
+    rc = 0
+    if args.check:
+        rc = _check(spec, results)
     if args.save_logits:
-        torch.save(logits.float().cpu(), args.save_logits)
+        torch.save(logits, args.save_logits)
         print(f"saved:    {args.save_logits}")
-    return 0
+    return rc
+
+
+def _check(spec: RunSpec, results: list[dict[str, Any]]) -> int:
+    ref = single_rank_logits(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1}))
+    scale = max(1.0, ref.abs().max().item())
+    tol = CHECK_REL[spec.dtype] * scale
+    worst = (0.0, -1)
+    for r in results:
+        if r["tokens"]:
+            d = (r["logits"] - ref[r["tokens"]]).abs().max().item()
+            worst = max(worst, (d, r["rank"]))
+    ok = worst[0] <= tol
+    where = f" (rank {worst[1]})" if worst[1] >= 0 else ""
+    print(f"check:    {'ok' if ok else 'MISMATCH'}: largest |logit difference| against the single-rank "
+          f"model {worst[0]:.3g}{where}, tolerance {tol:.3g}")
+    return 0 if ok else 1
 
 
 def _describe_residual(semantics: Any) -> str:
