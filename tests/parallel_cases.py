@@ -108,17 +108,17 @@ def topology(tp: int, dp: int) -> Topology:
     return _TOPOLOGIES[(tp, dp)]
 
 
-def linear_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def linear_matrix(rank: int, world: int, cases: list[dict[str, Any]], device: str = "cpu") -> list[dict[str, Any]]:
     """Run each case (dp, policy, counts, layers) on this rank and on one rank; compare."""
     results = []
     for case in cases:
         dp, counts, layers = case["dp"], tuple(case["counts"]), case["layers"]
         topo = topology(world, dp)
         ctx = BoundaryContext(topo, reduction=case["policy"])
-        model = LinearStack(layers, ctx)
-        ref = LinearStack(layers, BoundaryContext(Topology.single()))
+        model = LinearStack(layers, ctx).to(device)
+        ref = LinearStack(layers, BoundaryContext(Topology.single())).to(device)
         d = topo.attn_dp.rank
-        x_all = dyadic((sum(counts), H), 7)
+        x_all = dyadic((sum(counts), H), 7).to(device)
         lo = sum(counts[:d])
         x = x_all[lo : lo + counts[d]]
         fb = ForwardBatch(num_tokens=counts[d], dp_num_tokens=counts if dp > 1 else None)
@@ -126,7 +126,7 @@ def linear_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[di
             out = model(x.clone(), fb)
         want = ref(x.clone(), ForwardBatch(num_tokens=counts[d]))
         results.append({
-            "case": case, "equal": bool(torch.equal(out, want)), "shape": tuple(out.shape),
+            "case": case, "equal": bool(torch.equal(out.cpu(), want.cpu())), "shape": tuple(out.shape),
             "collectives": dict(n),
             "returns": [s.chosen for s in ctx.report.selections if s.what == "output return"][:1],
         })

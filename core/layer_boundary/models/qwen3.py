@@ -67,6 +67,10 @@ def causal_attention(
     ``seq_lens`` splits the ``T`` rows into consecutive sequences (block-diagonal causal mask);
     ``None`` or one length is a single sequence. ``Hq`` is a multiple of ``Hk`` (grouped-query).
     """
+    if seq_lens is not None and len(seq_lens) == q.shape[0] and q.shape[0] > 1:
+        # Every sequence is one token (a decode step with an empty cache): each row attends to
+        # itself only. Built without host data so the step can be captured in a CUDA graph.
+        return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, d]
     gqa = q.shape[1] != k.shape[1]
     if seq_lens is None or len(seq_lens) <= 1:
