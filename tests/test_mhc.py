@@ -466,7 +466,8 @@ def test_plain_forward_refuses_mhc():
 
 def test_cli_run_with_mhc_residual(tmp_path, capsys):
     out = tmp_path / "logits.pt"
-    assert main(["run", "--residual", "mhc", "--input-ids", "3,1,4,1,5", "--save-logits", str(out)]) == 0
+    assert main(["run", "--tp", "1", "--residual", "mhc", "--input-ids", "3,1,4,1,5",
+                 "--save-logits", str(out)]) == 0
     text = capsys.readouterr().out
     assert "residual: mhc: 4 streams, Sinkhorn 20 iterations" in text
     assert "read=mhc(n=4)+rmsnorm update=mhc" in text

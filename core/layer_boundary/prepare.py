@@ -131,14 +131,18 @@ def run_entry(
     return x
 
 
-def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple) -> Handle:
-    """Hand a producer output to the stream (or apply an ``at_producer`` update right away)."""
+def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple, *,
+            transformed: bool = False) -> Handle:
+    """Hand a producer output to the stream (or apply an ``at_producer`` update right away).
+
+    ``transformed``: the declared output transform was already applied to ``value``.
+    """
     if stream.state is StreamState.INITIAL:
         raise BoundaryError(
             f"{plan.name} stage output was published before any stage read the residual; call "
             "prepare() before compute and finish() after it"
         )
-    transform = plan.declaration.output_transform
+    transform = None if transformed else plan.declaration.output_transform
     update = stream.next_update or plan.update
     if update.plain_add and isinstance(value, torch.Tensor) and stream.residual is not None \
             and stream.pending is None:

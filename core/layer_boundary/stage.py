@@ -131,7 +131,7 @@ class StageBoundary:
             from .prepare import dp_rows
 
             value = dp_rows(stream, self.plan, forward_batch).take_local(value)
-        return publish(self.plan, stream, value, ())
+        return publish(self.plan, stream, value, (), transformed=True)
 
     def capture_output(self, hidden_states: Any, forward_batch: Any) -> tuple[Handle, torch.Tensor]:
         """``(handle, snapshot)``: dynamic owed work is completed on the main output (a fresh
