@@ -8,6 +8,7 @@ construction (the registry accepts nothing more) and logs the report once.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,9 +19,19 @@ from .residual.add_norm import NormKernels
 from .selection import Candidate, Selection, SelectionReport
 from .topology import Topology
 
-__all__ = ["BoundaryContext"]
+__all__ = ["BoundaryContext", "BuiltStage"]
 
 log = logging.getLogger("layer_boundary")
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltStage:
+    """A stage as the next one built must see it: its name, its resolved declaration and its
+    ``following`` (``None``: it did not say which consumer comes next)."""
+
+    name: str
+    declaration: Any
+    following: Any
 
 
 class BoundaryContext:
@@ -49,6 +60,9 @@ class BoundaryContext:
         self.device = torch.device(device) if device is not None else None
         self.report = SelectionReport()
         self._stage_count = 0
+        # The last stage built, in construction order, and what it declared about its consumer:
+        # the next stage's previous= is checked against it (see factories._check_neighbours).
+        self.last_stage: Optional[BuiltStage] = None
         self._frozen = False
 
     @classmethod
@@ -87,6 +101,12 @@ class BoundaryContext:
     def kernel_selector(self, stage: str, variant: str) -> Callable[[NormRequest], NormKernels]:
         def select(request: NormRequest) -> NormKernels:
             self._check_open()
+            if self.device is not None and request.device_type != self.device.type:
+                # The model is built here and moved to its device afterwards: select for where
+                # it will run.
+                from dataclasses import replace
+
+                request = replace(request, device_type=self.device.type)
             cands: list[Candidate] = []
             chosen = None
             for origin, prov in self.norm_candidates():
