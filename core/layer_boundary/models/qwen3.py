@@ -265,6 +265,7 @@ class Qwen3ForCausalLM(nn.Module):
         residual: Union[str, ResidualSemantics] = "plain",
     ) -> None:
         super().__init__()
+        owns_context = context is None
         if context is None:
             context = BoundaryContext(topology)
         elif topology is not None and topology is not context.topology:
@@ -279,6 +280,8 @@ class Qwen3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._residual_prefixes = tuple(name + "." for name, _ in self.residual_modules())
+        if owns_context:
+            context.freeze()  # construction is over; a caller's own context is theirs to freeze
 
     def ignored_checkpoint_name(self, name: str) -> bool:
         """Checkpoint tensors that carry nothing for this model (rope tables, tied copies)."""

@@ -167,15 +167,15 @@ def find_plugins(options: DiscoveryOptions, group: str = ENTRY_POINT_GROUP) -> l
             provides=(), status=PluginStatus.DISABLED, reason="", entry_point=ep.value,
         )
         records.append(rec)
+        if ep.name in options.deny:  # a denied name is never examined, duplicates included
+            rec.reason = f"disabled by {ENV_DENY} / deny"
+            continue
         if ep.name in seen:
             rec.status = PluginStatus.FAILED
             rec.reason = (f"duplicate plugin name {ep.name!r}: also registered by "
                           f"{seen[ep.name].distribution}; uninstall one of the two")
             continue
         seen[ep.name] = rec
-        if ep.name in options.deny:
-            rec.reason = f"disabled by {ENV_DENY} / deny"
-            continue
         if options.allow is not None and ep.name not in options.allow:
             rec.reason = f"not in the allowlist ({ENV_ALLOW} / allow)"
             continue

@@ -115,6 +115,8 @@ class PluginRegistry:
                 f"the plugin registry is frozen (model construction is over); register {name!r} "
                 "before building the model"
             )
+        if any(r.name == name and r.status is PluginStatus.ACTIVE for r in self.records):
+            raise PluginError(f"a plugin named {name!r} is already registered; choose another name")
         rec = PluginRecord(name=name, distribution=None, version=None, api_version=None, provides=(),
                            status=PluginStatus.ACTIVE, reason="", entry_point="<registered in process>",
                            hooks=hooks)
