@@ -121,7 +121,8 @@ def linear_matrix(rank: int, world: int, cases: list[dict[str, Any]], device: st
         x_all = dyadic((sum(counts), H), 7).to(device)
         lo = sum(counts[:d])
         x = x_all[lo : lo + counts[d]]
-        fb = ForwardBatch(num_tokens=counts[d], dp_num_tokens=counts if dp > 1 else None)
+        fb = ForwardBatch(num_tokens=counts[d], dp_num_tokens=counts if dp > 1 else None,
+                          input_scattered=case.get("scattered", False))
         with count_collectives() as n:
             out = model(x.clone(), fb)
         want = ref(x.clone(), ForwardBatch(num_tokens=counts[d]))
@@ -141,7 +142,8 @@ def qwen3_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
     for case in cases:
         spec = RunSpec(sequences=tuple(tuple(s) for s in case["sequences"]), tp=world, dp=case["dp"],
                        reduction=case["policy"], dtype=case.get("dtype", "float64"), plugins=False,
-                       config_overrides=case.get("config", {}))
+                       config_overrides=case.get("config", {}),
+                       input_scattered=case.get("scattered", False))
         topo = topology(world, case["dp"])
         model = build_model(spec, topo, "cpu")
         idx, logits, _ = rank_forward(model, spec, "cpu")

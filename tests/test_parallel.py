@@ -26,6 +26,8 @@ LINEAR_2 = [
     dict(dp=2, policy="rs+rsv", counts=(0, 3), layers=2),
     dict(dp=2, policy="rs", counts=(0, 0), layers=1),
     dict(dp=2, policy="auto", counts=(2, 2), layers=2),
+    dict(dp=1, policy="ar", counts=(5,), layers=2, scattered=True),
+    dict(dp=1, policy="ar", counts=(0,), layers=1, scattered=True),
 ]
 LINEAR_4 = [
     dict(dp=1, policy="ar", counts=(6,), layers=2),
@@ -35,6 +37,9 @@ LINEAR_4 = [
     dict(dp=4, policy="rsv", counts=(1, 0, 3, 2), layers=2),
     dict(dp=4, policy="rs", counts=(2, 2, 2, 2), layers=1),
     dict(dp=4, policy="ar", counts=(0, 0, 1, 0), layers=2),
+    dict(dp=1, policy="ar", counts=(7,), layers=3, scattered=True),
+    dict(dp=2, policy="ar", counts=(3, 6), layers=2, scattered=True),
+    dict(dp=2, policy="rs", counts=(0, 1), layers=2, scattered=True),
 ]
 
 
@@ -47,6 +52,13 @@ def _expected_collectives(world: int, case: dict) -> dict[str, int]:
     def add(k: str, v: int = 1) -> None:
         n[k] = n.get(k, 0) + v * layers
 
+    if case.get("scattered"):
+        # Each layer: attention input gathered over attention TP; its partial sum reduce-scattered
+        # back to the slice; FFN input gathered over TP; FFN output reduce-scattered to the slice.
+        add("all_gather", 2)
+        add("reduce_scatter", 2)
+        n["all_gather"] += 1  # the final norm's output back to the group's rows
+        return n
     if dp == 1:
         add("all_reduce", 2)  # the attention sum at the FFN input, the FFN sum in compute
         return n
@@ -68,12 +80,15 @@ QWEN_2 = [
     dict(dp=2, policy="rs+rsv", sequences=[[1, 5, 9, 2], [4, 8]]),
     dict(dp=2, policy="rs", sequences=[[3, 3, 7]]),  # DP group 1 gets no sequence
     dict(dp=2, policy="ar", sequences=[[1], [2], [3]]),
+    dict(dp=1, policy="ar", sequences=[[1, 5, 9], [4, 4]], scattered=True),
 ]
 QWEN_4 = [
     dict(dp=1, policy="ar", sequences=[[1, 5, 9, 11, 30]]),
     dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2]]),
     dict(dp=4, policy="rsv", sequences=[[1, 5], [7], [9, 9, 9]]),
     dict(dp=4, policy="ar", sequences=[[6, 2, 7, 1]], dtype="float32"),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], scattered=True),
+    dict(dp=1, policy="ar", sequences=[[2, 4, 6, 8, 10, 12, 14]], scattered=True),
 ]
 
 

@@ -38,6 +38,9 @@ class EntryPath:
     # attention sum, the plain add and the gather in one all-reduce; "read_first" reads on the
     # local rows and gathers the normalized input.
     dp_gather: Optional[str] = None
+    # Input-scattered variant: after the read on this rank's slice, gather the input over the
+    # attention-TP group ("group") or over the whole TP group ("all", an FFN).
+    scatter: Optional[str] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,9 @@ class ExitPath:
     # Under attention DP an FFN output returns to its group's rows at finish(), by the first of
     # these that the batch allows ("rsv", "rs", "ar"); empty without attention DP.
     dp_returns: tuple[str, ...] = ()
+    # Input-scattered variant: an FFN output returns to this rank's slice by a reduce-scatter
+    # over TP at finish().
+    scatter_return: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,8 +94,10 @@ class StagePlan:
 
 
 def _supported_variants(topology: Topology) -> tuple[BatchVariant, ...]:
-    # Row-moving variants need the collective paths of the parallel layer; on groups of one
-    # only ordinary rows exist, and any other active variant is an error, never a fallback.
+    # A variant exists only where the topology gives it rows to move; any other active variant
+    # is an error at forward, never a silent fallback to ordinary rows.
+    if topology.attn_tp.size > 1:
+        return (BatchVariant.ORDINARY, BatchVariant.INPUT_SCATTERED)
     return (BatchVariant.ORDINARY,)
 
 
@@ -163,6 +171,14 @@ def build_stage(
     entries = {}
     exits = {}
     for variant in variants:
+        if variant is BatchVariant.INPUT_SCATTERED:
+            # A stage whose compute takes the whole sequence un-gathered (gathers_tp_input=False,
+            # e.g. a recurrent mixer) cannot run on a row slice: it has no path in this variant,
+            # and a scattered batch raises the spec's error instead of computing on a slice.
+            if decl.kind is StageKind.ATTN and not decl.gathers_tp_input:
+                continue
+            entries[variant], exits[variant] = _scattered_paths(decl, topology, capture_owned, out_sum, scoped)
+            continue
         entries[variant] = EntryPath(
             variant=variant,
             accepts=_accepts(decl.previous, topology),
@@ -211,6 +227,33 @@ def build_stage(
     )
     _bind_candidates(plan, context)
     return StageBoundary(plan)
+
+
+def _scattered_paths(decl: Any, topology: Topology, capture_owned: bool, out_sum: Optional[Owed],
+                     scoped: bool) -> tuple[EntryPath, ExitPath]:
+    """Paths of the input-scattered variant: the residual lives on this rank's row slice."""
+    variant = BatchVariant.INPUT_SCATTERED
+    is_ffn = decl.kind is StageKind.FFN
+    scatter = "all" if is_ffn else "group"
+    entry = EntryPath(
+        variant=variant,
+        accepts=_accepts(decl.previous, topology),
+        expected_update=decl.previous.update.name if decl.previous is not None else None,
+        capture_owned=capture_owned,
+        scatter=scatter,
+    )
+    mixer_sum = out_sum if (decl.is_mixer and out_sum is not None) else None
+    exit_ = ExitPath(
+        variant=variant,
+        static_owed=(out_sum,) if (out_sum is not None and not scoped) else (),
+        # A mixer leaves its attention-TP sum to the next input, which reduce-scatters it.
+        skip_owed=mixer_sum,
+        may_defer_sum=mixer_sum is not None,
+        always_defer_sum=mixer_sum is not None,
+        may_defer_finalize=False,
+        scatter_return=is_ffn,
+    )
+    return entry, exit_
 
 
 def _bind_candidates(plan: StagePlan, context: Any) -> None:

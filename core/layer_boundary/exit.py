@@ -64,7 +64,7 @@ class _Exit:
         self._defer_sum, self._defer_finalize = decide(plan, path, forward_batch)
         # Under attention DP the output returns to its group's rows at finish(); a scatter
         # return leaves the sum to that reduce-scatter (mlp_reduce_scatter).
-        self._return = path.dp_returns[0] if path.dp_returns else None
+        self._return = "scatter" if path.scatter_return else (path.dp_returns[0] if path.dp_returns else None)
         self._saved: Optional[tuple[bool, bool, bool]] = None
         self._done = False
 
@@ -83,7 +83,7 @@ class _Exit:
 
     @property
     def mlp_reduce_scatter(self) -> bool:
-        return self._return in ("rs", "rsv")
+        return self._return in ("rs", "rsv", "scatter")
 
     @property
     def output_return(self) -> Optional[str]:
@@ -123,10 +123,12 @@ class _Exit:
 
     def _returned(self, value: Any, owed: tuple[Owed, ...]) -> torch.Tensor:
         """Move a DP-gathered output back to this group's rows, completing its sum."""
-        from .prepare import dp_rows
+        from .prepare import dp_rows, scatter_rows
 
         if owed:  # a handoff: its finalize runs before the rows move
             value = value.complete()
+        if self._return == "scatter":
+            return scatter_rows(self._stream, self._plan, self._fb).reduce_scatter_all(value)
         rows = dp_rows(self._stream, self._plan, self._fb)
         if self._return == "ar":
             return rows.take_local(value)  # compute summed over TP: flags asked it to

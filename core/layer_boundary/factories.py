@@ -107,7 +107,7 @@ class StageDeclaration:
         return self.previous is not None or self.prepared_from is not None or self.terminal
 
     def describe(self) -> str:
-        parts = [self.kind.value, self.reduction.name]
+        parts = ["mixer" if self.is_mixer else self.kind.value, self.reduction.name]
         if self.sparse:
             parts.append("sparse")
         if self.update is not PLAIN_ADD:
@@ -249,6 +249,7 @@ def make_stages(
                 terminal=(terminal and i == len(decls) - 1),
             )
         )
+    _check_neighbours(ctx, resolved[0])
     boundaries = []
     for i, (decl, (_, norm, options)) in enumerate(zip(resolved, split)):
         nxt = decls[i + 1] if i + 1 < len(decls) else following
@@ -258,7 +259,47 @@ def make_stages(
                         next_local_decl=(decls[i + 1] if i + 1 < len(decls) else None),
                         context=ctx)
         )
+    _remember(ctx, boundaries[-1], following, branch=prepared_from is not None)
     return tuple(boundaries)
+
+
+def _check_neighbours(ctx: Any, first: StageDeclaration) -> None:
+    """Both neighbours of an edge between separately built stages must describe each other.
+
+    Stages are built in forward order on one context, so the last stage built is the real
+    producer of the next stage that has a ``previous``: that ``previous`` must describe it, and
+    its ``following`` (when given) must describe the next stage. A stack entry (``previous=None``)
+    and a branch (``prepared_from``) start a new chain; ``following=None`` leaves that side
+    unchecked (the consumer is not known).
+    """
+    last = getattr(ctx, "last_stage", None)
+    if last is None or first.previous is None or first.prepared_from is not None:
+        return
+    if not first.previous.produces_like(last.declaration):
+        raise DeclarationError(
+            f"the stage {first.describe()} built after {last.name} declares previous="
+            f"{first.previous.describe()}, but its real producer, {last.name}, is declared "
+            f"{last.declaration.describe()}; both neighbours must describe the same edge, or one "
+            "side completes the producer's sum twice and the other never. Pass previous= the "
+            "declaration that producer is built with (the same declare_attn()/declare_ffn() arguments)"
+        )
+    if last.following is not None and not last.following.produces_like(first):
+        raise DeclarationError(
+            f"{last.name} {last.declaration.describe()} was built with following="
+            f"{last.following.describe()}, but the next stage built is {first.describe()}; both "
+            "neighbours must describe the same edge, or the producer leaves its sum to a consumer "
+            "that is not there. Pass following= the declaration the next stage is built with "
+            "(or None where it is not known)"
+        )
+
+
+def _remember(ctx: Any, boundary: Any, following: Optional[StageDeclaration], *, branch: bool) -> None:
+    """Record the last stage built for the next stage's neighbour check (a stack end or a
+    branch output ends the chain: what comes next names its own producer)."""
+    from .context import BuiltStage
+
+    decl = boundary.plan.declaration
+    ctx.last_stage = None if (decl.terminal or branch) else BuiltStage(boundary.plan.name, decl, following)
 
 
 def _make_single(
@@ -285,8 +326,12 @@ def _make_single(
             )
         if decl.terminal:
             raise DeclarationError("a terminal stage has no following consumer; drop following=")
-    return build_stage(decl, norm, opts, following=following, next_local_norm=None,
-                       next_local_decl=None, context=_resolve_context(context, topology))
+    ctx = _resolve_context(context, topology)
+    _check_neighbours(ctx, decl)
+    boundary = build_stage(decl, norm, opts, following=following, next_local_norm=None,
+                           next_local_decl=None, context=ctx)
+    _remember(ctx, boundary, following, branch=decl.prepared_from is not None)
+    return boundary
 
 
 def make_attn_stage(

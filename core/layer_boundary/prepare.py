@@ -10,7 +10,7 @@ from .construction import EntryPath, StagePlan
 from .contracts import OwedKind
 from .layout import SumGroup
 from .errors import BoundaryError
-from .output import Contribution
+from .output import Contribution, HandoffOutput
 from .residual.access import check_shape, complete
 from .residual.stream import Handle, ResidualStream, StreamState
 
@@ -50,7 +50,11 @@ def _fusable(c: Contribution) -> bool:
 def _try_candidates(entry: EntryPath, c: Contribution, residual: Any, read: Any, forward_batch: Any) -> Any:
     if c.update.name not in read.fuses_with:
         return None
+    owed_group = c.owed[0].group_name
     for cand in entry.candidates:
+        # A candidate completes the sum group it declares, and no other.
+        if getattr(cand, "sum_group", owed_group) not in (owed_group, None):
+            continue
         out = cand(c.value, residual, read, forward_batch)
         if out is not None:
             return out
@@ -70,6 +74,8 @@ def run_entry(
     read = plan.read
     if entry.dp_gather is not None:
         return _dp_entry(plan, entry, stream, hidden, forward_batch)
+    if entry.scatter is not None:
+        return _scattered_entry(plan, entry, stream, hidden, capture, forward_batch)
     state = stream.state
     # A read with makes_update returns, beside its input, the update this stage's output will
     # use (per-invocation coefficients, e.g. MHC): it travels with the stream, not the layer.
@@ -144,8 +150,9 @@ def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple, *,
         )
     transform = None if transformed else plan.declaration.output_transform
     update = stream.next_update or plan.update
+    # Input-scattered outputs sit on the group's rows while the residual holds a slice.
     if update.plain_add and isinstance(value, torch.Tensor) and stream.residual is not None \
-            and stream.pending is None:
+            and stream.pending is None and stream.scatter_rows is None:
         check_shape(f"the {plan.name} output", value, stream.residual)
     if update.at_producer:
         stream.check_free()
@@ -222,3 +229,84 @@ class _LocalEntries(dict):
 
 
 _LOCAL = _LocalEntries()
+
+
+def scatter_rows(stream: ResidualStream, plan: Any, forward_batch: Any) -> Any:
+    """The input-scattered row bookkeeping of this batch, built once per stream."""
+    rows = stream.scatter_rows
+    if rows is None:
+        from .rows import ScatterRows
+
+        topo = plan.topology
+        counts = getattr(forward_batch, "dp_num_tokens", None)
+        if topo.attn_dp.size > 1 and counts is None:
+            raise BoundaryError(
+                f"attention DP has {topo.attn_dp.size} groups but forward_batch.dp_num_tokens is not "
+                "set; give the row count of every DP group (in DP-rank order) for this batch"
+            )
+        rows = ScatterRows(counts if counts is not None else (forward_batch.num_tokens,), topo)
+        stream.scatter_rows = rows
+    return rows
+
+
+def complete_scattered(c: Contribution, rows: Any) -> torch.Tensor:
+    """Complete a contribution onto this rank's slice: an attention-TP partial sum becomes a
+    reduce-scatter; a complete output is already on the slice (FFNs return there at finish)."""
+    value = c.value
+    if isinstance(value, HandoffOutput):
+        value = value.complete()
+    for owed in c.owed:
+        if owed.kind is OwedKind.SUM:
+            if owed.group_name is not SumGroup.ATTN_TP:
+                raise BoundaryError(
+                    f"an input-scattered stage received an output owing {owed.describe()}; only "
+                    "attention-TP sums are left to the next input in this variant"
+                )
+            value = rows.reduce_scatter_group(value)
+    if c.transform is not None:
+        value = c.transform.fn(value)
+    c.value, c.owed, c.transform = value, (), None
+    return value
+
+
+def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, hidden: Any,
+                     capture: Optional[Capture], forward_batch: Any) -> torch.Tensor:
+    rows = scatter_rows(stream, plan, forward_batch)
+    read = plan.read
+    makes_update = getattr(read, "makes_update", False)
+    upd = None
+    state = stream.state
+    if state is StreamState.INITIAL:
+        if plan.declaration.previous is not None:
+            raise BoundaryError(
+                f"{plan.name} stage was built with previous={plan.declaration.previous.describe()} "
+                "but the residual stream is initial; only the stack's first stage starts it"
+            )
+        if capture is not None:
+            capture(hidden, owned=False)
+        x, residual = read.enter(rows.my_slice(hidden))
+        if makes_update:
+            x, residual, upd = x
+    else:
+        stream.expect(hidden)
+        if state is StreamState.WRITTEN:
+            residual = stream.residual
+            x = read.read(residual)
+            if makes_update:
+                x, upd = x
+        else:
+            c = stream.pending
+            assert c is not None
+            check_edge(plan, entry, c)
+            stream.consume()
+            value = complete_scattered(c, rows)
+            x, residual = read.update_and_read(c.update, value, stream.residual)
+            if makes_update:
+                x, residual, upd = x
+        if capture is not None:
+            capture(rows.gather_group(residual), owned=True)  # the gather allocates
+    stream.write(residual)
+    stream.next_update = upd
+    if entry.scatter == "group":
+        return rows.gather_group(x)
+    return rows.gather_all(x)

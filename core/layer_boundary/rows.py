@@ -129,3 +129,73 @@ class DpRows:
         got = ops.all_to_all_rows(partial_all, list(self.counts), recv, tp)
         acc = torch.promote_types(got.dtype, torch.float32)
         return got.view(tp.size, self.local, *got.shape[1:]).to(acc).sum(0).to(got.dtype)
+
+
+class ScatterRows:
+    """Row bookkeeping of an input-scattered batch (``ATTN_TP_SCATTER``).
+
+    Each attention-TP rank holds a slice of its DP group's rows: group ``d`` is padded to
+    ``A * S`` rows (``A`` attention-TP ranks, ``S = ceil(max_d T_d / A)``) and attention-TP rank
+    ``a`` holds rows ``[a*S, (a+1)*S)``. Padding rows are zeros and are dropped by every gather.
+
+    ===========================  ===========================================  ======================
+    move                         shapes                                       collective
+    ===========================  ===========================================  ======================
+    ``my_slice``                 [T_d, H] -> [S, H]                           none
+    ``gather_group``             [S, H] -> [T_d, H]                           all-gather, attention TP
+    ``gather_all``               [S, H] -> [ΣT, H]                            all-gather, TP
+    ``reduce_scatter_group``     partial [T_d, H] -> complete [S, H]          reduce-scatter, attention TP
+    ``reduce_scatter_all``       partial [ΣT, H] -> complete [S, H]           reduce-scatter, TP
+    ===========================  ===========================================  ======================
+    """
+
+    __slots__ = ("counts", "offsets", "slice_rows", "topology", "d", "a")
+
+    def __init__(self, counts: Sequence[int], topology: Topology) -> None:
+        a = topology.attn_tp.size
+        self.counts = tuple(int(c) for c in counts)
+        offs = [0]
+        for c in self.counts:
+            offs.append(offs[-1] + c)
+        self.offsets = tuple(offs)
+        self.slice_rows = -(-max(self.counts) // a) if self.counts else 0
+        self.topology = topology
+        self.d = topology.attn_dp.rank
+        self.a = topology.attn_tp.rank
+
+    @property
+    def local(self) -> int:
+        return self.counts[self.d]
+
+    def _pad_group(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.topology.attn_tp.size * self.slice_rows
+        if x.shape[0] == rows:
+            return x
+        out = x.new_zeros((rows, *x.shape[1:]))
+        out[: x.shape[0]] = x
+        return out
+
+    def my_slice(self, x_group: torch.Tensor) -> torch.Tensor:
+        s = self.slice_rows
+        return self._pad_group(x_group)[self.a * s : (self.a + 1) * s]
+
+    def gather_group(self, x_slice: torch.Tensor) -> torch.Tensor:
+        return ops.all_gather_rows(x_slice, self.topology.attn_tp)[: self.local]
+
+    def gather_all(self, x_slice: torch.Tensor) -> torch.Tensor:
+        full = ops.all_gather_rows(x_slice, self.topology.tp)  # group d at [d*A*S, (d+1)*A*S)
+        span = self.topology.attn_tp.size * self.slice_rows
+        if all(c == span for c in self.counts):
+            return full
+        return torch.cat([full[d * span : d * span + c] for d, c in enumerate(self.counts)])
+
+    def reduce_scatter_group(self, partial_group: torch.Tensor) -> torch.Tensor:
+        return ops.reduce_scatter_rows(self._pad_group(partial_group), self.topology.attn_tp)
+
+    def reduce_scatter_all(self, partial_all: torch.Tensor) -> torch.Tensor:
+        span = self.topology.attn_tp.size * self.slice_rows
+        padded = partial_all.new_zeros((len(self.counts) * span, *partial_all.shape[1:]))
+        for d, c in enumerate(self.counts):
+            if c:
+                padded[d * span : d * span + c] = partial_all[self.offsets[d] : self.offsets[d + 1]]
+        return ops.reduce_scatter_rows(padded, self.topology.tp)

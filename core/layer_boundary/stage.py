@@ -127,7 +127,12 @@ class StageBoundary:
         path = self._exit_path(forward_batch)
         transform = self.plan.declaration.output_transform
         value = transform.fn(hidden_states) if transform is not None else hidden_states
-        if path.dp_returns:  # fully reduced on every group's rows: keep this group's
+        if path.scatter_return:  # fully reduced on every group's rows: keep this rank's slice
+            from .prepare import scatter_rows
+
+            rows = scatter_rows(stream, self.plan, forward_batch)
+            value = rows.my_slice(value[rows.offsets[rows.d] : rows.offsets[rows.d + 1]])
+        elif path.dp_returns:  # fully reduced on every group's rows: keep this group's
             from .prepare import dp_rows
 
             value = dp_rows(stream, self.plan, forward_batch).take_local(value)

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 __all__ = ["main", "build_parser"]
 
 DEFAULT_INPUT_IDS = "9,41,7,300,12,5,88,150,2,61,33,404"
+DEFAULT_PATTERN_INPUT_IDS = "9,41,7,200,12,5,88,150,2,61,33,204"  # inside the 256-token vocabulary
 
 
 def _input_ids(text: str) -> list[list[int]]:
@@ -49,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", metavar="PATH", help="a Hugging Face checkpoint folder (config.json + *.safetensors)")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument(
-        "--input-ids", type=_input_ids, default=_input_ids(DEFAULT_INPUT_IDS), metavar="IDS",
-        help=f"comma-separated token ids; several sequences separated by ';' (default: {DEFAULT_INPUT_IDS})",
+        "--input-ids", type=_input_ids, default=None, metavar="IDS",
+        help=f"comma-separated token ids; several sequences separated by ';' (default: {DEFAULT_INPUT_IDS}; "
+        f"with --pattern {DEFAULT_PATTERN_INPUT_IDS})",
     )
     run.add_argument("--save-logits", metavar="FILE", help="torch.save the float32 logits [tokens, vocab]")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -66,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--check", action="store_true",
                      help="compare every rank's logits with the single-rank model; exit 1 on a mismatch")
     run.add_argument("--seed", type=int, default=0, help="seed of the embedded random model")
+    run.add_argument(
+        "--pattern", metavar="LAYERS", default=None,
+        help="build the embedded random heterogeneous decoder instead of Qwen3, one layer per "
+        "character: M (gated short-convolution mixer), * (attention), - (dense FFN); e.g. 'M-M*-'",
+    )
     run.add_argument(
         "--residual", choices=("plain", "mhc"), default="plain",
         help="residual scheme: plain add (built in) or mhc, manifold-constrained hyper-connections "
@@ -102,6 +109,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         from .run import run_command
+
+        if args.input_ids is None:
+            args.input_ids = _input_ids(DEFAULT_PATTERN_INPUT_IDS if args.pattern else DEFAULT_INPUT_IDS)
 
         return run_command(args)
     if args.command == "plugins":

@@ -17,11 +17,16 @@ from ..topology import Topology
 
 __all__ = ["run_command", "describe_stages"]
 
+def _layer_boundaries(layer: Any) -> tuple[Any, ...]:
+    # A heterogeneous layer has one stage; a Qwen3 layer an attention and an FFN stage.
+    return getattr(layer, "boundaries", None) or (layer.attn_boundary, layer.ffn_boundary)
+
+
 def describe_stages(model: Any) -> list[str]:
     """One line per run of layers whose stages are built alike."""
     rows: list[tuple[int, str]] = []
     for i, layer in enumerate(model.model.layers):
-        for b in (layer.attn_boundary, layer.ffn_boundary):
+        for b in _layer_boundaries(layer):
             rows.append((i, b.plan.describe()))
     return _merge(rows)
 
@@ -59,7 +64,7 @@ CHECK_REL = {"float32": 1e-5, "bfloat16": 0.03, "float64": 1e-12}
 def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
     return RunSpec(sequences=tuple(tuple(s) for s in args.input_ids), model=args.model, seed=args.seed,
                    dtype=args.dtype, tp=tp, dp=args.dp, reduction=args.reduction, residual=args.residual,
-                   device=args.device)
+                   device=args.device, pattern=args.pattern)
 
 
 def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, Any]:
@@ -83,7 +88,7 @@ def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, A
         out["header"] = {
             "topology": topo.describe(),
             "residual": _describe_residual(model.residual),
-            "boundaries": 2 * len(model.model.layers),
+            "boundaries": sum(len(_layer_boundaries(layer)) for layer in model.model.layers),
             "stages": describe_stages(model),
             "plugins": (", ".join(f"{r.name} ({r.status.value})" for r in registry.records) or "none found")
             if registry is not None else "not discovered",
@@ -155,8 +160,10 @@ def run_command(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any]], backend: str) -> int:
     head = results[0]["header"]
     total = sum(len(s) for s in spec.sequences)
-    what = f"Qwen3 from {spec.model}" if spec.model else (
-        f"embedded random Qwen3 (seed {spec.seed})")
+    if spec.pattern is not None:
+        what = f"embedded random heterogeneous decoder {spec.pattern!r} (seed {spec.seed}; M mixer, * attention, - FFN)"
+    else:
+        what = f"Qwen3 from {spec.model}" if spec.model else f"embedded random Qwen3 (seed {spec.seed})"
     print(f"model:    {what}")
     print(f"dtype:    {spec.dtype}   device: {spec.device}   ranks: {spec.tp} ({backend})   "
           f"topology: {head['topology']}   reduction: {spec.reduction}")

@@ -1,6 +1,15 @@
 """Reference models built on the layer boundaries, and the tensor-parallel layers they use."""
 
 from .config import Qwen3Config, small_random_config
+from .hetero import (
+    HeteroConfig,
+    HeteroForCausalLM,
+    HeteroModel,
+    LayerKind,
+    hetero_state_dict,
+    init_hetero_weights,
+    parse_pattern,
+)
 from .loader import CheckpointMismatch, load_checkpoint, load_tensors
 from .qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 from .qwen3_plain import plain_forward
@@ -9,6 +18,13 @@ from .random_init import init_random_weights, random_state_dict
 __all__ = [
     "Qwen3Config",
     "small_random_config",
+    "HeteroConfig",
+    "HeteroForCausalLM",
+    "HeteroModel",
+    "LayerKind",
+    "hetero_state_dict",
+    "init_hetero_weights",
+    "parse_pattern",
     "CheckpointMismatch",
     "load_checkpoint",
     "load_tensors",

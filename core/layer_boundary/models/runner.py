@@ -35,9 +35,21 @@ class RunSpec:
     residual: str = "plain"
     device: str = "cpu"
     plugins: bool = True  # discover plugins through entry points
+    input_scattered: bool = False  # run the input-scattered batch variant (attention TP > 1)
     config_overrides: dict[str, Any] = field(default_factory=dict)
+    # A layer pattern such as "M-M*-" builds the heterogeneous reference (models/hetero.py)
+    # instead of Qwen3: M mixer, * attention, - FFN.
+    pattern: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.pattern is not None:
+            from .hetero import parse_pattern
+
+            parse_pattern(self.pattern)
+            if self.model:
+                raise ValueError("--pattern builds the embedded heterogeneous model; it takes no --model")
+            if self.residual != "plain":
+                raise ValueError(f"the heterogeneous model has the plain residual only, not {self.residual!r}")
         if not self.sequences or any(len(s) == 0 for s in self.sequences):
             raise ValueError("every sequence needs at least one token")
         if self.tp < 1 or self.dp < 1 or self.tp % self.dp:
@@ -59,8 +71,12 @@ def _config(spec: RunSpec) -> Any:
     import dataclasses
 
     from .config import Qwen3Config, small_random_config
+    from .hetero import HeteroConfig
 
-    cfg = Qwen3Config.from_folder(spec.model) if spec.model else small_random_config()
+    if spec.pattern is not None:
+        cfg = HeteroConfig()
+    else:
+        cfg = Qwen3Config.from_folder(spec.model) if spec.model else small_random_config()
     return dataclasses.replace(cfg, **spec.config_overrides) if spec.config_overrides else cfg
 
 
@@ -77,7 +93,13 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
     kw: dict[str, Any] = {"context": ctx, "dtype": DTYPES[spec.dtype]}
     if spec.residual != "plain":
         kw["residual"] = spec.residual
-    if spec.model:
+    if spec.pattern is not None:
+        from .hetero import HeteroForCausalLM, init_hetero_weights
+
+        model = HeteroForCausalLM(cfg, spec.pattern, **kw)
+        init_hetero_weights(model, seed=spec.seed)
+        model = model.to(device).eval().requires_grad_(False)
+    elif spec.model:
         model = Qwen3ForCausalLM.from_pretrained(spec.model, device=device, **kw)
     else:
         model = Qwen3ForCausalLM(cfg, **kw)
@@ -107,6 +129,7 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
         starts.append(starts[-1] + len(s))
     token_index = [starts[i] + j for i in mine for j in range(len(spec.sequences[i]))]
     ids, fb = _batch([spec.sequences[i] for i in mine], device, counts if spec.dp > 1 else None)
+    fb.input_scattered = spec.input_scattered
     with torch.inference_mode():
         if device == "cuda":
             torch.cuda.synchronize()
@@ -120,7 +143,8 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
 
 def single_rank_logits(spec: RunSpec, device: Optional[str] = None) -> torch.Tensor:
     """Logits of every token, in input order, from the single-rank model (all sequences packed)."""
-    model = build_model(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1}), Topology.single(), device or spec.device)
+    model = build_model(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1, "input_scattered": False}),
+                        Topology.single(), device or spec.device)
     ids, fb = _batch(spec.sequences, device or spec.device, None)
     with torch.inference_mode():
         return model(ids, fb.positions, fb).float().cpu()

@@ -89,6 +89,9 @@ def norm(
     through ``handoff_norm.finalize(handoff, residual, gamma)``.
     """
     stream = started_stream(forward_batch)
+    # An input-scattered stack holds a row slice per attention-TP rank; the output is gathered
+    # back to the group's rows so the model's head sees the rows its stack started with.
+    scattered = stream.scatter_rows
     try:
         read = _read_for(layernorm)
         state = stream.state
@@ -104,7 +107,7 @@ def norm(
             else:
                 c = stream.pending
                 assert c is not None
-                if c.is_handoff and handoff_norm is not None:
+                if c.is_handoff and handoff_norm is not None and scattered is None:
                     if capture_output is not None:
                         raise BoundaryError(
                             "norm() cannot capture_output when a finalize handoff arrives with "
@@ -121,7 +124,12 @@ def norm(
                     stream.consume()
                     return handoff_norm.finalize(c.value, stream.residual, gamma)
                 stream.consume()
-                value = complete(c)
+                if scattered is not None:
+                    from ..prepare import complete_scattered
+
+                    value = complete_scattered(c, scattered)
+                else:
+                    value = complete(c)
                 if stream.residual is not None and c.update.plain_add:
                     # A nonlinear update may own a residual of another shape (MHC streams).
                     check_shape("the layer output", value, stream.residual)
@@ -141,6 +149,8 @@ def norm(
                 out = read.read(residual)
                 if getattr(read, "makes_update", False):
                     out = out[0]
+        if scattered is not None:
+            out = scattered.gather_group(out)
         return out
     finally:
         stream.release()

@@ -40,7 +40,8 @@ class StreamState(enum.Enum):
 class ResidualStream:
     """Residual and pending contribution of one forward (or one microbatch of it)."""
 
-    __slots__ = ("residual", "pending", "handle", "released", "next_update", "dp_rows", "__weakref__")
+    __slots__ = ("residual", "pending", "handle", "released", "next_update", "dp_rows", "scatter_rows",
+                 "__weakref__")
 
     def __init__(self) -> None:
         self.residual: Optional[torch.Tensor] = None
@@ -53,6 +54,8 @@ class ResidualStream:
         self.next_update: Optional[StageUpdate] = None
         # Attention-DP row counts of this batch (built on first use; see prepare.dp_rows).
         self.dp_rows: Any = None
+        # Input-scattered row slices of this batch (see prepare.scatter_rows).
+        self.scatter_rows: Any = None
 
     @property
     def state(self) -> StreamState:
@@ -132,6 +135,7 @@ class ResidualStream:
         self.handle = None
         self.next_update = None
         self.dp_rows = None
+        self.scatter_rows = None
         self.released = True
 
     # -- checks ------------------------------------------------------------------------------
