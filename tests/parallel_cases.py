@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layer_boundary import BoundaryContext, ForwardBatch, Topology, declare_attn, declare_ffn, make_stages
+from layer_boundary import (BoundaryContext, ForwardBatch, ProducerReduction, Topology, declare_attn,
+                            declare_ffn, get_forward, make_stages)
 from layer_boundary import ops
 from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary.residual import batch as residual_batch
@@ -29,12 +30,41 @@ def dyadic(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randint(-4, 5, shape, generator=g).double() / 4
 
 
+class DeferAlways:
+    """Fusion provider that asks every SCOPED exit to leave its sum to the next input: only the
+    LOCAL_TAIL rule (the boundary never defers that sum) keeps a tail FFN from deferring."""
+
+    name = "test-defer-always"
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def can_defer_all_reduce(self, plan: Any, forward_batch: Any) -> bool:
+        self.asked += 1
+        return True
+
+
+# (fuse_mlp_allreduce, mlp_reduce_scatter) that each LOCAL_TAIL compute saw, in call order.
+TAIL_FLAGS: list[tuple[bool, bool]] = []
+
+
+def _tail_decl() -> Any:
+    return declare_ffn(reduction=ProducerReduction.LOCAL_TAIL)
+
+
 class LinearLayer(nn.Module):
     """attention-like PARTIAL stage (row-parallel projection) + FFN (column then row parallel),
-    identity norms, so every value stays dyadic."""
+    identity norms, so every value stays dyadic.
 
-    def __init__(self, i: int, layers: int, ctx: BoundaryContext) -> None:
+    ``tail``: the FFN is ``LOCAL_TAIL``: after its internal sum it adds a replicated component
+    ``t(x) = x/2 + b`` (a row-dependent part computed from the replicated input, and a bias). When
+    the exit publishes a skip flag the sum happens later, so ``t`` is added on TP rank 0 only,
+    before that sum; otherwise compute sums and every rank adds ``t``.
+    """
+
+    def __init__(self, i: int, layers: int, ctx: BoundaryContext, tail: bool = False) -> None:
         super().__init__()
+        self.tail = tail
         topo = ctx.topology
         self.wq = ColumnParallelLinear(H, H, bias=False, group=topo.attn_tp, dtype=torch.float64)
         self.wo = RowParallelLinear(H, H, bias=False, group=topo.attn_tp, reduce_results=False, dtype=torch.float64)
@@ -43,9 +73,13 @@ class LinearLayer(nn.Module):
         for lin, (o, k), s in ((self.wq, (H, H), 3), (self.wo, (H, H), 0), (self.up, (F, H), 1),
                                (self.down, (H, F), 2)):
             lin.weight_loader(lin.weight, dyadic((o, k), 100 * i + s))
+        self.register_buffer("b", dyadic((H,), 100 * i + 4))
         self.n1, self.n2 = nn.Identity(), nn.Identity()
-        self.attn, self.ffn = make_stages((declare_attn(), self.n1), (declare_ffn(), self.n2),
-                                          previous=declare_ffn() if i else None,
+        ffn = _tail_decl() if tail else declare_ffn()
+        # The tail FFN gets a provider that always asks to defer: the boundary must refuse.
+        ffn_item = (ffn, self.n2, {"fusions": DeferAlways()}) if tail else (ffn, self.n2)
+        self.attn, self.ffn = make_stages((declare_attn(), self.n1), ffn_item,
+                                          previous=ffn if i else None,
                                           terminal=i == layers - 1, context=ctx)
 
     def forward(self, h: Any, fb: Any) -> Any:
@@ -54,13 +88,18 @@ class LinearLayer(nn.Module):
         x = self.ffn.prepare(h, fb)
         with self.ffn.exit(fb) as out:
             y = self.down(self.up(x))
+            if self.tail:
+                f = get_forward()
+                TAIL_FLAGS.append((f.fuse_mlp_allreduce, f.mlp_reduce_scatter))
+                if not (f.fuse_mlp_allreduce or f.mlp_reduce_scatter) or self.down.group.rank == 0:
+                    y = y + (x / 2 + self.b)
         return out.finish(y)
 
 
 class LinearStack(nn.Module):
-    def __init__(self, layers: int, ctx: BoundaryContext) -> None:
+    def __init__(self, layers: int, ctx: BoundaryContext, tail: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(LinearLayer(i, layers, ctx) for i in range(layers))
+        self.layers = nn.ModuleList(LinearLayer(i, layers, ctx, tail) for i in range(layers))
         self.norm = nn.Identity()
 
     def forward(self, x: torch.Tensor, fb: Any) -> torch.Tensor:
@@ -115,41 +154,80 @@ def linear_matrix(rank: int, world: int, cases: list[dict[str, Any]], device: st
         dp, counts, layers = case["dp"], tuple(case["counts"]), case["layers"]
         topo = topology(world, dp)
         ctx = BoundaryContext(topo, reduction=case["policy"])
-        model = LinearStack(layers, ctx).to(device)
-        ref = LinearStack(layers, BoundaryContext(Topology.single())).to(device)
+        tail = case.get("tail", False)
+        model = LinearStack(layers, ctx, tail).to(device)
+        ref = LinearStack(layers, BoundaryContext(Topology.single()), tail).to(device)
         d = topo.attn_dp.rank
         x_all = dyadic((sum(counts), H), 7).to(device)
         lo = sum(counts[:d])
         x = x_all[lo : lo + counts[d]]
         fb = ForwardBatch(num_tokens=counts[d], dp_num_tokens=counts if dp > 1 else None,
                           input_scattered=case.get("scattered", False))
+        TAIL_FLAGS.clear()
         with count_collectives() as n:
             out = model(x.clone(), fb)
+        flags = list(TAIL_FLAGS)
         want = ref(x.clone(), ForwardBatch(num_tokens=counts[d]))
         results.append({
             "case": case, "equal": bool(torch.equal(out.cpu(), want.cpu())), "shape": tuple(out.shape),
-            "collectives": dict(n),
+            "collectives": dict(n), "tail_flags": flags,
             "returns": [s.chosen for s in ctx.report.selections if s.what == "output return"][:1],
         })
     return results
 
 
+@contextlib.contextmanager
+def count_dp_moves() -> Iterator[dict[str, int]]:
+    """How often the FFN input under attention DP took each path: ``joined_sum`` (the attention
+    sum, the plain add and the gather in one all-reduce) or ``gather`` (read on the local rows,
+    then the normalized input gathered: the ``before_gather`` read order)."""
+    from layer_boundary.rows import DpRows
+
+    counts = {"gather": 0, "joined_sum": 0}
+    saved = {name: getattr(DpRows, name) for name in counts}
+
+    def wrap(name: str) -> Any:
+        orig = saved[name]
+
+        def counted(self: Any, *a: Any, **k: Any) -> Any:
+            counts[name] += 1
+            return orig(self, *a, **k)
+
+        return counted
+
+    for name in counts:
+        setattr(DpRows, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, orig in saved.items():
+            setattr(DpRows, name, orig)
+
+
 def qwen3_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The Qwen3 reference on each case's layout against the single-rank model."""
+    from layer_boundary.layout import BatchVariant
     from layer_boundary.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
 
     results = []
     for case in cases:
+        residual = case.get("residual", "plain")
+        # A residual scheme other than plain comes from a plugin: discover them.
         spec = RunSpec(sequences=tuple(tuple(s) for s in case["sequences"]), tp=world, dp=case["dp"],
-                       reduction=case["policy"], dtype=case.get("dtype", "float64"), plugins=False,
+                       reduction=case["policy"], dtype=case.get("dtype", "float64"),
+                       residual=residual, plugins=residual != "plain",
                        config_overrides=case.get("config", {}),
                        input_scattered=case.get("scattered", False))
         topo = topology(world, case["dp"])
         model = build_model(spec, topo, "cpu")
-        idx, logits, _ = rank_forward(model, spec, "cpu")
+        with count_dp_moves() as moves:
+            idx, logits, _ = rank_forward(model, spec, "cpu")
         want = single_rank_logits(spec)[idx] if idx else logits[:0]
         results.append({"case": case, "max_diff": (logits - want).abs().max().item() if idx else 0.0,
-                        "rows": len(idx)})
+                        "rows": len(idx), "dp_moves": moves,
+                        "layers": len(model.model.layers),
+                        "dp_gather": [layer.ffn_boundary.plan.entries[BatchVariant.ORDINARY].dp_gather
+                                      for layer in model.model.layers]})
     return results
 
 

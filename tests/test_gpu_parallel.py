@@ -23,6 +23,7 @@ QWEN_NCCL = [
     dict(dp=2, policy="rsv", sequences=[[3, 3, 7]], dtype="bfloat16"),
     dict(dp=2, policy="ar", sequences=[[1], [2], [3]], dtype="bfloat16"),
     dict(dp=2, policy="rs+rsv", sequences=[[6, 2, 7, 1, 9, 9, 4]], dtype="float32"),
+    dict(dp=1, policy="ar", sequences=[[1, 5, 9, 2, 77], [4]], dtype="bfloat16", scattered=True),
 ]
 
 

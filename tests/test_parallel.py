@@ -28,6 +28,13 @@ LINEAR_2 = [
     dict(dp=2, policy="auto", counts=(2, 2), layers=2),
     dict(dp=1, policy="ar", counts=(5,), layers=2, scattered=True),
     dict(dp=1, policy="ar", counts=(0,), layers=1, scattered=True),
+    # LOCAL_TAIL FFNs: the replicated component is added exactly once on every path.
+    dict(dp=1, policy="ar", counts=(5,), layers=2, tail=True),
+    dict(dp=2, policy="ar", counts=(3, 5), layers=2, tail=True),
+    dict(dp=2, policy="rs", counts=(0, 3), layers=2, tail=True),
+    dict(dp=2, policy="rsv", counts=(4, 1), layers=3, tail=True),
+    dict(dp=2, policy="rsv", counts=(0, 0), layers=1, tail=True),
+    dict(dp=1, policy="ar", counts=(5,), layers=2, scattered=True, tail=True),
 ]
 LINEAR_4 = [
     dict(dp=1, policy="ar", counts=(6,), layers=2),
@@ -40,6 +47,15 @@ LINEAR_4 = [
     dict(dp=1, policy="ar", counts=(7,), layers=3, scattered=True),
     dict(dp=2, policy="ar", counts=(3, 6), layers=2, scattered=True),
     dict(dp=2, policy="rs", counts=(0, 1), layers=2, scattered=True),
+    dict(dp=1, policy="ar", counts=(6,), layers=2, tail=True),
+    dict(dp=2, policy="rs", counts=(5, 0), layers=2, tail=True),
+    dict(dp=2, policy="rsv", counts=(2, 3), layers=2, tail=True),  # RSv refused: all-reduce
+    dict(dp=4, policy="rsv", counts=(1, 0, 3, 2), layers=3, tail=True),
+    dict(dp=4, policy="rs", counts=(0, 2, 0, 1), layers=2, tail=True),
+    dict(dp=4, policy="ar", counts=(0, 0, 1, 0), layers=2, tail=True),
+    dict(dp=1, policy="ar", counts=(7,), layers=2, scattered=True, tail=True),
+    dict(dp=2, policy="rs", counts=(3, 6), layers=2, scattered=True, tail=True),
+    dict(dp=2, policy="ar", counts=(0, 1), layers=1, scattered=True, tail=True),
 ]
 
 
@@ -81,6 +97,10 @@ QWEN_2 = [
     dict(dp=2, policy="rs", sequences=[[3, 3, 7]]),  # DP group 1 gets no sequence
     dict(dp=2, policy="ar", sequences=[[1], [2], [3]]),
     dict(dp=1, policy="ar", sequences=[[1, 5, 9], [4, 4]], scattered=True),
+    # MHC: non-plain update, before_gather read: the FFN input is read on the local rows and the
+    # normalized input gathered, never joined into the sum.
+    dict(dp=2, policy="rs+rsv", sequences=[[1, 5, 9, 2], [4, 8]], residual="mhc"),
+    dict(dp=2, policy="ar", sequences=[[3, 3, 7]], residual="mhc"),  # DP group 1 gets nothing
 ]
 QWEN_4 = [
     dict(dp=1, policy="ar", sequences=[[1, 5, 9, 11, 30]]),
@@ -89,6 +109,7 @@ QWEN_4 = [
     dict(dp=4, policy="ar", sequences=[[6, 2, 7, 1]], dtype="float32"),
     dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], scattered=True),
     dict(dp=1, policy="ar", sequences=[[2, 4, 6, 8, 10, 12, 14]], scattered=True),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], residual="mhc"),
 ]
 
 
@@ -122,9 +143,52 @@ def test_policy_falls_back_and_reports_why(matrix):
         assert chosen[(1, "rs+rsv")] == ["ar"]  # no DP: both scatters refused, all-reduce
 
 
+def test_local_tail_never_defers_and_honours_the_flags(matrix):
+    """A LOCAL_TAIL FFN (its compute adds a replicated component after its sum) is bitwise equal
+    to one rank on every path (checked with the others above); here: the flags its compute saw.
+    Its exit is offered a provider that always asks to defer, and must never publish
+    ``fuse_mlp_allreduce``; it publishes ``mlp_reduce_scatter`` exactly where the output returns by
+    a reduce-scatter (``rs``/``rsv`` under DP, every input-scattered batch)."""
+    world, per_rank = matrix
+    seen = 0
+    for rank, results in enumerate(per_rank):
+        for r in results["linear"]:
+            case = r["case"]
+            if not case.get("tail"):
+                assert r["tail_flags"] == []
+                continue
+            seen += 1
+            ret = r["returns"][0].split("/")[0]
+            scatter = case.get("scattered", False) or (case["dp"] > 1 and ret in ("rs", "rsv"))
+            assert r["tail_flags"] == [(False, scatter)] * case["layers"], (rank, case, r["returns"])
+    assert seen >= 5 * world
+
+
 def test_qwen3_on_every_layout(matrix):
     world, per_rank = matrix
     for rank, results in enumerate(per_rank):
         for r in results["qwen3"]:
             tol = 1e-10 if r["case"].get("dtype", "float64") == "float64" else 1e-4
             assert r["max_diff"] <= tol, (rank, r)
+
+
+def test_dp_ffn_input_read_order(matrix):
+    """Under attention DP a plain add joins the attention sum and the gather in one all-reduce;
+    a residual whose read must run before the gather (MHC) reads on the local rows and gathers
+    the normalized input. The plan says which, and the forward ran exactly that, once per layer."""
+    world, per_rank = matrix
+    mhc_seen = 0
+    for rank, results in enumerate(per_rank):
+        for r in results["qwen3"]:
+            case, n = r["case"], r["layers"]
+            if case["dp"] == 1 or case.get("scattered"):
+                assert r["dp_moves"] == {"gather": 0, "joined_sum": 0}, (rank, case)
+                continue
+            if case.get("residual") == "mhc":
+                mhc_seen += 1
+                assert r["dp_gather"] == ["read_first"] * n, (rank, case)
+                assert r["dp_moves"] == {"gather": n, "joined_sum": 0}, (rank, case)
+            else:
+                assert r["dp_gather"] == ["join"] * n, (rank, case)
+                assert r["dp_moves"] == {"gather": 0, "joined_sum": n}, (rank, case)
+    assert mhc_seen >= world

@@ -73,6 +73,26 @@ def _worker(rank: int, world_size: int, backend: str, port: int, timeout_s: floa
                 pass
 
 
+def _root_cause(failure: RankError, procs: list, got: dict, results: Any) -> RankError:
+    """A rank whose collective broke usually reports a peer that died first: name that peer."""
+    import time
+
+    deadline = time.monotonic() + 3.0
+    reported = {failure.rank}
+    while time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            if i not in got and i not in reported and not p.is_alive() and p.exitcode not in (0, None):
+                return RankError(i, f"exited with code {p.exitcode} without a report; rank "
+                                    f"{failure.rank} then failed:\n{failure.remote}")
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+            if not ok:
+                reported.add(rank)
+        except queue.Empty:
+            pass
+    return failure
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -132,7 +152,7 @@ def spawn(
             if ok:
                 got[rank] = payload
             else:
-                failure = RankError(rank, payload)
+                failure = _root_cause(RankError(rank, payload), procs, got, results)
     finally:
         if failure is not None:
             for p in procs:

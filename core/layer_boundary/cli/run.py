@@ -154,6 +154,8 @@ def run_command(args: argparse.Namespace) -> int:
             return 2
         print(f"layer-boundary run: {e}", file=sys.stderr)
         return 1
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
+        return 0  # rank 0 reports (and checks, and saves) for the whole run
     return _report(args, spec, results, backend)
 
 
