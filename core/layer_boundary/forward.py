@@ -86,6 +86,10 @@ class ForwardBatch:
 
 def active_variant(forward_batch: Any) -> BatchVariant:
     """The variant a forward runs in; the one place where the priority order is applied."""
+    if type(forward_batch) is ForwardBatch and not (
+        forward_batch.sequence_parallel or forward_batch.input_scattered or forward_batch.context_parallel
+    ):
+        return BatchVariant.ORDINARY  # the common case, without the generic attribute probing
     for flag, variant in _FLAGGED:
         if getattr(forward_batch, flag, False):
             return variant

@@ -49,15 +49,15 @@ class StageBoundary:
     def declaration(self) -> Any:
         return self.plan.declaration
 
-    def _entry(self, forward_batch: Any) -> EntryPath:
-        variant = active_variant(forward_batch)
+    def _entry(self, forward_batch: Any, stream: Any = None) -> EntryPath:
+        variant = _variant(forward_batch, stream)
         path = self._entries.get(variant)
         if path is None:
             raise no_path(variant.name, self.plan.name)
         return path
 
-    def _exit_path(self, forward_batch: Any) -> ExitPath:
-        variant = active_variant(forward_batch)
+    def _exit_path(self, forward_batch: Any, stream: Any = None) -> ExitPath:
+        variant = _variant(forward_batch, stream)
         path = self._exits.get(variant)
         if path is None:
             raise no_path(variant.name, self.plan.name)
@@ -85,7 +85,7 @@ class StageBoundary:
                 "at the attention stage's prepare() or at residual_batch.norm()"
             )
         return run_entry(
-            self.plan, self._entry(forward_batch), stream, hidden_states,
+            self.plan, self._entry(forward_batch, stream), stream, hidden_states,
             capture_output, captured_last_layer_outputs, forward_batch,
         )
 
@@ -102,7 +102,7 @@ class StageBoundary:
             raise TypeError(
                 f"finish() takes the attention output tensor, got {type(hidden_states).__name__}"
             )
-        path = self._exit_path(forward_batch)
+        path = self._exit_path(forward_batch, stream)
         return publish(self.plan, stream, hidden_states, path.static_owed)
 
     def exit(self, forward_batch: Any) -> FfnExit | MixerExit:
@@ -113,7 +113,7 @@ class StageBoundary:
                 "this attention stage is PARTIAL: its compute always returns an unreduced "
                 "contribution; call boundary.finish(hidden_states, forward_batch) instead of exit()"
             )
-        path = self._exit_path(forward_batch)
+        path = self._exit_path(forward_batch, stream)
         cls = FfnExit if not self._is_attn else MixerExit
         return cls(self.plan, path, stream, forward_batch)
 
@@ -171,3 +171,9 @@ class StageBoundary:
 
     def __repr__(self) -> str:
         return f"StageBoundary({self.plan.describe()})"
+
+
+def _variant(forward_batch: Any, stream: Any) -> Any:
+    # Read on every call, not cached per stream: an output made in one variant must not be
+    # consumed in another (a flag flipped mid-forward raises instead of moving the wrong rows).
+    return active_variant(forward_batch)

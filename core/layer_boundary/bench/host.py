@@ -134,6 +134,8 @@ def forward_ratio(tokens: int, iters: int, config: Any = None) -> dict[str, floa
 
 
 def host_command(args: argparse.Namespace) -> int:
+    # Decode-sized CPU work is host-bound: intra-op threads only add dispatch noise.
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"layer-boundary bench host: CPU {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, {date.today()}")

@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     host.add_argument("--forward-iters", type=int, default=200, help="timed decoder forwards per measurement")
     host.add_argument("--hidden", type=int, nargs="+", default=[64, 1024],
                       help="decoder hidden sizes for the forward comparison (4 layers each)")
+    host.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     host.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return p
 

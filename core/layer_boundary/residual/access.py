@@ -14,6 +14,8 @@ __all__ = ["complete", "completed_copy", "check_shape"]
 def complete(c: Contribution) -> torch.Tensor:
     """Run every owed step of ``c`` in order, exactly once, then its transform; return the value."""
     value = c.value
+    if not c.owed and c.transform is None and isinstance(value, torch.Tensor):
+        return value  # the common case: a complete output, nothing to run
     for owed in c.owed:
         if owed.kind is OwedKind.FINALIZE:
             assert isinstance(value, HandoffOutput)

@@ -73,7 +73,7 @@ class RMSNormRead:
     the parameter object after construction is still honoured.
     """
 
-    __slots__ = ("name", "norm", "offset", "kernels", "_eps_attr")
+    __slots__ = ("name", "norm", "offset", "kernels", "_eps", "_params")
     before_gather = False
     makes_update = False
     fuses_with = frozenset({PlainAdd.name})
@@ -83,7 +83,11 @@ class RMSNormRead:
         self.offset = offset
         self.kernels = kernels
         self.name = "gemma_rmsnorm" if offset == 1.0 else "rmsnorm"
-        self._eps_attr = "eps" if hasattr(norm, "eps") else "variance_epsilon"
+        # eps is configuration, fixed at construction; the weight is looked up at each call in
+        # the module's parameter table (a loader may replace the Parameter object), which skips
+        # nn.Module.__getattr__ on the hot path.
+        self._eps = float(norm.eps if hasattr(norm, "eps") else norm.variance_epsilon)
+        self._params = norm._parameters if "weight" in norm._parameters else None
 
     @property
     def residual_in_place(self) -> bool:
@@ -91,24 +95,27 @@ class RMSNormRead:
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.norm.weight
+        p = self._params
+        return p["weight"] if p is not None else self.norm.weight
 
     @property
     def eps(self) -> float:
-        return getattr(self.norm, self._eps_attr)
+        return self._eps
 
     def enter(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(hidden), hidden
 
     def read(self, residual: torch.Tensor) -> torch.Tensor:
-        return self.kernels.rmsnorm(residual, self.norm.weight, self.eps, weight_offset=self.offset)
+        return self.kernels.rmsnorm(residual, self.weight, self._eps, weight_offset=self.offset)
 
     def update_and_read(
         self, update: StageUpdate, contribution: torch.Tensor, residual: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None and update.name in self.fuses_with:
+            p = self._params
             return self.kernels.fused_add_rmsnorm(
-                contribution, residual, self.norm.weight, self.eps, weight_offset=self.offset
+                contribution, residual, p["weight"] if p is not None else self.norm.weight,
+                self._eps, weight_offset=self.offset
             )
         new = update.apply(residual, contribution)
         return self.read(new), new
