@@ -101,6 +101,8 @@ QWEN_2 = [
     # normalized input gathered, never joined into the sum.
     dict(dp=2, policy="rs+rsv", sequences=[[1, 5, 9, 2], [4, 8]], residual="mhc"),
     dict(dp=2, policy="ar", sequences=[[3, 3, 7]], residual="mhc"),  # DP group 1 gets nothing
+    # MHC on row slices: the expanded residual [T, n, H] is sliced and gathered by rows.
+    dict(dp=1, policy="ar", sequences=[[2, 7, 1, 8, 2]], residual="mhc", scattered=True),
 ]
 QWEN_4 = [
     dict(dp=1, policy="ar", sequences=[[1, 5, 9, 11, 30]]),

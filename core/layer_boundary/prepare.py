@@ -63,6 +63,24 @@ def _try_candidates(entry: EntryPath, c: Contribution, residual: Any, read: Any,
     return None
 
 
+# A read with makes_update returns, beside its input, the update this stage's output will use
+# (per-invocation coefficients, e.g. MHC): it travels with the stream, not the layer. These
+# three give every read the (input, residual, update) form.
+def _enter(read: Any, hidden: torch.Tensor) -> tuple[Any, Any, Any]:
+    out = read.enter(hidden)
+    return out if getattr(read, "makes_update", False) else (out[0], out[1], None)
+
+
+def _reread(read: Any, residual: Any) -> tuple[Any, Any]:
+    out = read.read(residual)
+    return out if getattr(read, "makes_update", False) else (out, None)
+
+
+def _update_read(read: Any, update: Any, value: Any, residual: Any) -> tuple[Any, Any, Any]:
+    out = read.update_and_read(update, value, residual)
+    return out if getattr(read, "makes_update", False) else (out[0], out[1], None)
+
+
 def run_entry(
     plan: StagePlan,
     entry: EntryPath,
@@ -79,9 +97,6 @@ def run_entry(
     if entry.scatter is not None:
         return _scattered_entry(plan, entry, stream, hidden, capture, forward_batch)
     state = stream.state
-    # A read with makes_update returns, beside its input, the update this stage's output will
-    # use (per-invocation coefficients, e.g. MHC): it travels with the stream, not the layer.
-    makes_update = getattr(read, "makes_update", False)
     upd = None
     if state is StreamState.INITIAL:
         if plan.declaration.previous is not None:
@@ -94,18 +109,13 @@ def run_entry(
             raise TypeError(f"stack entry expects the embedding output tensor, got {type(hidden).__name__}")
         if capture is not None:
             capture(hidden, owned=False)  # the residual aliases the model's own input
-        if makes_update:
-            x, residual, upd = read.enter(hidden)
-        else:
-            x, residual = read.enter(hidden)
+        x, residual, upd = _enter(read, hidden)
     else:
         stream.expect(hidden)
         if state is StreamState.WRITTEN:
             residual = stream.residual
             assert residual is not None
-            x = read.read(residual)
-            if makes_update:
-                x, upd = x
+            x, upd = _reread(read, residual)
         else:
             c = stream.pending
             assert c is not None
@@ -125,10 +135,7 @@ def run_entry(
             value = complete(c)
             if was_handoff and stream.residual is not None and c.update.plain_add:
                 check_shape("the finalized layer output", value, stream.residual)
-            if makes_update:
-                x, residual, upd = read.update_and_read(c.update, value, stream.residual)
-            else:
-                x, residual = read.update_and_read(c.update, value, stream.residual)
+            x, residual, upd = _update_read(read, c.update, value, stream.residual)
         if capture is not None:
             capture(residual, owned=entry.capture_owned)
     stream.write(residual)
@@ -275,7 +282,6 @@ def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, 
                      capture: Optional[Capture], forward_batch: Any) -> torch.Tensor:
     rows = scatter_rows(stream, plan, forward_batch)
     read = plan.read
-    makes_update = getattr(read, "makes_update", False)
     upd = None
     state = stream.state
     if state is StreamState.INITIAL:
@@ -286,25 +292,19 @@ def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, 
             )
         if capture is not None:
             capture(hidden, owned=False)
-        x, residual = read.enter(rows.my_slice(hidden))
-        if makes_update:
-            x, residual, upd = x
+        x, residual, upd = _enter(read, rows.my_slice(hidden))
     else:
         stream.expect(hidden)
         if state is StreamState.WRITTEN:
+            x, upd = _reread(read, stream.residual)
             residual = stream.residual
-            x = read.read(residual)
-            if makes_update:
-                x, upd = x
         else:
             c = stream.pending
             assert c is not None
             check_edge(plan, entry, c)
             stream.consume()
             value = complete_scattered(c, rows)
-            x, residual = read.update_and_read(c.update, value, stream.residual)
-            if makes_update:
-                x, residual, upd = x
+            x, residual, upd = _update_read(read, c.update, value, stream.residual)
         if capture is not None:
             capture(rows.gather_group(residual), owned=True)  # the gather allocates
     stream.write(residual)

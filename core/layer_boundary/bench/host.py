@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from datetime import date
 from typing import Any, Callable
@@ -24,6 +23,7 @@ from ..factories import declare_attn, declare_ffn, make_stages
 from ..forward import ForwardBatch
 from ..kernels.reference import fused_add_rmsnorm_ref
 from ..norms import RMSNorm
+from ..residual.add_norm import AddNormReadSpec, NormKernels
 from ..residual.stream import ResidualStream
 
 __all__ = ["boundary_overhead", "forward_ratio", "host_command"]
@@ -31,60 +31,79 @@ __all__ = ["boundary_overhead", "forward_ratio", "host_command"]
 _ns = time.perf_counter_ns
 
 
-def _median_of(repeats: int, fn: Callable[[], float]) -> float:
-    return statistics.median(fn() for _ in range(repeats))
+def _loop_us(fn: Callable[[], Any], iters: int) -> float:
+    t0 = _ns()
+    for _ in range(iters):
+        fn()
+    return (_ns() - t0) / iters / 1e3
 
 
-def boundary_overhead(tokens: int, hidden: int, iters: int) -> dict[str, float]:
-    """µs per call of each boundary step sequence, with and without the boundary around it."""
+def _min_interleaved(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Minimum over ``repeats`` rounds, the candidates interleaved within each round: machine
+    noise only ever adds time, and interleaving exposes every candidate to the same drift."""
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            best[k] = min(best[k], fn())
+    return best
+
+
+def boundary_overhead(tokens: int, hidden: int, iters: int, repeats: int = 9) -> dict[str, float]:
+    """Host µs per boundary: a cycle of one attention (prepare + finish) and one FFN boundary
+    (prepare + exit + finish) against the two fused add+RMSNorm calls it makes, and the same
+    cycle with no-op kernels (the boundary's own bookkeeping, free of kernel timing)."""
     n1, n2 = RMSNorm(hidden), RMSNorm(hidden)
     attn, ffn = make_stages((declare_attn(), n1), (declare_ffn(), n2), previous=declare_ffn())
+    n3, n4 = RMSNorm(hidden), RMSNorm(hidden)
+    noop = NormKernels("no-op", lambda x, w, e, weight_offset=0.0: x,
+                       lambda x, r, w, e, weight_offset=0.0: (x, r))
+    attn0, ffn0 = make_stages((declare_attn(read=AddNormReadSpec(noop)), n3),
+                              (declare_ffn(read=AddNormReadSpec(noop)), n4), previous=declare_ffn())
     c_attn = torch.randn(tokens, hidden)
     c_ffn = torch.randn(tokens, hidden)
-    fb = ForwardBatch(num_tokens=tokens)
     w, eps = n1.weight, n1.eps
 
-    def with_boundaries() -> tuple[float, float]:
-        stream, h = ResidualStream.arrive(residual=torch.randn(tokens, hidden), output=c_ffn)
-        fb.residual_stream = stream
-        ta = tf = 0
-        for _ in range(iters):
-            t0 = _ns()
-            attn.prepare(h, fb)
-            h = attn.finish(c_attn, fb)
-            t1 = _ns()
-            ffn.prepare(h, fb)
-            with ffn.exit(fb) as out:
-                pass
-            h = out.finish(c_ffn)
-            t2 = _ns()
-            ta += t1 - t0
-            tf += t2 - t1
-        return ta / iters / 1e3, tf / iters / 1e3
+    def cycle_of(a: Any, f: Any) -> Callable[[], float]:
+        fb = ForwardBatch(num_tokens=tokens)
+
+        def run() -> float:
+            stream, h = ResidualStream.arrive(residual=torch.randn(tokens, hidden), output=c_ffn)
+            fb.residual_stream = stream
+            state = [h]
+
+            def one() -> None:
+                a.prepare(state[0], fb)
+                h1 = a.finish(c_attn, fb)
+                f.prepare(h1, fb)
+                with f.exit(fb) as out:
+                    pass
+                state[0] = out.finish(c_ffn)
+
+            return _loop_us(one, iters)
+
+        return run
 
     def kernels_only() -> float:
         r = torch.randn(tokens, hidden)
-        t = 0
-        for _ in range(iters):
-            t0 = _ns()
-            _, r = fused_add_rmsnorm_ref(c_ffn, r, w, eps)
-            t += _ns() - t0
-        return t / iters / 1e3
+
+        def two() -> None:
+            fused_add_rmsnorm_ref(c_attn, r, w, eps)
+            fused_add_rmsnorm_ref(c_ffn, r, w, eps)
+
+        return _loop_us(two, iters)
 
     with torch.inference_mode():
-        with_boundaries(), kernels_only()  # warm up
-        runs = [with_boundaries() for _ in range(5)]
-        base = _median_of(5, kernels_only)
-    attn_us = statistics.median(r[0] for r in runs)
-    ffn_us = statistics.median(r[1] for r in runs)
+        best = _min_interleaved(
+            {"cycle": cycle_of(attn, ffn), "kernels": kernels_only, "bookkeeping": cycle_of(attn0, ffn0)},
+            repeats,
+        )
     return {
         "tokens": tokens,
         "hidden": hidden,
-        "kernel_us": base,
-        "attn_prepare_finish_us": attn_us,
-        "ffn_prepare_exit_finish_us": ffn_us,
-        "attn_overhead_us": attn_us - base,
-        "ffn_overhead_us": ffn_us - base,
+        "kernel_us": best["kernels"] / 2,
+        "cycle_us": best["cycle"],
+        "per_boundary_us": (best["cycle"] - best["kernels"]) / 2,
+        "bookkeeping_per_boundary_us": best["bookkeeping"] / 2,
     }
 
 
@@ -117,11 +136,8 @@ def forward_ratio(tokens: int, iters: int, config: Any = None) -> dict[str, floa
     with torch.inference_mode():
         if not torch.equal(bounded(), plain()):
             raise AssertionError("the boundary and plain forwards disagree; the comparison is void")
-        b, p = [], []
-        for _ in range(7):  # interleave so drift in machine load hits both alike
-            b.append(timed(bounded))
-            p.append(timed(plain))
-    bm, pm = statistics.median(b), statistics.median(p)
+        best = _min_interleaved({"b": lambda: timed(bounded), "p": lambda: timed(plain)}, 9)
+    bm, pm = best["b"], best["p"]
     return {
         "tokens": tokens,
         "hidden": config.hidden_size,
@@ -139,15 +155,17 @@ def host_command(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     print(f"layer-boundary bench host: CPU {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, {date.today()}")
-    print("\nper boundary (µs, median of 5 runs; kernel = the fused add+RMSNorm call alone)")
-    print(f"{'T':>5} {'H':>6} {'kernel':>8} {'attn p+f':>9} {'ffn p+e+f':>10} {'attn ovh':>9} {'ffn ovh':>8}")
+    print("\nper boundary (µs, min of 9 interleaved rounds; a cycle is one attention boundary "
+          "(prepare + finish) and one FFN boundary (prepare + exit + finish))")
+    print(f"{'T':>5} {'H':>6} {'kernel':>8} {'cycle':>8} {'per bnd':>8} {'bookkeeping':>12}")
     per = []
     for t in args.tokens:
         r = boundary_overhead(t, 64, args.iters)
         per.append(r)
-        print(f"{t:>5} {64:>6} {r['kernel_us']:>8.2f} {r['attn_prepare_finish_us']:>9.2f} "
-              f"{r['ffn_prepare_exit_finish_us']:>10.2f} {r['attn_overhead_us']:>9.2f} {r['ffn_overhead_us']:>8.2f}")
-    print("\ndecoder forward with / without boundaries (same modules and kernels; µs, median of 7)")
+        print(f"{t:>5} {64:>6} {r['kernel_us']:>8.2f} {r['cycle_us']:>8.2f} {r['per_boundary_us']:>8.2f} "
+              f"{r['bookkeeping_per_boundary_us']:>12.2f}")
+    print("\ndecoder forward with / without boundaries (same modules and kernels; µs, min of 9 "
+          "interleaved rounds)")
     print(f"{'T':>5} {'H':>6} {'layers':>6} {'with':>9} {'without':>9} {'ratio':>6} {'µs/bnd':>7}")
     fwd = []
     for hidden in args.hidden:

@@ -138,7 +138,7 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-    return token_index, logits.float().cpu(), seconds
+    return token_index, logits.cpu(), seconds
 
 
 def single_rank_logits(spec: RunSpec, device: Optional[str] = None) -> torch.Tensor:
@@ -147,4 +147,4 @@ def single_rank_logits(spec: RunSpec, device: Optional[str] = None) -> torch.Ten
                         Topology.single(), device or spec.device)
     ids, fb = _batch(spec.sequences, device or spec.device, None)
     with torch.inference_mode():
-        return model(ids, fb.positions, fb).float().cpu()
+        return model(ids, fb.positions, fb).cpu()
