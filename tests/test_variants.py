@@ -57,3 +57,14 @@ def test_variants_without_a_path_raise_on_two_ranks_too(flag, name):
     rb.start(fb)
     with raises_exact(RuntimeError, NO_PATH.format(variant=name)):
         a.prepare(torch.randn(2, 4), fb)
+
+
+def test_topology_refuses_a_tp_group_out_of_dp_order():
+    from layer_boundary import GroupInfo, Topology
+
+    solo = GroupInfo.solo()
+    g = object()
+    # Global ranks 0..3: attention DP rank 1, attention TP rank 0 must be TP rank 2, not 1.
+    with pytest.raises(ValueError, match="order the TP group"):
+        Topology(tp=GroupInfo((0, 1, 2, 3), 1, g), attn_tp=GroupInfo((1, 3), 0, g),
+                 attn_dp=GroupInfo((0, 1), 1, g), attn_cp=solo, moe_out=GroupInfo((0, 1, 2, 3), 1, g), pp=solo)

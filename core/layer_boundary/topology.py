@@ -77,6 +77,15 @@ class Topology:
                 f"attention TP ({self.attn_tp.size}) x attention DP ({self.attn_dp.size}) must equal "
                 f"TP ({self.tp.size}); build the groups with Topology.from_sizes or fix the sizes"
             )
+        # Row moves over the TP group (reduce-scatter, gathers) rely on this rank order: attention
+        # DP outer, attention TP inner.
+        expected = self.attn_dp.rank * self.attn_tp.size + self.attn_tp.rank
+        if self.tp.rank != expected:
+            raise ValueError(
+                f"this rank is TP rank {self.tp.rank} but attention DP rank {self.attn_dp.rank} x "
+                f"attention TP size {self.attn_tp.size} + attention TP rank {self.attn_tp.rank} = "
+                f"{expected}; order the TP group's ranks DP-group by DP-group (Topology.from_sizes does)"
+            )
 
     @classmethod
     def single(cls) -> "Topology":
