@@ -134,3 +134,32 @@ class FusionProviderConformance:
                 done += 1
         if not done:
             pytest.skip("no candidate accepts a single-rank stage")
+
+
+    @pytest.mark.gpu
+    def test_accepted_candidates_replay_in_a_cuda_graph(self, provider: Any, accepted_batch: Any,
+                                                        hidden_size: int, dtype: torch.dtype) -> None:
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        if accepted_batch is None:
+            pytest.skip("no batch is accepted on one rank (its fused sum needs several ranks)")
+        from .semantics import _graph_replays
+
+        done = 0
+        for stage in self._stages(provider, hidden_size, dtype, "cuda"):
+            for cand in self._candidates(provider, stage):
+                if cand.refuse(stage.plan) is not None:
+                    continue
+                g = torch.Generator().manual_seed(2)
+                y = torch.randn(accepted_batch.num_tokens, hidden_size, generator=g).to(dtype).cuda()
+                r = torch.randn(accepted_batch.num_tokens, hidden_size, generator=g).to(dtype).cuda()
+                read = stage.plan.read
+
+                def step(cand: Any = cand, read: Any = read) -> torch.Tensor:
+                    return cand(y.clone(), r.clone(), read, accepted_batch)[0]
+
+                eager, replayed = _graph_replays(step, [y, r])
+                assert torch.equal(eager, replayed), f"{cand.name} replays differently from eager"
+                done += 1
+        if not done:
+            pytest.skip("no candidate accepts a single-rank stage")

@@ -149,6 +149,18 @@ class ResidualSemanticsConformance:
                 residual_batch.snapshot(h, fb)
             assert str(e.value) == SNAPSHOT_PLAIN
 
+    @pytest.mark.gpu
+    def test_cuda_graph_capture_replays(self, semantics: Any, hidden_size: int, dtype: torch.dtype) -> None:
+        """A forward through the boundaries, captured in a CUDA graph, replays to the eager result."""
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        stack = _Stack(semantics, hidden_size, dtype).cuda()
+        stack.weights = [w.cuda() for w in stack.weights]
+        x = torch.randn(8, hidden_size, generator=torch.Generator().manual_seed(8)).to(dtype).cuda()
+        with torch.inference_mode():
+            eager, replayed = _graph_replays(lambda: stack.run(x, ForwardBatch(num_tokens=8)), [x])
+        assert torch.equal(eager, replayed)
+
     def test_matches_direct_equations(self, semantics: Any, reference: Any, hidden_size: int,
                                       dtype: torch.dtype) -> None:
         if reference is None:
@@ -157,3 +169,21 @@ class ResidualSemanticsConformance:
         x = torch.randn(7, hidden_size, generator=torch.Generator().manual_seed(6)).to(dtype)
         got = stack.run(x, ForwardBatch(num_tokens=7))
         torch.testing.assert_close(got, reference(stack, x), **tolerance_of(semantics, dtype))
+
+
+def _graph_replays(fn: Any, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    # ``inputs`` are the static buffers ``fn`` reads; they stay alive for the replay.
+    """``(eager, replayed)`` outputs of ``fn()`` with the output poisoned before replay."""
+    eager = fn().clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager, out
