@@ -38,6 +38,8 @@ class EntryPath:
     # attention sum, the plain add and the gather in one all-reduce; "read_first" reads on the
     # local rows and gathers the normalized input.
     dp_gather: Optional[str] = None
+    # The same path without the DP move: the read on the local rows that "read_first" runs.
+    local: Optional["EntryPath"] = None
     # Input-scattered variant: after the read on this rank's slice, gather the input over the
     # attention-TP group ("group") or over the whole TP group ("all", an FFN).
     scatter: Optional[str] = None
@@ -184,8 +186,9 @@ def build_stage(
             accepts=_accepts(decl.previous, topology),
             expected_update=decl.previous.update.name if decl.previous is not None else None,
             capture_owned=capture_owned,
-            dp_gather=dp_gather,
         )
+        if dp_gather is not None:
+            entries[variant] = replace(entries[variant], dp_gather=dp_gather, local=entries[variant])
         # An FFN's next consumer is the next layer's first stage when following is not given.
         may_defer = (
             scoped
@@ -280,7 +283,8 @@ def _bind_candidates(plan: StagePlan, context: Any) -> None:
             if why is None:
                 accepted.append(cand)
     for variant, entry in list(plan.entries.items()):
-        plan.entries[variant] = replace(entry, candidates=tuple(accepted))  # type: ignore[index]
+        local = replace(entry.local, candidates=tuple(accepted)) if entry.local is not None else None
+        plan.entries[variant] = replace(entry, candidates=tuple(accepted), local=local)  # type: ignore[index]
         context.report.add(Selection(
             plan.name, variant.name, "consumer fusion", hook,
             accepted[0].name if accepted else None, tuple(cands),

@@ -222,22 +222,10 @@ def _dp_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, hidden:
             x_all = read.read(residual_all)
             stream.write(rows.take_local(residual_all))
             return x_all
-    x_local = run_entry(plan, _LOCAL[entry], stream, hidden, None, None, forward_batch)
+    assert entry.local is not None
+    x_local = run_entry(plan, entry.local, stream, hidden, None, None, forward_batch)
     return rows.gather(x_local)
 
-
-class _LocalEntries(dict):
-    """The same entry path without its DP move (for the read on the local rows)."""
-
-    def __missing__(self, entry: EntryPath) -> EntryPath:
-        from dataclasses import replace
-
-        local = replace(entry, dp_gather=None)
-        self[entry] = local
-        return local
-
-
-_LOCAL = _LocalEntries()
 
 
 def scatter_rows(stream: ResidualStream, plan: Any, forward_batch: Any) -> Any:
