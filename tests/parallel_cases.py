@@ -137,14 +137,14 @@ def count_collectives() -> Iterator[dict[str, int]]:
             setattr(owner, name, orig)
 
 
-_TOPOLOGIES: dict[tuple[int, int], Topology] = {}
+_TOPOLOGIES: dict[tuple[int, int, int], Topology] = {}
 
 
-def topology(tp: int, dp: int) -> Topology:
+def topology(tp: int, dp: int, pp: int = 1) -> Topology:
     """One set of process groups per layout for the whole worker (groups are expensive)."""
-    if (tp, dp) not in _TOPOLOGIES:
-        _TOPOLOGIES[(tp, dp)] = Topology.from_sizes(tp=tp, dp=dp)
-    return _TOPOLOGIES[(tp, dp)]
+    if (tp, dp, pp) not in _TOPOLOGIES:
+        _TOPOLOGIES[(tp, dp, pp)] = Topology.from_sizes(tp=tp, dp=dp, pp=pp)
+    return _TOPOLOGIES[(tp, dp, pp)]
 
 
 def linear_matrix(rank: int, world: int, cases: list[dict[str, Any]], device: str = "cpu") -> list[dict[str, Any]]:
@@ -231,6 +231,128 @@ def qwen3_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
     return results
 
 
-def matrix(rank: int, world: int, linear: list[dict[str, Any]], qwen: list[dict[str, Any]]) -> dict[str, Any]:
-    """Both matrices in one spawn: process groups are created once per layout."""
-    return {"linear": linear_matrix(rank, world, linear), "qwen3": qwen3_matrix(rank, world, qwen)}
+# -- pipeline parallel ---------------------------------------------------------------------------
+
+
+class LinStage(nn.Module):
+    """One stage of a synthetic stack: ``a`` (A) a PARTIAL attention-like row-parallel pair over
+    attention TP, or (F) an FFN column/row pair over TP; identity norms, dyadic weights, so every
+    sum is exact. Weights depend on the stage's global index only."""
+
+    def __init__(self, kind: str, j: int, topo: Topology) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "A":
+            self.a = ColumnParallelLinear(H, H, bias=False, group=topo.attn_tp, dtype=torch.float64)
+            self.b = RowParallelLinear(H, H, bias=False, group=topo.attn_tp, reduce_results=False,
+                                       dtype=torch.float64)
+            shapes = ((H, H), (H, H))
+        else:
+            self.a = ColumnParallelLinear(H, F, bias=False, group=topo.tp, dtype=torch.float64)
+            self.b = RowParallelLinear(F, H, bias=False, group=topo.tp, dtype=torch.float64)
+            shapes = ((F, H), (H, F))
+        for lin, shape, s in ((self.a, shapes[0], 0), (self.b, shapes[1], 1)):
+            lin.weight_loader(lin.weight, dyadic(shape, 1000 + 10 * j + s))
+        self.norm = nn.Identity()
+
+    def run(self, boundary: Any, h: Any, fb: Any) -> Any:
+        x = boundary.prepare(h, fb)
+        if self.kind == "A":
+            return boundary.finish(self.b(self.a(x)), fb)
+        with boundary.exit(fb) as out:
+            y = self.b(self.a(x))
+        return out.finish(y)
+
+
+def _lin_decl(kind: str) -> Any:
+    return declare_attn() if kind == "A" else declare_ffn()
+
+
+def linear_pipeline(topo: Topology, kinds: str, split: int, x: torch.Tensor,
+                    defer_last: bool = False) -> dict[str, Any]:
+    """Run the stack ``kinds`` (e.g. "AFA|FAF" without the bar) with stages ``[0, split)`` on
+    pipeline stage 0 and the rest on stage 1 (everything on a single-stage topology).
+    ``defer_last``: the sender's last stage (an FFN) is asked to defer its sum dynamically."""
+    from layer_boundary.residual.batch import PP_META
+
+    pp = topo.pp
+    ctx = BoundaryContext(topo)
+    stages = [LinStage(k, j, topo) for j, k in enumerate(kinds)]
+    lo, hi = (0, len(kinds)) if pp.size == 1 else ((0, split) if pp.rank == 0 else (split, len(kinds)))
+    defer = DeferAlways()
+    items = []
+    for j in range(lo, hi):
+        item: tuple = (_lin_decl(kinds[j]), stages[j].norm)
+        if defer_last and j == hi - 1 and pp.rank == 0 and pp.size > 1:
+            item = (*item, {"fusions": defer})
+        items.append(item)
+    prev = None if lo == 0 else _lin_decl(kinds[lo - 1])
+    bounds = make_stages(*items, previous=prev, terminal=hi == len(kinds), context=ctx)
+    fb = ForwardBatch(num_tokens=x.shape[0])
+    out: dict[str, Any] = {"errors": []}
+    with count_collectives() as n:
+        if lo == 0:
+            residual_batch.start(fb)
+            h: Any = x.clone()
+        else:
+            tensors = ops.recv_tensors(pp)
+            out["received_meta"] = tensors[PP_META].tolist()
+            # A receiver whose previous= contradicts what arrived is refused before any collective.
+            wrong = declare_ffn() if kinds[lo - 1] == "A" else declare_attn()
+            bad = make_stages((_lin_decl(kinds[lo]), nn.Identity()), previous=wrong,
+                              terminal=True, context=BoundaryContext(topo))
+            try:
+                bad[0].from_pp(tensors, ForwardBatch(num_tokens=x.shape[0]))
+            except Exception as e:  # noqa: BLE001 - recorded for the test
+                out["errors"].append(f"{type(e).__name__}: {e}")
+            h = bounds[0].from_pp(tensors, fb)
+        for j, b in zip(range(lo, hi), bounds):
+            h = stages[j].run(b, h, fb)
+        if hi == len(kinds):
+            out["value"] = residual_batch.norm(h, fb, nn.Identity(), skip_empty=True)
+        else:
+            sent = residual_batch.to_pp(h, fb)
+            out["sent_meta"] = sent[PP_META].tolist()
+            out["released"] = fb.residual_stream.released
+            ops.send_tensors(sent, pp)
+    out["all_reduce"] = n.get("all_reduce", 0)
+    out["deferred_asks"] = defer.asked
+    return out
+
+
+def pipeline_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pipeline-parallel cases: the Qwen3 reference over tp x pp, and the synthetic stack whose
+    partition falls after a PARTIAL attention (or after an FFN that deferred its sum)."""
+    from layer_boundary.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
+
+    results = []
+    for case in cases:
+        pp, dp = case["pp"], case.get("dp", 1)
+        tp = world // pp
+        topo = topology(tp, dp, pp)
+        r: dict[str, Any] = {"case": case, "pp_rank": topo.pp.rank, "pp_ranks": topo.pp.ranks}
+        if case["kind"] == "qwen3":
+            spec = RunSpec(sequences=tuple(tuple(s) for s in case["sequences"]), tp=tp, dp=dp, pp=pp,
+                           dtype="float64", plugins=False)
+            model = build_model(spec, topo, "cpu")
+            idx, logits, _ = rank_forward(model, spec, "cpu")
+            want = single_rank_logits(spec)[idx] if idx else logits[:0]
+            r.update(rows=len(idx), max_diff=(logits - want).abs().max().item() if idx else 0.0,
+                     layers=[layer.layer_id for layer in model.model.layers],
+                     terminal=[layer.ffn_boundary.plan.declaration.terminal for layer in model.model.layers])
+        else:
+            x = dyadic((5, H), 7)
+            got = linear_pipeline(topo, case["kinds"], case["split"], x, case.get("defer", False))
+            if "value" in got:
+                want = linear_pipeline(Topology.single(), case["kinds"], case["split"], x)["value"]
+                got["equal"] = bool(torch.equal(got.pop("value"), want))
+            r.update(got)
+        results.append(r)
+    return results
+
+
+def matrix(rank: int, world: int, linear: list[dict[str, Any]], qwen: list[dict[str, Any]],
+           pipeline: list[dict[str, Any]] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+    """All matrices in one spawn: process groups are created once per layout."""
+    return {"linear": linear_matrix(rank, world, linear), "qwen3": qwen3_matrix(rank, world, qwen),
+            "pipeline": pipeline_matrix(rank, world, list(pipeline))}

@@ -115,11 +115,27 @@ QWEN_4 = [
 ]
 
 
+# Pipeline parallel (world = tp x pp): the Qwen3 reference, and the synthetic stack "kinds" (A a
+# PARTIAL attention, F an FFN) split after stage ``split``.
+PIPE_2 = [
+    dict(kind="qwen3", pp=2, sequences=[[1, 5, 9], [4]]),
+]
+PIPE_4 = [
+    dict(kind="qwen3", pp=2, sequences=[[1, 5, 9, 11], [4, 2]]),
+    dict(kind="qwen3", pp=2, dp=2, sequences=[[1, 5, 9], [4, 8, 16, 2]]),
+    dict(kind="qwen3", pp=4, sequences=[[3, 1, 4, 1, 5]]),
+    # The partition falls right after a PARTIAL attention: its sum crosses as a partial.
+    dict(kind="linear", pp=2, kinds="AFAFAF", split=3),
+    # ... after an FFN whose exit deferred its sum: to_pp completes it before transport.
+    dict(kind="linear", pp=2, kinds="AFAFAF", split=2, defer=True),
+]
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def matrix(request):
     world = request.param
-    linear, qwen = (LINEAR_2, QWEN_2) if world == 2 else (LINEAR_4, QWEN_4)
-    return world, spawn(parallel_cases.matrix, world, args=(linear, qwen), timeout_s=240)
+    linear, qwen, pipe = (LINEAR_2, QWEN_2, PIPE_2) if world == 2 else (LINEAR_4, QWEN_4, PIPE_4)
+    return world, spawn(parallel_cases.matrix, world, args=(linear, qwen, pipe), timeout_s=240)
 
 
 def test_linear_stack_is_bitwise_equal_on_every_path(matrix):
@@ -194,3 +210,63 @@ def test_dp_ffn_input_read_order(matrix):
                 assert r["dp_gather"] == ["join"] * n, (rank, case)
                 assert r["dp_moves"] == {"gather": 0, "joined_sum": n}, (rank, case)
     assert mhc_seen >= world
+
+
+def test_pipeline_qwen3_matches_single_rank(matrix):
+    """tp x pp layouts: the logits come from the last stage and equal the single-rank model;
+    each stage holds its own layers, and only the model's last layer is terminal."""
+    world, per_rank = matrix
+    seen = 0
+    for rank, results in enumerate(per_rank):
+        for r in results["pipeline"]:
+            case = r["case"]
+            if case["kind"] != "qwen3":
+                continue
+            pp, tp = case["pp"], world // case["pp"]
+            assert r["pp_rank"] == rank // tp and r["pp_ranks"] == tuple(range(rank % tp, world, tp))
+            layers = 4  # small_random_config
+            per = layers // pp
+            start = r["pp_rank"] * per
+            assert r["layers"] == list(range(start, layers if r["pp_rank"] == pp - 1 else start + per))
+            assert r["terminal"] == [i == layers - 1 for i in r["layers"]]
+            if r["pp_rank"] == pp - 1:
+                seen += 1
+                assert r["rows"] > 0 or case.get("dp", 1) > 1
+                assert r["max_diff"] <= 1e-10, (rank, r)
+            else:
+                assert r["rows"] == 0
+    assert seen >= 1
+
+
+def test_pipeline_static_partial_sum_crosses_once(matrix):
+    """A PARTIAL attention ends the sender's partition: to_pp() sends its partial sum unreduced
+    (the metadata says an attention-TP sum is owed) and the receiver completes it exactly once.
+    Bitwise equal to one rank; all-reduces per rank: sender 2 (A0's sum, F0's sum), receiver 4
+    (A2's partial, F3, A4, F5). A dynamically deferred FFN sum is completed by to_pp() instead."""
+    world, per_rank = matrix
+    if world != 4:
+        pytest.skip("the synthetic pipeline cases run on 4 ranks (tp=2, pp=2)")
+    seen = set()
+    for rank, results in enumerate(per_rank):
+        for r in results["pipeline"]:
+            case = r["case"]
+            if case["kind"] != "linear":
+                continue
+            defer = case.get("defer", False)
+            if r["pp_rank"] == 0:
+                assert r["released"]
+                # [state pending, one static sum over ATTN_TP (code 0) of 2 ranks] / nothing owed
+                assert r["sent_meta"] == ([2, 0] if defer else [2, 1, 0, 2]), (rank, r)
+                assert r["all_reduce"] == 2, (rank, r)
+                if defer:
+                    assert r["deferred_asks"] >= 1
+            else:
+                assert r["equal"], (rank, r)
+                assert r["received_meta"] == ([2, 0] if defer else [2, 1, 0, 2])
+                assert r["all_reduce"] == 4, (rank, r)
+                # previous= contradicts what arrived: refused, never a double or missing sum.
+                assert len(r["errors"]) == 1 and "BoundaryError" in r["errors"][0], r["errors"]
+                want = "a complete output" if defer else "a partial sum over ATTN_TP"
+                assert want in r["errors"][0] and "previous=" in r["errors"][0], r["errors"]
+            seen.add((r["pp_rank"], defer))
+    assert seen == {(0, False), (1, False), (0, True), (1, True)}

@@ -10,7 +10,8 @@ import datetime
 import os
 import pickle
 import queue
-import socket
+import shutil
+import tempfile
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
@@ -34,29 +35,24 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: float) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+def init_rank(rank: int, world_size: int, backend: str, store_path: str, timeout_s: float) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast here
+    # A file store: no TCP port to pick, so no race with other processes for a free one.
+    store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+        backend, store=store, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
         device_id=torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else None,
     )
 
 
-def _worker(rank: int, world_size: int, backend: str, port: int, timeout_s: float,
+def _worker(rank: int, world_size: int, backend: str, store_path: str, timeout_s: float,
             fn: Callable[..., Any], args: Sequence[Any], results: Any) -> None:
     try:
         torch.set_num_threads(1)  # N ranks share the host's cores
-        init_rank(rank, world_size, backend, port, timeout_s)
+        init_rank(rank, world_size, backend, store_path, timeout_s)
         out = fn(rank, world_size, *args)
         try:
             pickle.dumps(out)
@@ -117,9 +113,10 @@ def spawn(
         )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    store_dir = tempfile.mkdtemp(prefix="layer-boundary-")
+    store_path = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, backend, port, timeout_s, fn, tuple(args), results),
+        ctx.Process(target=_worker, args=(r, world_size, backend, store_path, timeout_s, fn, tuple(args), results),
                     daemon=True)
         for r in range(world_size)
     ]
@@ -162,6 +159,7 @@ def spawn(
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if failure is not None:
         raise failure
     return [got[r] for r in range(world_size)]

@@ -138,6 +138,99 @@ class StageBoundary:
             value = dp_rows(stream, self.plan, forward_batch).take_local(value)
         return publish(self.plan, stream, value, (), transformed=True)
 
+    def from_pp(self, tensors: dict[str, torch.Tensor], forward_batch: Any) -> Handle:
+        """Rebuild the batch's stream from what the previous pipeline stage's ``to_pp()`` sent.
+
+        Call on the first local boundary of a non-first pipeline stage; pass the returned handle
+        to its ``prepare()``. A statically declared partial sum arrives pending, owed over this
+        boundary's own group, and exactly when ``previous`` declares a producer that leaves one;
+        anything else is refused before any collective runs.
+        """
+        from .contracts import Owed, OwedKind
+        from .construction import _output_sum
+        from .prepare import check_edge
+        from .residual import batch as residual_batch
+        from .residual.stream import ResidualStream
+
+        if self._prepared:
+            raise BoundaryError(BRANCH_ENTRY)
+        meta_t = tensors.get(residual_batch.PP_META) if isinstance(tensors, dict) else None
+        if meta_t is None:
+            raise TypeError(
+                "from_pp() takes the tensor dict residual_batch.to_pp() produced on the previous "
+                f"pipeline stage (with its {residual_batch.PP_META!r} entry)"
+            )
+        meta = [int(v) for v in meta_t.tolist()]
+        state, n = meta[0], meta[1]
+        if state == residual_batch.PP_INITIAL:
+            # Nothing read yet upstream: this stage must start the residual (previous=None), and
+            # prepare() says so otherwise.
+            residual_batch.start(forward_batch)
+            return tensors["output"]
+        prev = self.plan.declaration.previous
+        if prev is None:
+            raise BoundaryError(
+                f"from_pp(): {self.plan.name} stage was built with previous=None (stack entry) but "
+                "the previous pipeline stage hands on a residual stream; pass previous= the "
+                "producer that ends the previous pipeline partition"
+            )
+        if not prev.update.plain_add:
+            raise BoundaryError(
+                f"from_pp(): previous= declares the update {prev.update.name!r}, which is not a plain "
+                "add; nonlinear updates (for example MHC) are not supported across pipeline stages yet"
+            )
+        topo = self.plan.topology
+        groups = residual_batch.pp_sum_groups()
+        static: list[Owed] = []
+        for i in range(n):
+            name, size = groups[meta[2 + 2 * i]], meta[3 + 2 * i]
+            group = topo.sum_group(name)
+            if group.size != size:
+                raise BoundaryError(
+                    f"from_pp(): the sender left a partial sum over {name.name} of {size} ranks, but "
+                    f"this stage's {name.name} group has {group.size}; every pipeline stage needs the "
+                    "same tensor-parallel layout"
+                )
+            static.append(Owed(OwedKind.SUM, name, group, static=True))
+        if state == residual_batch.PP_PENDING:
+            declared = _output_sum(prev, topo)
+            want = (declared.group_name,) if declared is not None and declared.static else ()
+            got = tuple(o.group_name for o in static)
+            if got != want:
+                said = (f"a partial sum over {', '.join(g.name for g in got)}" if got
+                        else "a complete output (no partial sum owed)")
+                expected = (f"a partial sum over {want[0].name}" if want else "no partial sum")
+                raise BoundaryError(
+                    f"from_pp(): the previous pipeline stage sent {said}, but this {self.plan.name} "
+                    f"stage was built with previous={prev.describe()}, which leaves {expected}; "
+                    "previous= does not describe the real producer (or complete_output() ran before "
+                    "to_pp()), which would reduce twice or not at all"
+                )
+            stream, handle = ResidualStream.arrive(
+                residual=tensors.get("residual"), output=tensors["output"], update=prev.update,
+                owed=tuple(static),
+            )
+        elif state == residual_batch.PP_WRITTEN:
+            if static:
+                raise BoundaryError("from_pp(): a written stream cannot owe a partial sum")
+            stream, handle = ResidualStream.arrive(residual=tensors["residual"])
+        else:
+            raise BoundaryError(f"from_pp(): unknown pipeline handoff state {state}")
+        if stream.pending is not None:
+            check_edge(self.plan, self._entry(forward_batch, stream), stream.pending)
+        old = getattr(forward_batch, "residual_stream", None)
+        if old is not None:
+            old.release()
+        try:
+            forward_batch.residual_stream = stream
+        except AttributeError as e:
+            raise TypeError(
+                f"{type(forward_batch).__name__} has no settable residual_stream attribute; the "
+                "boundary owns that attribute of the engine's batch object (see ForwardBatchLike)"
+            ) from e
+        assert handle is not None
+        return handle
+
     def capture_output(self, hidden_states: Any, forward_batch: Any) -> tuple[Handle, torch.Tensor]:
         """``(handle, snapshot)``: dynamic owed work is completed on the main output (a fresh
         handle); a statically declared sum is computed on a copy for the snapshot only."""

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "on CPU, else 1")
     run.add_argument("--dp", type=int, default=1, metavar="D",
                      help="attention data parallel: D groups of N/D attention-TP ranks (D divides N)")
+    run.add_argument("--pp", type=int, default=1, metavar="P",
+                     help="pipeline stages (layers split evenly, the remainder on the last); the "
+                     "world is N x P ranks, stage s on ranks [s*N, (s+1)*N)")
     run.add_argument("--reduction", choices=("auto", "ar", "rs", "rsv", "rs+rsv"), default="auto",
                      help="FFN output return permissions under attention DP (default: auto)")
     run.add_argument("--backend", choices=("gloo", "nccl"), default=None,

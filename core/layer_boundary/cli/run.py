@@ -63,13 +63,13 @@ CHECK_REL = {"float32": 1e-5, "bfloat16": 0.03, "float64": 1e-12}
 
 def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
     return RunSpec(sequences=tuple(tuple(s) for s in args.input_ids), model=args.model, seed=args.seed,
-                   dtype=args.dtype, tp=tp, dp=args.dp, reduction=args.reduction, residual=args.residual,
+                   dtype=args.dtype, tp=tp, dp=args.dp, pp=getattr(args, "pp", 1), reduction=args.reduction, residual=args.residual,
                    device=args.device, pattern=args.pattern)
 
 
 def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, Any]:
     """One rank: build, run ``repeats`` forwards, return its rows' logits (rank 0 also the report)."""
-    topo = Topology.from_sizes(tp=spec.tp, dp=spec.dp) if world > 1 else Topology.single()
+    topo = Topology.from_sizes(tp=spec.tp, dp=spec.dp, pp=spec.pp) if world > 1 else Topology.single()
     device = spec.device
     model = build_model(spec, topo, device)
     idx, logits, first = rank_forward(model, spec, device)
@@ -101,8 +101,9 @@ def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, A
 def _run_ranks(spec: RunSpec, backend: str, repeats: int) -> list[dict[str, Any]]:
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        if world != spec.tp:
-            raise SystemExit(f"layer-boundary run: torchrun started {world} ranks but --tp is {spec.tp}")
+        if world != spec.world_size:
+            raise SystemExit(f"layer-boundary run: torchrun started {world} ranks but --tp {spec.tp} x "
+                             f"--pp {spec.pp} is {spec.world_size}")
         rank = int(os.environ["RANK"])
         if not dist.is_initialized():
             dist.init_process_group(backend)
@@ -110,9 +111,9 @@ def _run_ranks(spec: RunSpec, backend: str, repeats: int) -> list[dict[str, Any]
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
         return everyone
-    if spec.tp == 1:
+    if spec.world_size == 1:
         return [_rank_job(0, 1, spec, repeats)]
-    return spawn(_rank_job, spec.tp, args=(spec, repeats), backend=backend)
+    return spawn(_rank_job, spec.world_size, args=(spec, repeats), backend=backend)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -167,7 +168,7 @@ def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any
     else:
         what = f"Qwen3 from {spec.model}" if spec.model else f"embedded random Qwen3 (seed {spec.seed})"
     print(f"model:    {what}")
-    print(f"dtype:    {spec.dtype}   device: {spec.device}   ranks: {spec.tp} ({backend})   "
+    print(f"dtype:    {spec.dtype}   device: {spec.device}   ranks: {spec.world_size} ({backend})   "
           f"topology: {head['topology']}   reduction: {spec.reduction}")
     print(f"residual: {head['residual']}")
     print(f"stages:   {head['boundaries']} boundaries")
@@ -182,7 +183,7 @@ def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any
         if r["attn_tp_rank"] == 0 and r["tokens"]:
             logits[r["tokens"]] = r["logits"]
     slowest = max(results, key=lambda r: r["median"])
-    print(f"forward:  {total} tokens in {len(spec.sequences)} sequence(s) on {spec.tp} rank(s): "
+    print(f"forward:  {total} tokens in {len(spec.sequences)} sequence(s) on {spec.world_size} rank(s): "
           f"{1e3 * results[0]['median']:.2f} ms median on rank 0, slowest rank {slowest['rank']} "
           f"{1e3 * slowest['median']:.2f} ms (first call {1e3 * results[0]['first']:.2f} ms)")
     top = torch.topk(logits[-1], k=min(5, head["vocab"]))
@@ -197,7 +198,7 @@ def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any
 
 
 def _check(spec: RunSpec, results: list[dict[str, Any]]) -> int:
-    ref = single_rank_logits(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1}))
+    ref = single_rank_logits(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1, "pp": 1}))
     scale = max(1.0, ref.abs().max().item())
     tol = CHECK_REL[spec.dtype] * scale
     worst = (0.0, -1)

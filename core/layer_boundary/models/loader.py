@@ -76,8 +76,9 @@ def load_tensors(
 ) -> None:
     """Load full, HF-named ``tensors`` into ``model``'s (possibly sharded) parameters.
 
-    ``model`` may define ``stacked_params_mapping``, ``ignored_checkpoint_name(name) -> bool`` and
-    ``optional_parameter(name) -> bool``.
+    ``model`` may define ``stacked_params_mapping``, ``ignored_checkpoint_name(name) -> bool``,
+    ``optional_parameter(name) -> bool`` and ``local_checkpoint_name(name) -> str | None`` (a
+    pipeline stage: the local name, or None for another stage's tensor).
     """
     mapping: tuple[tuple[str, str, Any], ...] = tuple(getattr(model, "stacked_params_mapping", ()))
     ignored: Callable[[str], bool] = getattr(model, "ignored_checkpoint_name", lambda name: False)
@@ -94,9 +95,16 @@ def load_tensors(
     loaded: set[tuple[str, Any]] = set()
     unexpected: list[str] = []
     duplicated: list[str] = []
+    # A pipeline stage holds only some of the checkpoint's modules, under local names: the model
+    # maps each name to its own (None: another stage's tensor).
+    local_name: Callable[[str], Any] = getattr(model, "local_checkpoint_name", lambda name: name)
     for name, full in tensors:
         if ignored(name):
             continue
+        local = local_name(name)
+        if local is None:
+            continue
+        name = local
         target, shard = name, None
         for src, dst, sid in mapping:
             if src in name:

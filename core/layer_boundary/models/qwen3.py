@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
+from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages, ops
 from layer_boundary.models.config import Qwen3Config
 from layer_boundary.models.layers import (
     MergedColumnParallelLinear,
@@ -48,11 +48,23 @@ __all__ = [
     "Qwen3Model",
     "Qwen3ForCausalLM",
     "causal_attention",
+    "pp_layer_range",
     "RESIDUAL_MODULES",
 ]
 
 # Attribute names of the parameter modules a residual scheme owns (none for the plain residual).
 RESIDUAL_MODULES = ("attn_residual", "ffn_residual", "final_residual")
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Layers ``[start, end)`` of pipeline stage ``pp_rank``: equal parts, the remainder on the
+    last stage."""
+    per = num_layers // pp_size
+    if per == 0:
+        raise ValueError(f"{num_layers} layers cannot be split over {pp_size} pipeline stages; "
+                         "every stage needs at least one layer")
+    start = pp_rank * per
+    return start, (num_layers if pp_rank == pp_size - 1 else start + per)
 
 
 def causal_attention(
@@ -214,26 +226,47 @@ class Qwen3Model(nn.Module):
         if residual is None:
             residual = context.semantics("plain")
         topology = self.topology = context.topology
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype
+        pp = topology.pp
+        # A pipeline stage holds layers [start_layer, end_layer) (local indices from 0), the
+        # embedding on the first stage and the final norm on the last.
+        self.pp_first, self.pp_last = pp.rank == 0, pp.rank == pp.size - 1
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.size)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+            if self.pp_first else None
         )
         # One cos/sin table shared by every layer.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(config, i, context, rotary_emb=self.rotary_emb, dtype=dtype, residual=residual)
-            for i in range(config.num_hidden_layers)
+            for i in range(self.start_layer, self.end_layer)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        final = residual.exit(config.hidden_size, dtype=dtype)
-        if final.params is not None:
-            self.final_residual = final.params
-        residual_batch.bind_final_norm(self.norm, context=context, read=final.read)
+        self.norm = None
+        if self.pp_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+            final = residual.exit(config.hidden_size, dtype=dtype)
+            if final.params is not None:
+                self.final_residual = final.params
+            residual_batch.bind_final_norm(self.norm, context=context, read=final.read)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
-        residual_batch.start(forward_batch)
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: Any,
+        pp_proxy_tensors: Optional[dict[str, torch.Tensor]] = None,
+    ) -> Union[torch.Tensor, dict[str, torch.Tensor]]:
+        """The final-normed hidden states on the last pipeline stage; elsewhere the tensors
+        ``to_pp()`` hands to the next stage. A non-first stage takes the previous stage's tensors."""
+        if self.pp_first:
+            residual_batch.start(forward_batch)
+            hidden_states = self.embed_tokens(input_ids)
+        else:
+            hidden_states = self.layers[0].attn_boundary.from_pp(pp_proxy_tensors, forward_batch)
         for layer in self.layers:
             hidden_states = layer(positions, hidden_states, forward_batch)
+        if not self.pp_last:
+            return residual_batch.to_pp(hidden_states, forward_batch)
         hidden_states = residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True)
         return hidden_states
 
@@ -275,9 +308,16 @@ class Qwen3ForCausalLM(nn.Module):
         self.topology = topology
         self.context = context
         self.residual = context.semantics(residual) if isinstance(residual, str) else residual
+        if topology.pp.size > 1 and getattr(self.residual, "name", None) != "plain":
+            raise ValueError(
+                f"residual scheme {getattr(self.residual, 'name', self.residual)!r} is not a plain "
+                "add; nonlinear updates are not supported across pipeline stages yet (use pp=1)"
+            )
         self.model = Qwen3Model(config, context, dtype=dtype, residual=self.residual)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
-        if config.tie_word_embeddings:
+        # The LM head lives on the last pipeline stage only.
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+                        if self.model.pp_last else None)
+        if config.tie_word_embeddings and self.model.pp_first and self.model.pp_last:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._residual_prefixes = tuple(name + "." for name, _ in self.residual_modules())
         if owns_context:
@@ -289,6 +329,27 @@ class Qwen3ForCausalLM(nn.Module):
             return True
         return self.config.tie_word_embeddings and name == "lm_head.weight"
 
+    def local_checkpoint_name(self, name: str) -> Optional[str]:
+        """This pipeline stage's name for a checkpoint tensor, or None for another stage's."""
+        m = self.model
+        if self.topology.pp.size == 1:
+            return name
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            if not m.start_layer <= int(i) < m.end_layer:
+                return None
+            return f"model.layers.{int(i) - m.start_layer}.{rest}"
+        if name.startswith("model.embed_tokens."):
+            if m.embed_tokens is not None:
+                return name
+            # Tied embeddings: the last stage's LM head loads the embedding's tensor.
+            return "lm_head.weight" if self.config.tie_word_embeddings and self.lm_head is not None else None
+        if name.startswith("model.norm.") or name.startswith("model.final_residual."):
+            return name if m.pp_last else None
+        if name.startswith("lm_head."):
+            return name if self.lm_head is not None else None
+        return name
+
     def residual_modules(self) -> list[tuple[str, nn.Module]]:
         """``(name, module)`` of each parameter module the residual scheme owns (plain: none)."""
         return [(n, m) for n, m in self.named_modules() if n.rpartition(".")[2] in RESIDUAL_MODULES]
@@ -298,8 +359,19 @@ class Qwen3ForCausalLM(nn.Module):
         the scheme's init fills them). A checkpoint that has them loads them."""
         return name.startswith(self._residual_prefixes)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
-        hidden_states = self.model(input_ids, positions, forward_batch)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any
+    ) -> Optional[torch.Tensor]:
+        """Logits on the last pipeline stage; ``None`` on the others (they send their output on).
+
+        A non-first stage first receives the previous stage's tensors over ``topology.pp``.
+        """
+        pp = self.topology.pp
+        tensors = ops.recv_tensors(pp, device=input_ids.device) if pp.rank > 0 else None
+        hidden_states = self.model(input_ids, positions, forward_batch, tensors)
+        if pp.rank < pp.size - 1:
+            ops.send_tensors(hidden_states, pp)
+            return None
         return self.lm_head(hidden_states).float()
 
     def load_weights(self, folder: str | os.PathLike[str]) -> None:

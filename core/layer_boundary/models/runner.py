@@ -31,6 +31,7 @@ class RunSpec:
     dtype: str = "float32"
     tp: int = 1
     dp: int = 1
+    pp: int = 1  # pipeline stages; the world is tp * pp ranks
     reduction: str = "auto"
     residual: str = "plain"
     device: str = "cpu"
@@ -54,12 +55,22 @@ class RunSpec:
             raise ValueError("every sequence needs at least one token")
         if self.tp < 1 or self.dp < 1 or self.tp % self.dp:
             raise ValueError(f"--dp {self.dp} must divide --tp {self.tp} (attention DP splits the TP group)")
+        if self.pp < 1:
+            raise ValueError(f"--pp {self.pp} must be at least 1")
+        if self.pp > 1:
+            if self.pattern is not None:
+                raise ValueError("--pp is supported for the Qwen3 reference only, not --pattern yet")
+            if self.residual != "plain":
+                raise ValueError(f"--pp needs the plain residual: {self.residual!r} is a nonlinear update, "
+                                 "which is not supported across pipeline stages yet")
+            if self.input_scattered:
+                raise ValueError("the input-scattered variant is not supported across pipeline stages yet")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: use one of {sorted(DTYPES)}")
 
     @property
     def world_size(self) -> int:
-        return self.tp
+        return self.tp * self.pp
 
 
 def assign_sequences(n: int, dp: int) -> list[list[int]]:
@@ -138,12 +149,14 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+    if logits is None:  # a pipeline stage before the last: its output went on to the next stage
+        return [], torch.zeros(0, model.config.vocab_size), seconds
     return token_index, logits.cpu(), seconds
 
 
 def single_rank_logits(spec: RunSpec, device: Optional[str] = None) -> torch.Tensor:
     """Logits of every token, in input order, from the single-rank model (all sequences packed)."""
-    model = build_model(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1, "input_scattered": False}),
+    model = build_model(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1, "pp": 1, "input_scattered": False}),
                         Topology.single(), device or spec.device)
     ids, fb = _batch(spec.sequences, device or spec.device, None)
     with torch.inference_mode():

@@ -21,6 +21,8 @@ __all__ = [
     "bind_final_norm",
     "start",
     "norm",
+    "to_pp",
+    "PP_META",
     "fold",
     "written",
     "take_output",
@@ -154,6 +156,98 @@ def norm(
         return out
     finally:
         stream.release()
+
+
+# Pipeline handoff metadata: one small int64 tensor under ``tensors[PP_META]``:
+# ``[state, n, (sum group code, group size) * n]``; state 0 initial (``output`` is the embedding
+# output), 1 written (``residual`` only), 2 pending (``output`` + ``residual`` when there is one);
+# ``n`` statically declared partial sums the receiver still owes, in order. Codes index
+# ``PP_SUM_GROUPS``.
+PP_META = "meta"
+PP_INITIAL, PP_WRITTEN, PP_PENDING = 0, 1, 2
+
+
+def pp_sum_groups() -> tuple[Any, ...]:
+    from ..layout import SumGroup
+
+    return tuple(SumGroup)
+
+
+def to_pp(hidden_states: Any, forward_batch: Any) -> dict[str, torch.Tensor]:
+    """Leave this pipeline partition: the tensors the next stage's ``from_pp()`` rebuilds from.
+
+    Dynamic owed work (sums an exit deferred for this batch, finalize handoffs, the output
+    transform) is completed here; a statically declared partial sum (a PARTIAL attention's) is
+    not: it travels as a partial and the receiver's first stage completes it. Plain-add updates
+    only. The stream is released, also when this raises.
+    """
+    stream = started_stream(forward_batch)
+    try:
+        state = stream.state
+        if stream.scatter_rows is not None:
+            raise BoundaryError(
+                "to_pp(): an input-scattered batch holds a row slice per attention-TP rank; the "
+                "input-scattered variant is not supported across pipeline stages yet"
+            )
+        if state is StreamState.INITIAL:
+            if not isinstance(hidden_states, torch.Tensor):
+                raise TypeError(f"to_pp() expects a tensor, got {type(hidden_states).__name__}")
+            return {"output": hidden_states, PP_META: _meta(PP_INITIAL, (), hidden_states.device)}
+        stream.expect(hidden_states)
+        if state is StreamState.WRITTEN:
+            assert stream.residual is not None
+            if stream.next_update is not None and not stream.next_update.plain_add:
+                raise BoundaryError(_NOT_PLAIN_PP.format(stream.next_update.name))
+            return {"residual": stream.residual, PP_META: _meta(PP_WRITTEN, (), stream.residual.device)}
+        c = stream.pending
+        assert c is not None
+        if not c.update.plain_add:
+            raise BoundaryError(_NOT_PLAIN_PP.format(c.update.name))
+        from ..contracts import OwedKind
+        from ..output import HandoffOutput
+        from .. import ops
+
+        static = tuple(o for o in c.owed if o.kind is OwedKind.SUM and o.static)
+        if static and c.transform is not None:
+            raise BoundaryError(
+                "to_pp(): the output carries a statically declared partial sum and an output "
+                "transform, which must run after that sum; a transform on a PARTIAL output is not "
+                "supported across pipeline stages yet"
+            )
+        value = c.value
+        for o in c.owed:  # dynamic work in order; static sums are left to the receiver
+            if o.kind is OwedKind.FINALIZE:
+                assert isinstance(value, HandoffOutput)
+                value = value.complete()
+            elif not o.static:
+                assert isinstance(value, torch.Tensor) and o.group is not None
+                value = ops.all_reduce(value, o.group)
+        if isinstance(value, HandoffOutput):
+            value = value.complete()
+        if c.transform is not None:
+            value = c.transform.fn(value)
+        stream.consume()
+        out = {"output": value, PP_META: _meta(PP_PENDING, static, value.device)}
+        if stream.residual is not None:
+            check_shape("the layer output", value, stream.residual)
+            out["residual"] = stream.residual
+        return out
+    finally:
+        stream.release()
+
+
+_NOT_PLAIN_PP = (
+    "to_pp(): the residual update {!r} is not a plain add; nonlinear updates (for example MHC) are "
+    "not supported across pipeline stages yet"
+)
+
+
+def _meta(state: int, static: tuple[Any, ...], device: Any) -> torch.Tensor:
+    groups = pp_sum_groups()
+    vals = [state, len(static)]
+    for o in static:
+        vals += [groups.index(o.group_name), o.group.size]
+    return torch.tensor(vals, dtype=torch.int64, device=device)
 
 
 def fold(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
