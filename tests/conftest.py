@@ -14,3 +14,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_dist(monkeypatch: pytest.MonkeyPatch):
+    """Collectives of ``layer_boundary.ops`` routed to a recording fake (see helpers.FakeCollectives)."""
+    from helpers import install_fake_dist
+
+    return install_fake_dist(monkeypatch)

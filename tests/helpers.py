@@ -240,3 +240,8 @@ def two_layer(hidden: int, dtype: torch.dtype = torch.float64, *, topology: Any 
         NORM_OF[a], NORM_OF[f] = n_attn, n_ffn
         stages += [("attn", a), ("ffn", f)]
     return stages
+
+
+def rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Seeded float64 normal data."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from helpers import (
+    rand,
     FakeCollectives,
     HalfSkip,
     Provider,
@@ -41,15 +42,6 @@ from layer_boundary.residual import batch as rb
 H, T = 8, 3
 F64 = torch.float64
 TOL = dict(rtol=1e-12, atol=1e-12)
-
-
-@pytest.fixture
-def fake_dist(monkeypatch):
-    return install_fake_dist(monkeypatch)
-
-
-def rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
 def on(stream):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import (
+    rand,
     FakeCollectives,
     HalfSkip,
     Provider,
@@ -40,15 +41,6 @@ from layer_boundary.residual.add_norm import AddNormReadSpec, NormKernels
 H, T = 8, 3
 F64 = torch.float64
 TOL = dict(rtol=1e-12, atol=1e-12)
-
-
-@pytest.fixture
-def fake_dist(monkeypatch):
-    return install_fake_dist(monkeypatch)
-
-
-def rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
 def started(tokens=T):

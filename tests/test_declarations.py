@@ -44,11 +44,6 @@ H, T = 8, 3
 F64 = torch.float64
 
 
-@pytest.fixture
-def fake_dist(monkeypatch):
-    return install_fake_dist(monkeypatch)
-
-
 def norm(seed=0):
     return make_norm(H, F64, seed=seed)
 

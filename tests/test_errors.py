@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import (
+    rand,
     FakeCollectives,
     HalfSkip,
     Provider,
@@ -56,15 +57,6 @@ SPEC_TEXTS = {
     "LOCAL_TAIL_ATTN": "LOCAL_TAIL is not supported for attention stages",
     "SNAPSHOT_PLAIN": "snapshot requires a plain residual update",
 }
-
-
-@pytest.fixture
-def fake_dist(monkeypatch):
-    return install_fake_dist(monkeypatch)
-
-
-def rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
 def started(**kw):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import (
+    rand,
     NORM_OF,
     FakeCollectives,
     Provider,
@@ -38,15 +39,6 @@ from layer_boundary.residual import batch as rb
 
 H, T = 8, 3
 F64 = torch.float64
-
-
-@pytest.fixture
-def fake_dist(monkeypatch):
-    return install_fake_dist(monkeypatch)
-
-
-def rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
 def started(num_tokens=T):
