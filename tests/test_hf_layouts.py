@@ -15,46 +15,17 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import Qwen3Config as HFQwen3Config  # noqa: E402
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM  # noqa: E402
 
 from layer_boundary.cli.main import main  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-FP32_VS_HF = 1e-4
-CONFIG = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+# The same tiny random checkpoint as the single-rank comparison with transformers.
+from test_qwen3_transformers import FP32_VS_HF, _save_hf  # noqa: E402
+
 SEQUENCES = [[5, 17, 3, 88], [41, 2], [9, 60, 7]]
 # (tp, dp): attention TP 2 everywhere (two KV heads), FFN TP over all ranks.
 LAYOUTS = [(2, 1), (2, 2), (4, 2)]
-
-
-def _save_hf(folder, seed: int = 0) -> HFQwen3ForCausalLM:
-    config = HFQwen3Config(**CONFIG, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-                           attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    model = HFQwen3ForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # unit activation scale; norm weights away from one
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    return model
 
 
 def test_hf_folder_matches_transformers_on_every_layout(tmp_path, capsys):
