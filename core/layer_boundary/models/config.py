@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping, Union
 
 from .layers import rope_type_of
 
-__all__ = ["Qwen3Config", "small_random_config"]
+__all__ = [
+    "Qwen3Config",
+    "Qwen3MoeConfig",
+    "SUPPORTED_MODEL_TYPES",
+    "load_config",
+    "small_random_config",
+    "small_random_moe_config",
+]
 
 _DEFAULT_ROPE_THETA = 10_000.0  # transformers' default_theta when a config names none
 
@@ -31,6 +38,10 @@ class Qwen3Config:
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     model_type: str = "qwen3"
+
+    MODEL_TYPE: ClassVar[str] = "qwen3"
+    ARCHITECTURE: ClassVar[str] = "Qwen3ForCausalLM"
+    _what: ClassVar[str] = "dense Qwen3"
 
     def __post_init__(self) -> None:
         for name in (
@@ -58,11 +69,13 @@ class Qwen3Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"Qwen3Config.{name}={v!r} must be a positive number; fix config.json")
-        if self.model_type != "qwen3":
+        if self.model_type != self.MODEL_TYPE:
             raise ValueError(
-                f"model_type={self.model_type!r} is not a dense Qwen3 checkpoint; "
-                "this reference model loads model_type 'qwen3' only"
+                f"model_type={self.model_type!r} is not a {self._what} checkpoint; "
+                f"{type(self).__name__} reads model_type {self.MODEL_TYPE!r} only (load_config() "
+                f"picks the config class from model_type: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+
 
     @property
     def q_size(self) -> int:
@@ -80,55 +93,7 @@ class Qwen3Config:
         (transformers 4). Features this model does not implement are rejected, never ignored:
         rope scaling, sliding-window layers and activations other than SiLU.
         """
-        model_type = d.get("model_type", "qwen3")
-        missing = [
-            k
-            for k in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-            )
-            if k not in d
-        ]
-        if missing:
-            raise ValueError(f"config.json lacks {missing}; a Qwen3 config names every one of them")
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported; the Qwen3 MLP is SiLU-gated ('silu')")
-        if d.get("use_sliding_window", False):
-            raise ValueError(
-                "use_sliding_window=true is not supported by this reference model; "
-                "set it to false (Qwen3 checkpoints ship with it off)"
-            )
-        layer_types = d.get("layer_types")
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                f"layer_types {sorted(set(layer_types))} include a non full-attention layer; "
-                "only 'full_attention' is supported"
-            )
-        rope_theta = _read_rope_theta(d)
-        heads = d["num_attention_heads"]
-        kv_heads = d.get("num_key_value_heads") or heads
-        # transformers' Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json
-        # omits it; the same checkpoint must give the same model here.
-        head_dim = d.get("head_dim") or 128
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            attention_bias=bool(d.get("attention_bias", False)),
-            model_type=model_type,
-        )
+        return cls(**_common_fields(d, cls.MODEL_TYPE))
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike[str]) -> "Qwen3Config":
@@ -146,8 +111,168 @@ class Qwen3Config:
         del d["rope_theta"]
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
         d["hidden_act"] = "silu"
-        d["architectures"] = ["Qwen3ForCausalLM"]
+        d["architectures"] = [self.ARCHITECTURE]
         return d
+
+
+def _common_fields(d: Mapping[str, Any], default_model_type: str) -> dict[str, Any]:
+    """The fields dense Qwen3 and Qwen3-MoE share, read and checked from a HF config dict."""
+    model_type = d.get("model_type", default_model_type)
+    missing = [
+        k
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        if k not in d
+    ]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}; a Qwen3 config names every one of them")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported; the Qwen3 MLP is SiLU-gated ('silu')")
+    if d.get("use_sliding_window", False):
+        raise ValueError(
+            "use_sliding_window=true is not supported by this reference model; "
+            "set it to false (Qwen3 checkpoints ship with it off)"
+        )
+    layer_types = d.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"layer_types {sorted(set(layer_types))} include a non full-attention layer; "
+            "only 'full_attention' is supported"
+        )
+    rope_theta = _read_rope_theta(d)
+    heads = d["num_attention_heads"]
+    kv_heads = d.get("num_key_value_heads") or heads
+    # transformers' Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json
+    # omits it; the same checkpoint must give the same model here.
+    head_dim = d.get("head_dim") or 128
+    return dict(
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        max_position_embeddings=d.get("max_position_embeddings", 32768),
+        attention_bias=bool(d.get("attention_bias", False)),
+        model_type=model_type,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3MoeConfig(Qwen3Config):
+    """Qwen3-MoE: the dense Qwen3 fields plus the sparse FFN's (HF ``Qwen3MoeConfig``).
+
+    Layer ``i`` is sparse when ``i not in mlp_only_layers`` and ``(i + 1) % decoder_sparse_step
+    == 0`` (and ``num_experts > 0``); other layers run the dense MLP of ``intermediate_size``.
+    The router is a softmax over ``num_experts`` logits, the top ``num_experts_per_tok`` kept and,
+    with ``norm_topk_prob``, renormalized to sum to one. Qwen3-MoE has no shared expert.
+    """
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    model_type: str = "qwen3_moe"
+
+    MODEL_TYPE: ClassVar[str] = "qwen3_moe"
+    ARCHITECTURE: ClassVar[str] = "Qwen3MoeForCausalLM"
+    _what: ClassVar[str] = "Qwen3-MoE"
+
+    def __post_init__(self) -> None:
+        Qwen3Config.__post_init__(self)
+        if not isinstance(self.mlp_only_layers, tuple):
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_experts" else 1):
+                raise ValueError(f"Qwen3MoeConfig.{name}={v!r} must be a positive integer; fix config.json")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}; "
+                "a token cannot be routed to more experts than there are"
+            )
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in self.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers={list(self.mlp_only_layers)!r} must list layer indices")
+
+    def is_sparse(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` runs the MoE block (HF ``Qwen3MoeDecoderLayer``'s rule)."""
+        if not 0 <= layer_id < self.num_hidden_layers:
+            return False  # past either end of the stack: no FFN there at all
+        return (
+            layer_id not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Qwen3MoeConfig":
+        """Build from a parsed HF ``config.json``; the expert count is ``num_experts``
+        (transformers 4, hub checkpoints) or ``num_local_experts`` (transformers 5 saves)."""
+        kw = _common_fields(d, cls.MODEL_TYPE)
+        experts = d.get("num_experts", d.get("num_local_experts"))
+        if experts is None:
+            raise ValueError("config.json names neither num_experts nor num_local_experts; "
+                             "a Qwen3-MoE config gives the expert count")
+        missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size") if k not in d]
+        if missing:
+            raise ValueError(f"config.json lacks {missing}; a Qwen3-MoE config names every one of them")
+        if d.get("shared_expert_intermediate_size"):
+            raise ValueError(
+                "config.json declares a shared expert (shared_expert_intermediate_size), which "
+                "Qwen3-MoE does not have; this is another architecture's checkpoint"
+            )
+        return cls(
+            **kw,
+            num_experts=experts,
+            num_experts_per_tok=d["num_experts_per_tok"],
+            moe_intermediate_size=d["moe_intermediate_size"],
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=d.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = Qwen3Config.to_dict(self)
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
+        return d
+
+
+# model_type -> config class; the model classes are chosen from the config (models/runner.py).
+SUPPORTED_MODEL_TYPES: dict[str, type[Qwen3Config]] = {
+    "qwen3": Qwen3Config,
+    "qwen3_moe": Qwen3MoeConfig,
+}
+
+
+def load_config(folder: str | os.PathLike[str]) -> Union[Qwen3Config, Qwen3MoeConfig]:
+    """The config of a HF checkpoint folder, its class picked by ``config.json``'s ``model_type``."""
+    path = os.path.join(os.fspath(folder), "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no config.json in {os.fspath(folder)!r}; pass a Hugging Face checkpoint folder"
+        )
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    model_type = d.get("model_type")
+    cls = SUPPORTED_MODEL_TYPES.get(model_type)  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(
+            f"{path}: model_type {model_type!r} is not supported; the reference models load "
+            f"model_type {', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)}"
+        )
+    return cls.from_dict(d)
 
 
 def _read_rope_theta(d: Mapping[str, Any]) -> float:
@@ -190,4 +315,20 @@ def small_random_config() -> Qwen3Config:
         rope_theta=10_000.0,
         tie_word_embeddings=True,
         max_position_embeddings=4096,
+    )
+
+
+def small_random_moe_config() -> Qwen3MoeConfig:
+    """The embedded MoE model: 8 experts, top 2 renormalized, a dense MLP on layer 1 so that
+    both neighbour kinds (sparse after dense and dense after sparse) are built."""
+    base = small_random_config()
+    kw = {f.name: getattr(base, f.name) for f in fields(base) if f.name != "model_type"}
+    return Qwen3MoeConfig(
+        **kw,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(1,),
     )

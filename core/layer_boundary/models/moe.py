@@ -1,0 +1,232 @@
+"""Mixture-of-experts layers with tensor-parallel experts, written the way an engine writes them.
+
+A sparse block computes, for token ``t`` routed to experts ``e_1..e_k`` with weights
+``w_1..w_k``::
+
+    y_t = sum_j w_j * down_e_j(act(gate_e_j(x_t), up_e_j(x_t)))  [+ s_t * shared(x_t)]
+
+Every expert (and the shared expert) is split over the MoE group like a dense MLP: ``gate``/``up``
+column-parallel, ``down`` row-parallel. Each rank therefore holds a *partial* ``y_t``, and the
+whole block owes exactly one sum over the MoE output group (routed experts and shared expert
+together). The block honours the exit scope's flags as ``RowParallelLinear`` does:
+
+=========================  ======================================================================
+flag on ``get_forward()``  what the block returns
+=========================  ======================================================================
+none                       ``y``, summed over the group
+``fuse_mlp_allreduce``     ``y``, partial: the next boundary input completes the sum
+``mlp_reduce_scatter``     ``y``, partial: the exit reduce-scatters it to the DP group's rows
+``defer_moe_finalize``     a ``HandoffOutput``: ``complete()`` runs the top-k combine (plus the
+                           shared expert) and returns the partial ``y``; the boundary owes its sum
+=========================  ======================================================================
+
+Shapes on a rank of ``R`` (``T`` tokens, ``H`` hidden, ``E`` experts, ``k`` experts per token,
+``I`` expert width):
+
+| tensor              | shape          | note                                          |
+| ------------------- | -------------- | --------------------------------------------- |
+| router weight       | ``[E, H]``     | replicated                                    |
+| expert gate_up      | ``[2 I/R, H]`` | this rank's gate columns, then its up columns |
+| expert down         | ``[H, I/R]``   | this rank's input columns                     |
+| ``topk_weights``    | ``[T, k]``     | replicated, model dtype                       |
+| ``expert_out``      | ``[T, k, H]``  | partial over the group, handoff payload       |
+| ``shared_out``      | ``[T, H]``     | partial over the group (or ``None``)          |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..forward import get_forward
+from ..ops import all_reduce
+from ..output import HandoffOutput
+from ..topology import GroupInfo
+from .layers import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
+
+__all__ = [
+    "silu_and_mul",
+    "ExpertMLP",
+    "TopKRouter",
+    "SparseMoeBlock",
+    "moe_finalize",
+]
+
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: the SwiGLU activation of Qwen experts."""
+    return F.silu(gate) * up
+
+
+class ExpertMLP(nn.Module):
+    """``down(act(gate(x), up(x)))`` sharded over ``group``; never reduces (its block sums once).
+
+    Parameter names follow HF checkpoints after the usual merge: ``gate_up_proj`` takes
+    ``gate_proj`` (shard 0) and ``up_proj`` (shard 1); ``down_proj`` is ``down_proj``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        group: GroupInfo,
+        *,
+        act: Activation = silu_and_mul,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        n = intermediate_size
+        self.act = act
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [n, n], False, group, dtype=dtype)
+        self.down_proj = RowParallelLinear(n, hidden_size, False, group, reduce_results=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate, up))
+
+
+class TopKRouter(nn.Module):
+    """``p = softmax(x Wg^T)`` over experts (in FP32), keep the top ``k``; with ``renormalize``
+    divide them by their sum. Returns ``(weights [T, k] in x's dtype, expert ids [T, k])``.
+
+    ``weight`` is replicated: every rank routes its (identical) rows the same way.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        renormalize: bool,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # The combine runs in the model dtype, as the routed outputs it weighs are.
+        return weights.to(x.dtype), ids
+
+    def extra_repr(self) -> str:
+        e, h = self.weight.shape
+        return f"hidden={h}, experts={e}, top_k={self.top_k}, renormalize={self.renormalize}"
+
+
+def moe_finalize(
+    expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The unfused finalize: ``sum_j w[t, j] * expert_out[t, j] (+ shared_out[t])`` -> ``[T, H]``.
+
+    Summed expert by expert in slot order, each product rounded to the model dtype first, as the
+    reference (transformers) accumulates; a sum over ranks still follows when the output is partial.
+    """
+    out = expert_out[:, 0] * topk_weights[:, :1] if expert_out.shape[1] else None
+    for j in range(1, expert_out.shape[1]):
+        out = out + expert_out[:, j] * topk_weights[:, j : j + 1]
+    if out is None:
+        out = expert_out.new_zeros(expert_out.shape[0], expert_out.shape[2])
+    if shared_out is not None:
+        out = out + shared_out
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, ``E`` tensor-parallel experts and an optional shared expert; one sum over ``group``.
+
+    ``shared_intermediate_size`` adds a shared expert every token runs through; with
+    ``shared_gate`` its output is scaled by ``sigmoid(x w_s)`` per token (a replicated
+    ``[1, H]`` weight named ``shared_expert_gate``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        group: GroupInfo,
+        *,
+        renormalize: bool,
+        shared_intermediate_size: int = 0,
+        shared_gate: bool = False,
+        act: Activation = silu_and_mul,
+        router: Optional[nn.Module] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.gate = router if router is not None else TopKRouter(
+            hidden_size, num_experts, top_k, renormalize=renormalize, dtype=dtype
+        )
+        self.experts = nn.ModuleList(
+            ExpertMLP(hidden_size, intermediate_size, group, act=act, dtype=dtype) for _ in range(num_experts)
+        )
+        self.shared_expert = (
+            ExpertMLP(hidden_size, shared_intermediate_size, group, act=act, dtype=dtype)
+            if shared_intermediate_size else None
+        )
+        self.shared_expert_gate = None
+        if shared_gate:
+            if self.shared_expert is None:
+                raise ValueError("shared_gate=True needs a shared expert (shared_intermediate_size > 0)")
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
+
+    def routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(expert_out [T, k, H] partial, topk_weights [T, k], topk_ids [T, k])``."""
+        weights, ids = self.gate(x)
+        out = x.new_zeros(x.shape[0], self.top_k, x.shape[-1])
+        if x.shape[0] == 0:
+            return out, weights, ids
+        # Only the experts some token chose run, each on exactly its tokens (a host sync per
+        # layer: this is a reference, not a grouped-GEMM kernel).
+        for e in torch.unique(ids).tolist():
+            tokens, slots = torch.where(ids == e)
+            out[tokens, slots] = self.experts[e](x[tokens])
+        return out, weights, ids
+
+    def shared(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.shared_expert is None:
+            return None
+        y = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            y = torch.sigmoid(self.shared_expert_gate(x)) * y
+        return y
+
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, HandoffOutput]:
+        flags = get_forward()
+        expert_out, weights, ids = self.routed(x)
+        shared_out = self.shared(x)
+        # The sum over the group runs here unless a boundary took it over; a deferred finalize
+        # always comes with the sum deferred too when the group has more than one rank.
+        reduce = self.group.size > 1 and not (flags.fuse_mlp_allreduce or flags.mlp_reduce_scatter)
+        group = self.group
+
+        def finalize() -> torch.Tensor:
+            y = moe_finalize(expert_out, weights, shared_out)
+            return all_reduce(y, group) if reduce else y
+
+        if flags.defer_moe_finalize:
+            return HandoffOutput(
+                finalize, num_tokens=x.shape[0], expert_out=expert_out, topk_weights=weights,
+                topk_ids=ids, shared_out=shared_out,
+            )
+        return finalize()
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, tp={self.group.size}"

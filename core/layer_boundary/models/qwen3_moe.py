@@ -1,0 +1,278 @@
+"""Qwen3-MoE decoder built on the layer boundaries; loads a Hugging Face checkpoint folder.
+
+The layer is the dense Qwen3 layer with the MLP replaced by a sparse block on the layers
+``Qwen3MoeConfig.is_sparse`` names (``decoder_sparse_step``, ``mlp_only_layers``). Its forward
+is still prepare -> compute -> finish: the sparse block reads the exit scope's flags and either
+sums its output over the MoE group, leaves that sum to the next boundary, or returns a finalize
+handoff (``defer_moe_finalize``) that the next layer's input, or the final norm, completes.
+
+Declarations: a sparse layer's FFN is ``declare_ffn(sparse=True, next_sparse=<next layer>)``,
+and each layer's ``previous`` is built with the arguments the previous layer's FFN uses, so both
+neighbours describe the same edge (a sparse FFN's output sum is over ``SumGroup.MOE_OUTPUT``).
+
+``fusions``: a fusion provider given to both stages of every layer (for example one whose
+``can_defer_finalize`` lets the sparse FFNs return handoffs); by default the context's plugins.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
+from layer_boundary.models.config import Qwen3MoeConfig
+from layer_boundary.models.layers import ParallelLMHead, RotaryEmbedding, VocabParallelEmbedding
+from layer_boundary.models.moe import SparseMoeBlock
+from layer_boundary.models.qwen3 import (
+    Qwen3Attention,
+    Qwen3ForCausalLM,
+    Qwen3MLP,
+    Qwen3Model,
+    pp_layer_range,
+)
+from layer_boundary.norms import RMSNorm
+from layer_boundary.providers import ResidualSemantics
+from layer_boundary.residual import batch as residual_batch
+from layer_boundary.topology import Topology
+
+__all__ = [
+    "Qwen3MoeDecoderLayer",
+    "Qwen3MoeModel",
+    "Qwen3MoeForCausalLM",
+    "ffn_declaration",
+    "random_moe_state_dict",
+    "init_random_moe_weights",
+]
+
+
+def ffn_declaration(config: Qwen3MoeConfig, layer_id: int, update: Any = None, read: Any = None) -> Any:
+    """The FFN declaration of layer ``layer_id``: what that layer builds and what the next layer
+    passes as ``previous`` (the same arguments, so the two sides agree)."""
+    return declare_ffn(sparse=config.is_sparse(layer_id), next_sparse=config.is_sparse(layer_id + 1),
+                       update=update, read=read)
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Qwen3MoeConfig,
+        layer_id: int,
+        context: BoundaryContext,
+        *,
+        rotary_emb: RotaryEmbedding,
+        dtype: Optional[torch.dtype] = None,
+        residual: Optional[ResidualSemantics] = None,
+        fusions: Any = None,
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        if residual is None:
+            residual = context.semantics("plain")
+        topology = context.topology
+        self.is_sparse = config.is_sparse(layer_id)
+        self.self_attn = Qwen3Attention(config, topology.attn_tp, rotary_emb, dtype=dtype)
+        self.mlp: nn.Module
+        if self.is_sparse:
+            self.mlp = SparseMoeBlock(
+                config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                config.moe_intermediate_size, topology.moe_out, renormalize=config.norm_topk_prob,
+                dtype=dtype,
+            )
+        else:
+            self.mlp = Qwen3MLP(config, topology.tp, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        attn_res = residual.stage(config.hidden_size, dtype=dtype)
+        ffn_res = residual.stage(config.hidden_size, dtype=dtype)
+        if attn_res.params is not None:
+            self.attn_residual = attn_res.params
+        if ffn_res.params is not None:
+            self.ffn_residual = ffn_res.params
+        options = {"fusions": fusions} if fusions is not None else {}
+        self.attn_boundary, self.ffn_boundary = make_stages(
+            (declare_attn(update=attn_res.update, read=attn_res.read), self.input_layernorm, options),
+            (ffn_declaration(config, layer_id, ffn_res.update, ffn_res.read), self.post_attention_layernorm,
+             options),
+            previous=ffn_declaration(config, layer_id - 1, ffn_res.update) if layer_id != 0 else None,
+            terminal=layer_id == config.num_hidden_layers - 1,
+            context=context,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
+        if hidden_states.shape[0] != 0:
+            hidden_states = self.self_attn(
+                positions=positions,
+                hidden_states=hidden_states,
+                forward_batch=forward_batch,
+            )
+        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
+
+        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
+        with self.ffn_boundary.exit(forward_batch) as output:
+            hidden_states = self.mlp(hidden_states)
+        hidden_states = output.finish(hidden_states)
+        return hidden_states
+
+
+class Qwen3MoeModel(Qwen3Model):
+    """Embedding, Qwen3-MoE layers, final norm; the forward (pipeline stages included) is
+    :class:`Qwen3Model`'s."""
+
+    def __init__(
+        self,
+        config: Qwen3MoeConfig,
+        context: BoundaryContext,
+        *,
+        dtype: Optional[torch.dtype] = None,
+        residual: Optional[ResidualSemantics] = None,
+        fusions: Any = None,
+    ) -> None:
+        nn.Module.__init__(self)  # the layers differ; everything else is built as Qwen3Model does
+        self.config = config
+        if residual is None:
+            residual = context.semantics("plain")
+        topology = self.topology = context.topology
+        pp = topology.pp
+        self.pp_first, self.pp_last = pp.rank == 0, pp.rank == pp.size - 1
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.size)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+            if self.pp_first else None
+        )
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleList(
+            Qwen3MoeDecoderLayer(config, i, context, rotary_emb=self.rotary_emb, dtype=dtype,
+                                 residual=residual, fusions=fusions)
+            for i in range(self.start_layer, self.end_layer)
+        )
+        self.norm = None
+        if self.pp_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+            final = residual.exit(config.hidden_size, dtype=dtype)
+            if final.params is not None:
+                self.final_residual = final.params
+            residual_batch.bind_final_norm(self.norm, context=context, read=final.read)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """``forward(input_ids [T], positions [T], forward_batch) -> logits [T, vocab]`` (FP32).
+
+    Checkpoint names are HF's: per-expert ``mlp.experts.<e>.{gate,up,down}_proj.weight`` (the
+    layout ``save_pretrained`` writes and hub checkpoints use) and the router ``mlp.gate.weight``.
+    """
+
+    # The dense merge, applied wherever an MLP sits (dense layers and every expert).
+    stacked_params_mapping: tuple[tuple[str, str, Any], ...] = (
+        (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
+        (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+        (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    )
+
+    def __init__(
+        self,
+        config: Qwen3MoeConfig,
+        topology: Optional[Topology] = None,
+        *,
+        context: Optional[BoundaryContext] = None,
+        dtype: torch.dtype = torch.float32,
+        residual: Union[str, ResidualSemantics] = "plain",
+        fusions: Any = None,
+    ) -> None:
+        nn.Module.__init__(self)  # as Qwen3ForCausalLM, with the MoE model inside
+        if not isinstance(config, Qwen3MoeConfig):
+            raise TypeError(f"Qwen3MoeForCausalLM needs a Qwen3MoeConfig, got {type(config).__name__}; "
+                            "a dense config builds Qwen3ForCausalLM")
+        owns_context = context is None
+        if context is None:
+            context = BoundaryContext(topology)
+        elif topology is not None and topology is not context.topology:
+            raise ValueError("give either topology= or context= (which has its own topology), not both")
+        topology = context.topology
+        self.config = config
+        self.topology = topology
+        self.context = context
+        self.residual = context.semantics(residual) if isinstance(residual, str) else residual
+        if topology.pp.size > 1 and getattr(self.residual, "name", None) != "plain":
+            raise ValueError(
+                f"residual scheme {getattr(self.residual, 'name', self.residual)!r} is not a plain "
+                "add; nonlinear updates are not supported across pipeline stages yet (use pp=1)"
+            )
+        self.model = Qwen3MoeModel(config, context, dtype=dtype, residual=self.residual, fusions=fusions)
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+                        if self.model.pp_last else None)
+        if config.tie_word_embeddings and self.model.pp_first and self.model.pp_last:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._residual_prefixes = tuple(name + "." for name, _ in self.residual_modules())
+        if owns_context:
+            context.freeze()
+
+    @classmethod
+    def from_pretrained(  # type: ignore[override]
+        cls,
+        folder: str | os.PathLike[str],
+        topology: Optional[Topology] = None,
+        *,
+        context: Optional[BoundaryContext] = None,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device | str] = None,
+        residual: Union[str, ResidualSemantics] = "plain",
+        fusions: Any = None,
+    ) -> "Qwen3MoeForCausalLM":
+        model = cls(Qwen3MoeConfig.from_folder(folder), topology, context=context, dtype=dtype,
+                    residual=residual, fusions=fusions)
+        model.load_weights(folder)
+        if device is not None:
+            model.to(device)
+        return model.eval().requires_grad_(False)
+
+
+_EXPERT_STREAM = 0xE0E  # offsets the experts' generator from the dense weights' one
+
+
+def random_moe_state_dict(config: Qwen3MoeConfig, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full FP32 tensors under HF names: the dense Qwen3 draw (``random_state_dict``) with each
+    sparse layer's MLP replaced by a router and per-expert MLPs from a second generator.
+
+    Router weights ~ N(0, 1/H), so logits are O(1) and tokens spread over the experts.
+    """
+    from .random_init import random_state_dict
+
+    sd = random_state_dict(config, seed=seed)
+    g = torch.Generator().manual_seed(seed + _EXPERT_STREAM)
+    h, n = config.hidden_size, config.moe_intermediate_size
+    for i in range(config.num_hidden_layers):
+        if not config.is_sparse(i):
+            continue
+        p = f"model.layers.{i}.mlp."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del sd[p + f"{name}.weight"]
+        sd[p + "gate.weight"] = torch.randn(config.num_experts, h, generator=g) * h**-0.5
+        for e in range(config.num_experts):
+            q = f"{p}experts.{e}."
+            sd[q + "gate_proj.weight"] = torch.randn(n, h, generator=g) * h**-0.5
+            sd[q + "up_proj.weight"] = torch.randn(n, h, generator=g) * h**-0.5
+            sd[q + "down_proj.weight"] = torch.randn(h, n, generator=g) * n**-0.5
+    return sd
+
+
+def init_random_moe_weights(model: Qwen3MoeForCausalLM, *, seed: int = 0) -> None:
+    """Fill a Qwen3-MoE model (any topology) with this rank's slice of
+    ``random_moe_state_dict(seed)``; a residual scheme's own parameters as ``init_random_weights``."""
+    from .loader import load_tensors
+    from .random_init import _RESIDUAL_STREAM
+
+    load_tensors(model, random_moe_state_dict(model.config, seed=seed).items(),
+                 source=f"random weights (seed {seed})")
+    modules = model.residual_modules()
+    if modules:
+        g = torch.Generator().manual_seed(seed + _RESIDUAL_STREAM)
+        for _, module in modules:
+            init = getattr(module, "init_random", None)
+            if init is not None:
+                init(g)
