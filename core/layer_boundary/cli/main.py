@@ -45,9 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="build a reference decoder on the boundaries and run one forward",
         description="Build a reference decoder on the boundaries and run one forward on N ranks "
         "(spawned here, or started by torchrun). With no --model it builds an embedded small "
-        "random Qwen3 on 2 CPU ranks (gloo).",
+        "random Qwen3 (with --moe a Qwen3-MoE) on 2 CPU ranks (gloo).",
     )
-    run.add_argument("--model", metavar="PATH", help="a Hugging Face checkpoint folder (config.json + *.safetensors)")
+    run.add_argument("--model", metavar="PATH",
+                     help="a Hugging Face checkpoint folder (config.json + *.safetensors); its "
+                     "config.json model_type picks the decoder: qwen3 (dense) or qwen3_moe")
+    run.add_argument("--moe", action="store_true",
+                     help="build the embedded random Qwen3-MoE instead of the dense Qwen3 (8 "
+                     "tensor-parallel experts, top 2; layer 1 dense, the others sparse)")
+    run.add_argument("--defer-moe-finalize", action="store_true",
+                     help="let sparse FFNs return finalize handoffs (defer_moe_finalize) that the "
+                     "next layer's input or the final norm completes; Qwen3-MoE only")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument(
         "--input-ids", type=_input_ids, default=None, metavar="IDS",

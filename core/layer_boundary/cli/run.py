@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..launch import RankError, spawn, under_torchrun
-from ..models.runner import RunSpec, build_model, rank_forward, single_rank_logits
+from ..models.runner import RunSpec, build_model, describe_model, rank_forward, single_rank_logits
 from ..plugins import PluginError
 from ..topology import Topology
 
@@ -64,7 +64,8 @@ CHECK_REL = {"float32": 1e-5, "bfloat16": 0.03, "float64": 1e-12}
 def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
     return RunSpec(sequences=tuple(tuple(s) for s in args.input_ids), model=args.model, seed=args.seed,
                    dtype=args.dtype, tp=tp, dp=args.dp, pp=getattr(args, "pp", 1), reduction=args.reduction, residual=args.residual,
-                   device=args.device, pattern=args.pattern)
+                   device=args.device, pattern=args.pattern, moe=getattr(args, "moe", False),
+                   defer_moe_finalize=getattr(args, "defer_moe_finalize", False))
 
 
 def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, Any]:
@@ -137,7 +138,17 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     from ..models.runner import _config
 
-    vocab = _config(spec).vocab_size
+    try:
+        # Reads a --model folder's config.json: its model_type picks the decoder.
+        cfg = _config(spec)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"layer-boundary run: {e}", file=sys.stderr)
+        return 2
+    if spec.defer_moe_finalize and cfg.model_type != "qwen3_moe":
+        print("layer-boundary run: --defer-moe-finalize needs a Qwen3-MoE model (--moe, or a --model "
+              f"folder whose model_type is qwen3_moe); this model is {cfg.model_type!r}", file=sys.stderr)
+        return 2
+    vocab = cfg.vocab_size
     bad = sorted({i for s in spec.sequences for i in s if i >= vocab})
     if bad:
         print(f"layer-boundary run: --input-ids {bad} are outside the vocabulary of {vocab} tokens",
@@ -163,11 +174,7 @@ def run_command(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any]], backend: str) -> int:
     head = results[0]["header"]
     total = sum(len(s) for s in spec.sequences)
-    if spec.pattern is not None:
-        what = f"embedded random heterogeneous decoder {spec.pattern!r} (seed {spec.seed}; M mixer, * attention, - FFN)"
-    else:
-        what = f"Qwen3 from {spec.model}" if spec.model else f"embedded random Qwen3 (seed {spec.seed})"
-    print(f"model:    {what}")
+    print(f"model:    {describe_model(spec)}")
     print(f"dtype:    {spec.dtype}   device: {spec.device}   ranks: {spec.world_size} ({backend})   "
           f"topology: {head['topology']}   reduction: {spec.reduction}")
     print(f"residual: {head['residual']}")

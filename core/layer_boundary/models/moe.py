@@ -53,6 +53,7 @@ __all__ = [
     "TopKRouter",
     "SparseMoeBlock",
     "moe_finalize",
+    "DeferFinalize",
 ]
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -230,3 +231,21 @@ class SparseMoeBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, tp={self.group.size}"
+
+
+class DeferFinalize:
+    """A fusion provider that lets every sparse FFN exit return a finalize handoff.
+
+    It offers no fused consumer: the next layer's input (or the final norm) completes the
+    handoff unfused, then the owed sum. Useful to exercise the handoff path end to end; a
+    backend provider answers ``can_defer_finalize`` from what its fused kernel supports.
+    """
+
+    name = "defer-moe-finalize"
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def can_defer_finalize(self, plan: Any, forward_batch: Any) -> bool:
+        self.asked += 1
+        return True

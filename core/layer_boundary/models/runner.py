@@ -17,8 +17,8 @@ from ..context import BoundaryContext
 from ..forward import ForwardBatch
 from ..topology import Topology
 
-__all__ = ["RunSpec", "assign_sequences", "build_model", "rank_forward", "single_rank_logits",
-           "DTYPES"]
+__all__ = ["RunSpec", "assign_sequences", "build_model", "model_class", "describe_model", "rank_forward",
+           "single_rank_logits", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -41,8 +41,17 @@ class RunSpec:
     # A layer pattern such as "M-M*-" builds the heterogeneous reference (models/hetero.py)
     # instead of Qwen3: M mixer, * attention, - FFN.
     pattern: Optional[str] = None
+    # The embedded random model is Qwen3-MoE instead of dense Qwen3 (a --model folder says what
+    # it is through config.json's model_type).
+    moe: bool = False
+    # Sparse FFNs return finalize handoffs (a fusion provider that always allows
+    # defer_moe_finalize): the next layer's input, or the final norm, completes them unfused.
+    defer_moe_finalize: bool = False
 
     def __post_init__(self) -> None:
+        if self.moe and (self.model or self.pattern is not None):
+            raise ValueError("--moe builds the embedded random Qwen3-MoE; it takes no --model (whose "
+                             "config.json names its model_type) and no --pattern")
         if self.pattern is not None:
             from .hetero import parse_pattern
 
@@ -81,22 +90,54 @@ def assign_sequences(n: int, dp: int) -> list[list[int]]:
 def _config(spec: RunSpec) -> Any:
     import dataclasses
 
-    from .config import Qwen3Config, small_random_config
+    from .config import load_config, small_random_config, small_random_moe_config
     from .hetero import HeteroConfig
 
     if spec.pattern is not None:
         cfg = HeteroConfig()
+    elif spec.model:
+        cfg = load_config(spec.model)  # the class config.json's model_type names
     else:
-        cfg = Qwen3Config.from_folder(spec.model) if spec.model else small_random_config()
+        cfg = small_random_moe_config() if spec.moe else small_random_config()
     return dataclasses.replace(cfg, **spec.config_overrides) if spec.config_overrides else cfg
+
+
+def model_class(config: Any) -> type:
+    """The reference decoder class for a config (dense Qwen3 or Qwen3-MoE)."""
+    from .config import Qwen3MoeConfig
+
+    if isinstance(config, Qwen3MoeConfig):
+        from .qwen3_moe import Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM
+    from .qwen3 import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM
+
+
+def describe_model(spec: RunSpec) -> str:
+    """What ``spec`` builds, in words (for the command line's report)."""
+    if spec.pattern is not None:
+        return (f"embedded random heterogeneous decoder {spec.pattern!r} (seed {spec.seed}; "
+                "M mixer, * attention, - FFN)")
+    cfg = _config(spec)
+    name = "Qwen3-MoE" if cfg.model_type == "qwen3_moe" else "Qwen3"
+    if cfg.model_type == "qwen3_moe":
+        sparse = sum(cfg.is_sparse(i) for i in range(cfg.num_hidden_layers))
+        name += (f" ({cfg.num_experts} experts, top {cfg.num_experts_per_tok}, {sparse} of "
+                 f"{cfg.num_hidden_layers} layers sparse)")
+    what = f"{name} from {spec.model}" if spec.model else f"embedded random {name} (seed {spec.seed})"
+    if spec.defer_moe_finalize:
+        what += "; sparse FFNs defer their finalize"
+    return what
 
 
 def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
     """The model this spec names, on ``topology``, with its construction context frozen."""
-    from .qwen3 import Qwen3ForCausalLM
     from .random_init import init_random_weights
 
     cfg = _config(spec)
+    cls = model_class(cfg)
     arch = cfg.model_type
     ctx = (BoundaryContext.discover(topology, device=device, reduction=spec.reduction, architecture=arch)
            if spec.plugins else
@@ -104,6 +145,13 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
     kw: dict[str, Any] = {"context": ctx, "dtype": DTYPES[spec.dtype]}
     if spec.residual != "plain":
         kw["residual"] = spec.residual
+    if spec.defer_moe_finalize:
+        if cfg.model_type != "qwen3_moe":
+            raise ValueError("--defer-moe-finalize needs a Qwen3-MoE model (--moe, or a --model "
+                             "folder whose model_type is qwen3_moe); a dense model has no finalize")
+        from .moe import DeferFinalize
+
+        kw["fusions"] = DeferFinalize()
     if spec.pattern is not None:
         from .hetero import HeteroForCausalLM, init_hetero_weights
 
@@ -111,10 +159,15 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
         init_hetero_weights(model, seed=spec.seed)
         model = model.to(device).eval().requires_grad_(False)
     elif spec.model:
-        model = Qwen3ForCausalLM.from_pretrained(spec.model, device=device, **kw)
+        model = cls.from_pretrained(spec.model, device=device, **kw)
     else:
-        model = Qwen3ForCausalLM(cfg, **kw)
-        init_random_weights(model, seed=spec.seed)
+        model = cls(cfg, **kw)
+        if cfg.model_type == "qwen3_moe":
+            from .qwen3_moe import init_random_moe_weights
+
+            init_random_moe_weights(model, seed=spec.seed)
+        else:
+            init_random_weights(model, seed=spec.seed)
         model = model.to(device).eval().requires_grad_(False)
     ctx.freeze()
     return model
