@@ -222,7 +222,9 @@ def test_explicit_fusions_option_takes_precedence_over_the_registry():
     a0, f0, a1, f1 = stages
     assert a1.plan.fusions == (explicit,)
     assert f1.plan.fusions == ()  # None: no fusion provider at all for this stage
-    assert f0.plan.fusions == (plugin.fusion,)
+    # The registry's providers, then the core's own (after every plugin's).
+    assert f0.plan.fusions[0] is plugin.fusion
+    assert [type(p).__name__ for p in f0.plan.fusions[1:]] == ["SymmMemAllReduceNorm"]
     assert [c.name for c in a1.plan.entries[ORDINARY].candidates] == ["model-attn"]
     assert f1.plan.entries[ORDINARY].candidates == ()
     # The registry's provider was not even asked for the overridden stages.

@@ -282,6 +282,8 @@ def _bind_candidates(plan: StagePlan, context: Any) -> None:
             cands.append(Candidate(cand.name, origin, why))
             if why is None:
                 accepted.append(cand)
+    if not cands:
+        return  # no provider offers anything here (e.g. nothing is owed on one rank): no row
     for variant, entry in list(plan.entries.items()):
         local = replace(entry.local, candidates=tuple(accepted)) if entry.local is not None else None
         plan.entries[variant] = replace(entry, candidates=tuple(accepted), local=local)  # type: ignore[index]

@@ -41,6 +41,8 @@ class BoundaryContext:
     ``device``: where the model will run, for kernel selection (default: where each norm's
     weight is at construction). ``reduction``: the FFN output policy (``ar``, ``rs``, ``rsv``,
     ``rs+rsv`` or ``auto``, which resolves from ``architecture`` here, before any stage is built).
+    ``core_fusion``: offer the core's fused consumer candidates (``False`` keeps every owed sum on
+    the all-reduce + separate norm path, e.g. to measure the fusion).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class BoundaryContext:
         device: Optional[torch.device | str] = None,
         reduction: str = "auto",
         architecture: Optional[str] = None,
+        core_fusion: bool = True,
     ) -> None:
         from .reduction import resolve_policy
 
@@ -59,6 +62,13 @@ class BoundaryContext:
         self.registry = registry
         self.device = torch.device(device) if device is not None else None
         self.report = SelectionReport()
+        # The core's fused consumer candidates (symmetric-memory all-reduce + add + norm) come
+        # after the plugins'; created once so their workspaces are shared by all stages.
+        self._core_fusions: tuple[Any, ...] = ()
+        if core_fusion:
+            from .fusion import core_fusion_providers
+
+            self._core_fusions = tuple(core_fusion_providers())
         self._stage_count = 0
         # The last stage built, in construction order, and what it declared about its consumer:
         # the next stage's previous= is checked against it (see factories._check_neighbours).
@@ -73,13 +83,14 @@ class BoundaryContext:
         device: Any = None,
         reduction: str = "auto",
         architecture: Optional[str] = None,
+        core_fusion: bool = True,
         **options: Any,
     ) -> "BoundaryContext":
         """A context with the plugins found through entry points (options as ``plugins.discover``)."""
         from .plugins import discover
 
         return cls(topology, registry=discover(**options), device=device, reduction=reduction,
-                   architecture=architecture)
+                   architecture=architecture, core_fusion=core_fusion)
 
     # -- construction-time queries ---------------------------------------------------------------
 
@@ -133,15 +144,16 @@ class BoundaryContext:
         return select
 
     def fusion_providers(self) -> tuple[Any, ...]:
-        if self.registry is None:
-            return ()
-        return tuple(p for _, p in self.registry.fusion_providers)
+        plugin = tuple(p for _, p in self.registry.fusion_providers) if self.registry is not None else ()
+        return plugin + self._core_fusions
 
     def provider_origin(self, provider: Any) -> str:
         if self.registry is not None:
             for origin, p in self.registry.fusion_providers:
                 if p is provider:
                     return origin
+        if any(p is provider for p in self._core_fusions):
+            return "core"
         return "model option"
 
     def semantics(self, name: str) -> Any:

@@ -1,0 +1,35 @@
+"""The core's fusion providers and the shared contract of fused all-reduce + add + norm candidates.
+
+Plugins' providers come first in selection; the core's follow, so a vendor's faster fusion wins
+where it is eligible and the core's symmetric-memory kernel serves where none is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .allreduce_norm import (
+    AllReduceNormCandidate,
+    AllReduceNormProvider,
+    FusedSum,
+    RefusedCandidate,
+    agree,
+    group_backend,
+)
+
+__all__ = [
+    "AllReduceNormCandidate",
+    "AllReduceNormProvider",
+    "FusedSum",
+    "RefusedCandidate",
+    "agree",
+    "group_backend",
+    "core_fusion_providers",
+]
+
+
+def core_fusion_providers() -> list[Any]:
+    """Fresh instances (each holds the workspaces of the model it is built into)."""
+    from .symm_mem import SymmMemAllReduceNorm
+
+    return [SymmMemAllReduceNorm()]
