@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -114,7 +114,58 @@ def build_parser() -> argparse.ArgumentParser:
                       help="decoder hidden sizes for the forward comparison (4 layers each)")
     host.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     host.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    _add_gpu_benches(bsub)
     return p
+
+
+def _grid_options(p: argparse.ArgumentParser, *, tokens_help: str, hidden: bool = True) -> None:
+    p.add_argument("--tokens", type=int, nargs="+", metavar="T", help=tokens_help)
+    if hidden:
+        p.add_argument("--hidden", type=int, nargs="+", metavar="H", help="hidden sizes (default: the full grid)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="activation dtype (default bfloat16)")
+    p.add_argument("--quick", action="store_true", help="a small grid and fewer replays (a minute or two)")
+    p.add_argument("--replays", type=int, default=None, metavar="N",
+                   help="timed replays per measurement (default 50, 15 with --quick)")
+    p.add_argument("--out", metavar="DIR", default="benchmarks/results",
+                   help="where the dated JSON and SVG go (default benchmarks/results)")
+
+
+def _add_gpu_benches(bsub: Any) -> None:
+    norm = bsub.add_parser(
+        "norm", help="fused add+RMSNorm: every norm-kernel provider vs torch.compile and torch eager",
+        description="Fused add+RMSNorm (residual updated in place) for every norm-kernel provider that "
+        "serves the request here, against torch.compile of the torch reference and torch eager; "
+        "µs, GB/s (4·H·element-size bytes per token) and % of the copy bandwidth measured in the same run.",
+    )
+    _grid_options(norm, tokens_help="token counts (default 1 16 128 1024 8192 32768)")
+    norm.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                      help="cuda (CUDA-graph replay) or cpu (wall clock; for testing the harness)")
+    norm.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer")
+
+    ar = bsub.add_parser(
+        "allreduce", help="all-reduce + add + RMSNorm: fused consumer candidates vs NCCL + separate kernel",
+        description="On 2 GPUs: each fused consumer candidate a TP=2 stage accepts, against NCCL all-reduce "
+        "followed by the best separate add+RMSNorm kernel of the same run; µs, speedup and bus bandwidth "
+        "against the nominal NVLink bandwidth.",
+    )
+    _grid_options(ar, tokens_help="token counts (default 1 2 4 ... 8192)")
+    ar.add_argument("--no-compile", action="store_true",
+                    help="leave torch.compile out of the separate-kernel choice")
+
+    dec = bsub.add_parser(
+        "decode", help="Qwen3 decode step with vs without boundaries, eager and CUDA-graph replay",
+        description="A decode step (one token per sequence) of the reference Qwen3 decoder with random "
+        "weights, with boundaries against the same model without them, eager and CUDA-graph replay, "
+        "at TP=1 and TP=2; at TP=2 also with the fused consumer candidates against without.",
+    )
+    _grid_options(dec, tokens_help="batch sizes, one token per sequence (default 1 8 32 128)", hidden=False)
+    dec.add_argument("--tp", type=int, nargs="+", choices=(1, 2), default=None,
+                     help="tensor-parallel sizes (default: 1 and, with 2 GPUs visible, 2)")
+    dec.add_argument("--layers", type=int, default=None, help="decoder layers (default 8, 4 with --quick)")
+    dec.add_argument("--hidden", type=int, default=4096,
+                     help="model width (default 4096; heads of 128, 4 query heads per kv head, FFN 3x)")
+    dec.add_argument("--vocab", type=int, default=32768, help="vocabulary size (default 32768)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -134,6 +185,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..bench.host import host_command
 
         return host_command(args)
+    if args.command == "bench" and args.bench == "norm":
+        from ..bench.norm import norm_command
+
+        return norm_command(args)
+    if args.command == "bench" and args.bench == "allreduce":
+        from ..bench.allreduce import allreduce_command
+
+        return allreduce_command(args)
+    if args.command == "bench" and args.bench == "decode":
+        from ..bench.decode import decode_command
+
+        return decode_command(args)
     raise AssertionError(args)
 
 
