@@ -57,7 +57,7 @@ def test_parser_rejects_bad_values(argv, capsys):
 def test_gpu_benchmarks_refuse_without_cuda(argv, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(argv + ["--out", str(tmp_path)]) == 2
-    text = capsys.readouterr().out
+    text = capsys.readouterr().err
     assert "needs a CUDA GPU" in text and "sees none" in text
     assert not list(tmp_path.iterdir())  # nothing half-written
 
@@ -67,7 +67,7 @@ def test_two_gpu_benchmarks_refuse_one_gpu(argv, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert main(argv) == 2
-    assert "needs 2 CUDA GPUs of one host, but 1 is visible" in capsys.readouterr().out
+    assert "needs 2 CUDA GPUs of one host, but 1 is visible" in capsys.readouterr().err
 
 
 def test_json_report_carries_date_device_versions_and_rows(tmp_path):

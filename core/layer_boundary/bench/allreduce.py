@@ -14,6 +14,7 @@ direction (a stated peak, not a measured one). Times are the slowest rank's medi
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Callable
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from . import report
 from .candidates import accepted_candidates, describe_candidates, two_stage_plan
 from .norm import DTYPES, NormMethod, norm_methods, peer_methods
-from .timing import TimingPlan, cuda_unavailable, max_over_group, slowest, time_call
+from .timing import TimingPlan, cuda_unavailable, max_over_group, slowest, this_device, time_call
 
 __all__ = ["AR_HIDDEN", "AR_TOKENS", "NVLINK_GBPS", "allreduce_command", "bus_bandwidth"]
 
@@ -86,7 +87,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     # cuda (NCCL) for the benchmark; cpu (gloo) only exercises the harness.
-    device = spec.get("device", "cuda")
+    device = this_device(spec.get("device", "cuda"))
     dtype = DTYPES[spec["dtype"]]
     es = torch.empty((), dtype=dtype).element_size()
     plan = TimingPlan.for_run(spec["quick"], spec["replays"])
@@ -189,7 +190,7 @@ def _panels(rows: list[dict[str, Any]]) -> list[report.Panel]:
 def allreduce_command(args: argparse.Namespace) -> int:
     why = cuda_unavailable("allreduce", WORLD)
     if why:
-        print(why)
+        print(why, file=sys.stderr)
         return 2
     from ..launch import spawn
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,7 +27,7 @@ from . import report
 from .candidates import (UnfusedContext, accepted_candidates, describe_candidates, model_stages,
                          strip_candidates)
 from .norm import DTYPES
-from .timing import TimingPlan, cuda_unavailable, max_over_group, slowest, time_call, time_eager
+from .timing import TimingPlan, cuda_unavailable, max_over_group, slowest, this_device, time_call, time_eager
 
 __all__ = ["DECODE_BATCH", "decode_config", "plain_step", "decode_command"]
 
@@ -118,7 +119,7 @@ def _decode_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     # cuda (NCCL) for the benchmark; cpu (gloo) only exercises the harness.
-    device = spec.get("device", "cuda")
+    device = this_device(spec.get("device", "cuda"))
     dtype = DTYPES[spec["dtype"]]
     plan = TimingPlan.for_run(spec["quick"], spec["replays"])
     topo = Topology.from_sizes(tp=world) if world > 1 else Topology.single()
@@ -176,7 +177,7 @@ def _decode_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 if not ok:
                     say(f"  WARNING: {name} differs from plain by {diff:.3g} (largest |logit| {scale:.3g})")
             base: dict[str, float] = {}
-            modes = (("eager", time_eager), ("graph", time_call)) if device == "cuda" else (("eager", time_eager),)
+            modes = (("eager", time_eager), ("graph", time_call)) if device.startswith("cuda") else (("eager", time_eager),)
             for mode, timer in modes:
                 for name, step in steps.items():
                     m = timer(step, device, plan, agree)
@@ -217,7 +218,7 @@ def decode_command(args: argparse.Namespace) -> int:
     tps = args.tp
     why = cuda_unavailable("decode", max(tps) if tps else 1)
     if why:
-        print(why)
+        print(why, file=sys.stderr)
         return 2
     if tps is None:
         tps = [1, 2] if torch.cuda.device_count() >= 2 else [1]

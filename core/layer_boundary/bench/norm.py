@@ -15,6 +15,7 @@ torch ops, as an unfused model does it).
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,7 +24,7 @@ import torch
 from ..kernels.reference import fused_add_rmsnorm_ref
 from ..providers import NormRequest
 from . import report
-from .timing import TimingPlan, copy_bandwidth, cuda_unavailable, time_call
+from .timing import TimingPlan, copy_bandwidth, cuda_unavailable, this_device, time_call
 
 __all__ = ["NORM_HIDDEN", "NORM_TOKENS", "DTYPES", "NormMethod", "norm_methods", "peer_methods",
            "providers_for", "run_norm", "norm_command"]
@@ -231,7 +232,7 @@ def norm_command(args: argparse.Namespace) -> int:
     if device == "cuda":
         why = cuda_unavailable("norm")
         if why:
-            print(why + "; `--device cpu` times the harness with the torch reference here")
+            print(why, file=sys.stderr)
             return 2
     dtype = DTYPES[args.dtype]
     quick_tokens, quick_hidden = QUICK[device]
@@ -244,12 +245,13 @@ def norm_command(args: argparse.Namespace) -> int:
           f"{env['gpu'] or env['cpu']}, torch {env['torch']}, {env['date']}; median µs by {timing} "
           f"over {plan.replays} replays; bytes = 4·H·{torch.empty((), dtype=dtype).element_size()} per token")
     compile = not args.no_compile
-    copy, rows, refusals = run_norm(tokens, hidden, dtype, device, plan, compile=compile,
+    copy, rows, refusals = run_norm(tokens, hidden, dtype, this_device(device), plan, compile=compile,
                                     copy_bytes=COPY_BYTES[device][1 if args.quick else 0])
     json_path, svg_path = report.result_paths(args.out, "norm", env)
     report.write_json(json_path, "norm", env, rows, copy=copy, refused=refusals, eps=EPS,
                       bytes_per_token=f"4*H*{torch.empty((), dtype=dtype).element_size()}",
-                      timing=timing, replays=plan.replays)
+                      timing=timing, replays=plan.replays,
+                      options={k: v for k, v in vars(args).items() if not callable(v)})
     writer = report.write_plot(svg_path, f"add+RMSNorm, {args.dtype}, residual in place",
                                norm_panels(rows, copy["gbps"]),
                                f"{env['gpu'] or env['cpu']}, torch {env['torch']}, {env['date']}")

@@ -31,6 +31,7 @@ __all__ = [
     "cuda_unavailable",
     "max_over_group",
     "slowest",
+    "this_device",
 ]
 
 Agree = Callable[[int], int]
@@ -217,3 +218,11 @@ def slowest(value: float, group: Any, device: str = "cuda") -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
+
+
+def this_device(device: str) -> str:
+    """``cuda`` made explicit (``cuda:<current device>``): a rank's generators and tensors then
+    name its own GPU rather than whatever a bare ``cuda`` resolves to."""
+    if device == "cuda":
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
