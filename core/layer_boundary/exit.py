@@ -109,6 +109,11 @@ class _Exit:
                     "defer_moe_finalize; finalize inside compute unless "
                     "get_forward().defer_moe_finalize is set"
                 )
+            if hidden_states.completed:
+                raise BoundaryError(
+                    "compute returned a HandoffOutput whose finalize already ran; return the "
+                    "finalized tensor instead (a handoff's finalize runs exactly once)"
+                )
             owed = (_FINALIZE,)
         elif not isinstance(hidden_states, torch.Tensor):
             raise TypeError(

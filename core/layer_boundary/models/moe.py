@@ -92,7 +92,7 @@ class ExpertMLP(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """``p = softmax(x Wg^T)`` over experts (in FP32), keep the top ``k``; with ``renormalize``
+    """``p = softmax(x Wg^T)`` over experts (in FP32, or FP64), keep the top ``k``; with ``renormalize``
     divide them by their sum. Returns ``(weights [T, k] in x's dtype, expert ids [T, k])``.
 
     ``weight`` is replicated: every rank routes its (identical) rows the same way.
@@ -115,7 +115,9 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        # FP32 at least (as transformers routes bf16 models); a float64 model keeps float64.
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        probs = torch.softmax(logits, dim=-1, dtype=acc)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

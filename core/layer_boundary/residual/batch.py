@@ -88,7 +88,8 @@ def norm(
     ``skip_empty`` still completes owed work on an empty batch (other ranks may be waiting in
     that collective) and skips only the norm kernel. ``capture_output`` receives the updated
     residual, borrowed. ``handoff_norm`` fuses a finalize handoff with all-reduce, add and norm
-    through ``handoff_norm.finalize(handoff, residual, gamma)``.
+    through ``handoff_norm.finalize(handoff, residual, gamma)`` (a plain-add update without an
+    output transform; otherwise, or without ``handoff_norm``, the handoff completes unfused first).
     """
     stream = started_stream(forward_batch)
     # An input-scattered stack holds a row slice per attention-TP rank; the output is gathered
@@ -109,7 +110,10 @@ def norm(
             else:
                 c = stream.pending
                 assert c is not None
-                if c.is_handoff and handoff_norm is not None and scattered is None:
+                # The fused finalize adds to the residual itself: only a plain add with no output
+                # transform to run first may take it; anything else completes unfused below.
+                if (c.is_handoff and handoff_norm is not None and scattered is None
+                        and c.update.plain_add and c.transform is None):
                     if capture_output is not None:
                         raise BoundaryError(
                             "norm() cannot capture_output when a finalize handoff arrives with "
@@ -124,7 +128,10 @@ def norm(
                             "or drop handoff_norm"
                         )
                     stream.consume()
-                    return handoff_norm.finalize(c.value, stream.residual, gamma)
+                    out = handoff_norm.finalize(c.value, stream.residual, gamma)
+                    if not c.value.completed:
+                        c.value.mark_consumed()  # the service ran the finalize: never again
+                    return out
                 stream.consume()
                 if scattered is not None:
                     from ..prepare import complete_scattered
