@@ -8,6 +8,7 @@ group's all-reduce followed by the selected norm kernel.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -50,7 +51,7 @@ class SymmMemAllReduceNorm(AllReduceNormProvider):
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed"
         try:
-            import torch.distributed._symmetric_memory  # noqa: F401
+            importlib.import_module("torch.distributed._symmetric_memory")
         except Exception as exc:  # a torch build without it
             return f"torch.distributed._symmetric_memory is unavailable ({exc})"
         return None
