@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,6 +30,7 @@ class SymmWorkspace:
     flags: torch.Tensor
     data_offsets: torch.Tensor  # int64 [world] element offsets of every rank's rows from ours
     flag_ptrs: torch.Tensor  # int64 [world] device addresses of every rank's flags
+    epochs: torch.Tensor  # int32 [max_programs] calls made by each program (this rank only)
     rank: int
     world: int
     max_programs: int
@@ -63,10 +65,13 @@ class SymmMemAllReduceNorm(AllReduceNormProvider):
         device = torch.device("cuda", torch.cuda.current_device())
         name = group.group.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda n: False)(name):
-            enable(name)
+        if enable is not None:  # needed before torch 2.9, a deprecated no-op since
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(name)
         max_programs = torch.cuda.get_device_properties(device).multi_processor_count
-        data = symm_mem.empty(self.max_tokens * fused.hidden_size, dtype=fused.dtype, device=device)
+        # Two halves: consecutive calls alternate, so no closing barrier is needed (see the kernel).
+        data = symm_mem.empty(2 * self.max_tokens * fused.hidden_size, dtype=fused.dtype, device=device)
         flags = symm_mem.empty(max_programs * group.size, dtype=torch.int32, device=device)
         flags.zero_()
         data_h = symm_mem.rendezvous(data, name)
@@ -83,6 +88,7 @@ class SymmMemAllReduceNorm(AllReduceNormProvider):
             data, flags,
             torch.tensor(offsets, dtype=torch.int64, device=device),
             torch.tensor(list(flags_h.buffer_ptrs), dtype=torch.int64, device=device),
+            torch.zeros(max_programs, dtype=torch.int32, device=device),
             group.rank, group.size, max_programs,
         )
         # Every rank's flags must read zero before any rank's first kernel signals into them.
@@ -96,16 +102,17 @@ class SymmMemAllReduceNorm(AllReduceNormProvider):
         hidden = fused.hidden_size
         block = 1 << (hidden - 1).bit_length()
         warps = _num_warps(block)
-        cap = workspace.max_programs
+        grid = (workspace.max_programs,)  # always all programs: each keeps its rows (see kernel)
         rank, world = workspace.rank, workspace.world
         data, offsets, flag_ptrs = workspace.data, workspace.data_offsets, workspace.flag_ptrs
+        epochs, half = workspace.epochs, self.max_tokens * hidden
 
         def run(x: torch.Tensor, residual: torch.Tensor, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
             rows = x.shape[0]
             out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-            allreduce_add_rmsnorm_kernel[(min(rows, cap),)](
-                x, residual, read.weight, out, data, offsets, flag_ptrs,
-                rows, hidden, x.stride(0), read.eps, read.offset,
+            allreduce_add_rmsnorm_kernel[grid](
+                x, residual, read.weight, out, data, offsets, flag_ptrs, epochs,
+                rows, hidden, x.stride(0), half, read.eps, read.offset,
                 RANK=rank, WORLD=world, BLOCK=block, num_warps=warps,
             )
             return out, residual

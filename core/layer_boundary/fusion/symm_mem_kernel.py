@@ -3,24 +3,26 @@
 Each rank copies its partial rows into its own peer-visible buffer, meets its peers at a
 per-program barrier, then every rank reads all ranks' rows (peers over NVLink), sums them in
 rank order, adds the residual and normalizes, in one launch. Peers' memory is reached through
-the pointers symmetric-memory rendezvous hands out, never through NVLink multicast.
+the addresses symmetric-memory rendezvous hands out, never through NVLink multicast.
 
 Numerics match the unfused path: the rank sum is accumulated in FP32 in rank order (the same
 order on every rank, so all ranks hold identical results) and rounded once to the activation
 dtype, as an all-reduce output is; the residual add and the norm then follow the torch reference
 (FP32 sum normalized before the stored residual is rounded).
 
-Barrier protocol: program ``p`` of every rank owns flag slots ``[p * world, (p + 1) * world)``
-in each rank's flag buffer. To signal, a program compare-and-swaps 0 -> 1 into its slot in each
-peer's buffer (spinning while the peer has not yet consumed the previous signal); to wait, it
-swaps 1 -> 0 on the slots its peers write into its own buffer. Program ``p`` handles the same
-rows on every rank and only reads rows its peers' program ``p`` wrote, so a barrier per program
-suffices; the closing barrier keeps a fast rank from overwriting rows a slow peer still reads.
+Synchronization: one barrier per call and program, with epochs instead of a closing barrier.
+Program ``p`` keeps its call count (epoch ``e``) in local memory, writes its rows into buffer
+half ``e % 2`` and stores ``e`` into its flag slot in every peer's flag buffer (releasing), then
+waits until each peer's slot in its own buffer reaches ``e`` (acquiring). A fast rank's next call
+writes the other half; the call after that can only start once this rank has signalled that next
+call, which it does after its reads of this call, so no rank overwrites rows a peer still reads.
+That needs program ``p`` to handle the same rows in every call: the grid is always the whole
+(SM-count) set of programs and row ``r`` belongs to program ``r % programs``. Every program must
+also be resident at once (a waiting program holds its SM), which that grid size guarantees.
+
 Peers' row buffers are reached as element offsets from this rank's own buffer (symmetric
 allocations are page aligned, so the offsets are multiples of 16 elements); pointers made from
 raw integers would carry no alignment and the loads would not vectorize.
-Every program must be resident at once (a waiting program holds its SM): the grid is capped at
-the device's SM count.
 """
 
 from __future__ import annotations
@@ -32,20 +34,20 @@ __all__ = ["allreduce_add_rmsnorm_kernel"]
 
 
 @triton.jit
-def _barrier(flag_ptrs, pid, RANK: tl.constexpr, WORLD: tl.constexpr):
-    # Every thread's earlier stores (or loads) are ordered before the signal by the CTA barrier
-    # plus the releasing atomic; the acquiring atomic plus the CTA barrier order the peers'
-    # writes before every thread's later loads.
+def _barrier(flag_ptrs, pid, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
+    # The CTA barrier plus the releasing store order every thread's earlier accesses before the
+    # signal; the acquiring read plus the CTA barrier order the peers' rows before later loads.
     tl.debug_barrier()
     for p in tl.static_range(WORLD):
         if p != RANK:
             peer = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
-            while tl.atomic_cas(peer + pid * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
-                pass
+            tl.atomic_xchg(peer + pid * WORLD + RANK, epoch, sem="release", scope="sys")
     mine = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
     for p in tl.static_range(WORLD):
         if p != RANK:
-            while tl.atomic_cas(mine + pid * WORLD + p, 1, 0, sem="acquire", scope="sys") != 1:
+            # A peer may already be one call ahead; the wrapping difference keeps the comparison
+            # right when the int32 epoch overflows.
+            while (tl.atomic_add(mine + pid * WORLD + p, 0, sem="acquire", scope="sys") - epoch) < 0:
                 pass
     tl.debug_barrier()
 
@@ -53,8 +55,8 @@ def _barrier(flag_ptrs, pid, RANK: tl.constexpr, WORLD: tl.constexpr):
 @triton.jit
 def allreduce_add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
-    buf_ptr, buf_offsets, flag_ptrs,
-    n_rows, hidden, x_stride, eps, weight_offset,
+    buf_ptr, buf_offsets, flag_ptrs, epoch_ptr,
+    n_rows, hidden, x_stride, half_stride, eps, weight_offset,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -62,19 +64,20 @@ def allreduce_add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     dtype = x_ptr.dtype.element_ty
+    epoch = tl.load(epoch_ptr + pid) + 1
+    half = (epoch % 2).to(tl.int64) * half_stride
+    mine = buf_ptr + half
 
     for row in range(pid, n_rows, nprog):
         v = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-        tl.store(buf_ptr + row * hidden + cols, v, mask=mask)
-    _barrier(flag_ptrs, pid, RANK, WORLD)
+        tl.store(mine + row * hidden + cols, v, mask=mask)
+    _barrier(flag_ptrs, pid, epoch, RANK, WORLD)
 
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
     for row in range(pid, n_rows, nprog):
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for p in tl.static_range(WORLD):
-            # Peers' buffers are addressed from this rank's (an aligned kernel argument) by an
-            # element offset that is a multiple of 16, so the loads stay vectorized.
-            src = buf_ptr + tl.multiple_of(tl.load(buf_offsets + p), 16)
+            src = mine + tl.multiple_of(tl.load(buf_offsets + p), 16)
             # .cg: served from the owner's memory, never from a line this SM cached earlier.
             acc += tl.load(src + row * hidden + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         total = acc.to(dtype).to(tl.float32)  # an all-reduce output is in the activation dtype
@@ -84,4 +87,4 @@ def allreduce_add_rmsnorm_kernel(
         var = tl.sum(s * s, axis=0) / hidden
         y = s * tl.rsqrt(var + eps) * w
         tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-    _barrier(flag_ptrs, pid, RANK, WORLD)
+    tl.store(epoch_ptr + pid, epoch)
