@@ -42,6 +42,7 @@ from .providers import (
     ResidualSemantics,
     StageResidual,
 )
+from .quant import QuantizedRows
 from .selection import SelectionReport
 from .stage import StageBoundary
 from .topology import GroupInfo, Topology
@@ -57,6 +58,7 @@ __all__ = [
     "FusionProvider",
     "NormKernelProvider",
     "NormRequest",
+    "QuantizedRows",
     "ResidualSemantics",
     "SelectionReport",
     "StageResidual",

@@ -4,6 +4,9 @@
 to the residual dtype, and normalizes the FP32 ``s``: the normalized input never sees the
 rounding of the stored residual. Kernels come from a :class:`NormKernels` table so that faster
 providers (Triton, plugins) replace the torch reference without changing these semantics.
+
+A quantized read (``AddNormReadSpec(quant="fp8_e4m3")``) returns the normalized input as
+``QuantizedRows`` (per-token FP8, see ``layer_boundary.quant``); the residual keeps its dtype.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from ..kernels.reference import fused_add_rmsnorm_fp8_ref, fused_add_rmsnorm_ref, rmsnorm_fp8_ref, rmsnorm_ref
 from ..norms import norm_params
+from ..quant import check_quant
 from . import StageRead, StageUpdate
 
 __all__ = [
@@ -23,6 +27,8 @@ __all__ = [
     "PLAIN_ADD",
     "NormKernels",
     "REFERENCE_KERNELS",
+    "REFERENCE_FP8_KERNELS",
+    "reference_kernels",
     "RMSNormRead",
     "ModuleRead",
     "AddNormReadSpec",
@@ -53,7 +59,11 @@ PLAIN_ADD = PlainAdd()
 
 @dataclass(frozen=True, slots=True)
 class NormKernels:
-    """Norm-read kernels with the reference's signatures (see ``kernels.reference``)."""
+    """Norm-read kernels with the reference's signatures (see ``kernels.reference``).
+
+    For a quantized request (``NormRequest.quant``) both return ``QuantizedRows`` as the
+    normalized output, as ``rmsnorm_fp8_ref`` / ``fused_add_rmsnorm_fp8_ref`` define.
+    """
 
     name: str
     rmsnorm: Callable[..., torch.Tensor]
@@ -64,24 +74,35 @@ class NormKernels:
 
 
 REFERENCE_KERNELS = NormKernels("torch-reference", rmsnorm_ref, fused_add_rmsnorm_ref)
+REFERENCE_FP8_KERNELS = NormKernels("torch-reference fp8_e4m3", rmsnorm_fp8_ref, fused_add_rmsnorm_fp8_ref)
+
+
+def reference_kernels(quant: Optional[str] = None) -> NormKernels:
+    """The torch reference table for ``quant`` (``None``: outputs in the activation dtype)."""
+    check_quant(quant)
+    return REFERENCE_KERNELS if quant is None else REFERENCE_FP8_KERNELS
 
 
 class RMSNormRead:
     """Read ``y = RMSNorm(r)`` with weight ``w + offset`` (offset 1 for Gemma).
 
     The weight and eps are looked up on the norm module at each call, so a loader that replaces
-    the parameter object after construction is still honoured.
+    the parameter object after construction is still honoured. ``quant`` names the output format
+    its kernels produce (``None``: the activation dtype; ``"fp8_e4m3"``: ``QuantizedRows``);
+    fusion candidates inspect it and refuse reads they cannot produce.
     """
 
-    __slots__ = ("name", "norm", "offset", "kernels", "_eps", "_params")
+    __slots__ = ("name", "norm", "offset", "kernels", "quant", "_eps", "_params")
     before_gather = False
     makes_update = False
     fuses_with = frozenset({PlainAdd.name})
 
-    def __init__(self, norm: nn.Module, offset: float, kernels: NormKernels) -> None:
+    def __init__(self, norm: nn.Module, offset: float, kernels: NormKernels, quant: Optional[str] = None) -> None:
+        check_quant(quant)
         self.norm = norm
         self.offset = offset
         self.kernels = kernels
+        self.quant = quant
         self.name = "gemma_rmsnorm" if offset == 1.0 else "rmsnorm"
         # eps is configuration, fixed at construction; the weight is looked up at each call in
         # the module's parameter table (a loader may replace the Parameter object), which skips
@@ -121,7 +142,8 @@ class RMSNormRead:
         return self.read(new), new
 
     def __repr__(self) -> str:
-        return f"{self.name}(kernels={self.kernels.name})"
+        q = f", quant={self.quant}" if self.quant else ""
+        return f"{self.name}(kernels={self.kernels.name}{q})"
 
 
 class ModuleRead:
@@ -131,6 +153,7 @@ class ModuleRead:
     before_gather = False
     makes_update = False
     residual_in_place = False
+    quant = None  # a black-box norm returns what its forward returns
     fuses_with: frozenset[str] = frozenset()
 
     def __init__(self, norm: nn.Module) -> None:
@@ -158,13 +181,17 @@ class AddNormReadSpec:
     otherwise the norm module called as a black box.
 
     ``kernels=None`` lets construction select the kernels (plugins, core Triton, the torch
-    reference); given kernels are used as they are.
+    reference); given kernels are used as they are, and must produce ``quant``'s format.
+    ``quant`` asks for a quantized normalized input (``"fp8_e4m3"``: ``QuantizedRows``) for a
+    quantized consumer; it needs an RMSNorm-like norm (a black-box module cannot quantize).
     """
 
     name = "add_norm"
 
-    def __init__(self, kernels: Optional[NormKernels] = None) -> None:
+    def __init__(self, kernels: Optional[NormKernels] = None, quant: Optional[str] = None) -> None:
+        check_quant(quant)
         self.kernels = kernels
+        self.quant = quant
 
     def bind(self, norm: nn.Module, select: Optional[Callable[..., NormKernels]] = None) -> StageRead:
         if not isinstance(norm, nn.Module):
@@ -174,20 +201,26 @@ class AddNormReadSpec:
             )
         params = norm_params(norm)
         if params is None:
+            if self.quant is not None:
+                raise TypeError(
+                    f"a {self.quant} read needs an RMSNorm-like norm (weight and eps), got "
+                    f"{type(norm).__name__}; use quant=None for a norm called as a black box"
+                )
             return ModuleRead(norm)
         weight, _, offset = params
         kernels = self.kernels
         if kernels is None:
             if select is None:
-                kernels = REFERENCE_KERNELS
+                kernels = reference_kernels(self.quant)
             else:
                 from ..providers import NormRequest
 
-                kernels = select(NormRequest(weight.device.type, weight.dtype, weight.shape[0], offset))
-        return RMSNormRead(norm, offset, kernels)
+                kernels = select(NormRequest(weight.device.type, weight.dtype, weight.shape[0], offset, self.quant))
+        return RMSNormRead(norm, offset, kernels, self.quant)
 
     def __repr__(self) -> str:
-        return f"AddNormReadSpec(kernels={self.kernels.name if self.kernels else 'selected'})"
+        q = f", quant={self.quant!r}" if self.quant else ""
+        return f"AddNormReadSpec(kernels={self.kernels.name if self.kernels else 'selected'}{q})"
 
 
 ADD_NORM = AddNormReadSpec()

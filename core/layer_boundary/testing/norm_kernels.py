@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
 
-from ..kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from ..kernels.reference import fused_add_rmsnorm_fp8_ref, fused_add_rmsnorm_ref, rmsnorm_fp8_ref, rmsnorm_ref
 from ..providers import NormRequest
-from .tolerances import tolerance_of
+from ..quant import FP8_SCALE_FLOOR
+from .tolerances import assert_fp8_rows_close, tolerance_of
 
 __all__ = ["NormKernelConformance"]
 
@@ -21,20 +22,23 @@ class NormKernelConformance:
     """Subclass and provide the ``provider`` fixture (a ``NormKernelProvider``).
 
     Optional overrides: ``device`` fixture (default: ``cuda`` when the provider's requests need
-    it, else ``cpu``), ``dtypes`` and ``hidden_sizes`` class attributes for the requests tried.
-    Requests the provider refuses are skipped, and at least one must be accepted.
+    it, else ``cpu``), ``dtypes``, ``hidden_sizes`` and ``quants`` class attributes for the
+    requests tried. Requests the provider refuses are skipped, and at least one must be accepted.
+    Quantized requests (``quants``, default FP8 e4m3) are compared through
+    ``tolerances.assert_fp8_rows_close``; a provider that refuses them skips those tests.
     """
 
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
     hidden_sizes: tuple[int, ...] = (64, 127, 4096)
     offsets: tuple[float, ...] = (0.0, 1.0)
+    quants: tuple[str, ...] = ("fp8_e4m3",)
 
     @pytest.fixture
     def device(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def _accepted(self, provider: Any, device: str) -> list[NormRequest]:
-        reqs = [NormRequest(device, dt, h, off) for dt in self.dtypes for h in self.hidden_sizes
+    def _accepted(self, provider: Any, device: str, quant: Optional[str] = None) -> list[NormRequest]:
+        reqs = [NormRequest(device, dt, h, off, quant) for dt in self.dtypes for h in self.hidden_sizes
                 for off in self.offsets]
         ok = []
         for r in reqs:
@@ -54,8 +58,17 @@ class NormKernelConformance:
 
     def test_refuses_with_reasons_and_accepts_something(self, provider: Any, device: str) -> None:
         assert isinstance(provider.name, str) and provider.name
+        for q in self.quants:
+            self._accepted(provider, device, q)  # checks the form of every refusal
         if not self._accepted(provider, device):
             pytest.skip(f"{provider.name} accepts none of the requests tried on {device}")
+
+    def test_refuses_an_unknown_quantized_output(self, provider: Any, device: str) -> None:
+        """A provider that ignores ``quant`` would be chosen for outputs it does not produce."""
+        r = NormRequest(device, self.dtypes[0], self.hidden_sizes[0], 0.0, "no-such-format")
+        why = provider.refuse(r)
+        assert isinstance(why, str) and why, (
+            f"{provider.name} accepted {r.describe()}; refuse quantized formats it does not produce")
 
     def test_rmsnorm_matches_reference(self, provider: Any, device: str) -> None:
         for r in self._accepted(provider, device):
@@ -123,6 +136,49 @@ class NormKernelConformance:
                     "overwrote the residual it was given without declaring residual_in_place=True; "
                     "captures of that residual would be reported as owned")
 
+    def _fp8_accepted(self, provider: Any, device: str) -> list[NormRequest]:
+        reqs = [r for q in self.quants for r in self._accepted(provider, device, q)]
+        if not reqs:
+            pytest.skip(f"{provider.name} accepts no quantized request ({', '.join(self.quants)}) on {device}")
+        return reqs
+
+    def test_fp8_rmsnorm_matches_reference(self, provider: Any, device: str) -> None:
+        for r in self._fp8_accepted(provider, device):
+            k = provider.kernels(r)
+            for t in TOKENS:
+                x, _, w = self._tensors(r, t)
+                got = k.rmsnorm(x, w, 1e-6, weight_offset=r.weight_offset)
+                want = rmsnorm_fp8_ref(x, w, 1e-6, weight_offset=r.weight_offset)
+                assert_fp8_rows_close(got, want, what=f"{r.describe()} T={t}")
+
+    def test_fp8_fused_add_rmsnorm_matches_reference(self, provider: Any, device: str) -> None:
+        for r in self._fp8_accepted(provider, device):
+            k = provider.kernels(r)
+            for t in TOKENS:
+                x, res, w = self._tensors(r, t)
+                want_q, want_r = fused_add_rmsnorm_fp8_ref(x, res, w, 1e-6, weight_offset=r.weight_offset)
+                res_in = res.clone()
+                got_q, got_r = k.fused_add_rmsnorm(x, res_in, w, 1e-6, weight_offset=r.weight_offset)
+                assert_fp8_rows_close(got_q, want_q, what=f"{r.describe()} T={t}")
+                assert got_r.dtype == res.dtype, f"{r.describe()}: the residual must keep {res.dtype}"
+                torch.testing.assert_close(got_r, want_r, atol=0, rtol=0,
+                                           msg=lambda m: f"{r.describe()} T={t} residual: {m}")
+                if k.residual_in_place:
+                    assert got_r.data_ptr() == res_in.data_ptr(), "declares residual_in_place but returned a new tensor"
+                else:
+                    assert torch.equal(res_in, res), "overwrote the residual without declaring residual_in_place=True"
+
+    def test_fp8_zero_row_has_the_floor_scale(self, provider: Any, device: str) -> None:
+        """An all-zero row must not divide by zero: scale is the floor and every code is 0."""
+        for r in self._fp8_accepted(provider, device):
+            k = provider.kernels(r)
+            x, _, w = self._tensors(r, 3)
+            x[1].zero_()
+            got = k.rmsnorm(x, w, 1e-6, weight_offset=r.weight_offset)
+            assert got.scale[1].item() == pytest.approx(FP8_SCALE_FLOOR), f"{r.describe()}: {got.scale[1].item()}"
+            assert not got.data[1].float().any(), f"{r.describe()}: a zero row quantized to nonzero codes"
+            assert bool(torch.isfinite(got.data.float()).all()), f"{r.describe()}: non-finite codes"
+
     @pytest.mark.gpu
     def test_cuda_graph_capture_replays(self, provider: Any) -> None:
         if not torch.cuda.is_available():
@@ -150,4 +206,30 @@ class NormKernelConformance:
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(y, want_y, **tolerance_of(provider, r.dtype))
+            torch.testing.assert_close(out_r, want_r, atol=0, rtol=0)
+
+    @pytest.mark.gpu
+    def test_fp8_cuda_graph_capture_replays(self, provider: Any) -> None:
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        for r in self._fp8_accepted(provider, "cuda")[:2]:
+            k = provider.kernels(r)
+            x, res, w = self._tensors(r, 64)
+            static_x, static_r = x.clone(), res.clone()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                k.fused_add_rmsnorm(static_x.clone(), static_r.clone(), w, 1e-6, weight_offset=r.weight_offset)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                q, out_r = k.fused_add_rmsnorm(static_x, static_r, w, 1e-6, weight_offset=r.weight_offset)
+            want_q, want_r = fused_add_rmsnorm_fp8_ref(x, res, w, 1e-6, weight_offset=r.weight_offset)
+            static_x.copy_(x)
+            static_r.copy_(res)
+            q.scale.fill_(float("nan"))  # poison: replay must restore both parts
+            q.data.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_fp8_rows_close(q, want_q, what=f"{r.describe()} replay")
             torch.testing.assert_close(out_r, want_r, atol=0, rtol=0)
