@@ -1,6 +1,6 @@
 """Reference models built on the layer boundaries, and the tensor-parallel layers they use."""
 
-from .config import Qwen3Config, small_random_config
+from .config import Qwen3Config, Qwen3MoeConfig, load_config, small_random_config, small_random_moe_config
 from .hetero import (
     HeteroConfig,
     HeteroForCausalLM,
@@ -12,12 +12,17 @@ from .hetero import (
 )
 from .loader import CheckpointMismatch, load_checkpoint, load_tensors
 from .qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
+from .moe import DeferFinalize, SparseMoeBlock
+from .qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel, init_random_moe_weights, random_moe_state_dict
 from .qwen3_plain import plain_forward
 from .random_init import init_random_weights, random_state_dict
 
 __all__ = [
     "Qwen3Config",
+    "Qwen3MoeConfig",
+    "load_config",
     "small_random_config",
+    "small_random_moe_config",
     "HeteroConfig",
     "HeteroForCausalLM",
     "HeteroModel",
@@ -31,6 +36,12 @@ __all__ = [
     "Qwen3DecoderLayer",
     "Qwen3ForCausalLM",
     "Qwen3Model",
+    "DeferFinalize",
+    "SparseMoeBlock",
+    "Qwen3MoeForCausalLM",
+    "Qwen3MoeModel",
+    "init_random_moe_weights",
+    "random_moe_state_dict",
     "plain_forward",
     "init_random_weights",
     "random_state_dict",
