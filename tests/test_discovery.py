@@ -429,8 +429,8 @@ def test_boundary_context_discover_passes_the_controls(plugin_site: PluginSite):
     ctx = BoundaryContext.discover(allow=["beta"])
     assert [p.name for p in ctx.fusion_providers()] == ["beta-fusion", "core-symm-mem"]
     assert ctx.provider_origin(ctx.fusion_providers()[0]) == "beta"
-    # Plugin norm providers come before the core's torch reference.
-    assert [o for o, _ in ctx.norm_candidates()] == ["beta", "core"]
+    # Plugin norm providers come before the core's (Triton, then the torch reference).
+    assert [o for o, _ in ctx.norm_candidates()] == ["beta", "core", "core"]
 
 
 # -- nothing at import time -----------------------------------------------------------------------

@@ -59,6 +59,7 @@ def test_qwen3_report_lists_candidates_choice_and_refusals():
     norm_row = [
         ("wide-only-norm", "vendor", "hidden size 64 is not a multiple of 128"),
         ("counting-norm", "vendor", None),
+        ("core-triton", "core", "counting-norm comes first"),
         ("torch-reference", "core", "counting-norm comes first"),
     ]
     for stage in stages + ["final norm"]:
@@ -174,6 +175,7 @@ def test_each_request_gets_its_own_choice():
     wide = one(ctx.report, "attn #1", "norm kernels")
     assert cands(wide) == [("wide-only-norm", "vendor", None),
                            ("counting-norm", "vendor", "wide-only-norm comes first"),
+                           ("core-triton", "core", "wide-only-norm comes first"),
                            ("torch-reference", "core", "wide-only-norm comes first")]
 
 
@@ -193,7 +195,8 @@ def test_without_plugins_the_torch_reference_is_chosen():
     norms = [s for s in rows if s.what == "norm kernels"]
     assert len(norms) == 2 * small_random_config().num_hidden_layers + 1
     assert {(s.chosen, tuple(cands(s))) for s in norms} == {
-        ("torch-reference", (("torch-reference", "core", None),))}
+        ("torch-reference", (("core-triton", "core", "runs on CUDA devices only, not cpu"),
+                             ("torch-reference", "core", None)))}
 
 
 # -- explicit options -----------------------------------------------------------------------------

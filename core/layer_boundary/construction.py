@@ -146,12 +146,16 @@ def build_stage(
         raise TypeError(f"{decl.kind.value} stage needs its norm module; got None")
     variants = _supported_variants(topology)
     read = decl.read.bind(norm, context.kernel_selector(name, variants[0].name)) if norm is not None else None
-    # A certificate that the next local read leaves the residual it is given untouched.
-    capture_owned = False
-    if next_local_decl is not None and next_local_norm is not None:
-        capture_owned = not getattr(next_local_decl.read.bind(next_local_norm), "residual_in_place", True)
-
     out_sum = _output_sum(decl, topology)
+    # A certificate that the next local read leaves the residual it is given untouched: judged
+    # with the kernels selection will give that read (an in-place kernel overwrites it), and never
+    # where this stage leaves a sum to the next input, which a consumer fusion candidate (they all
+    # update the residual in place) may complete.
+    capture_owned = False
+    if next_local_decl is not None and next_local_norm is not None and out_sum is None:
+        peek = context.kernel_selector(name, variants[0].name, record=False)
+        capture_owned = not getattr(next_local_decl.read.bind(next_local_norm, peek), "residual_in_place", True)
+
     scoped = decl.reduction is not ProducerReduction.PARTIAL
     dp = topology.attn_dp.size > 1
     is_ffn = decl.kind is StageKind.FFN

@@ -70,6 +70,7 @@ class BoundaryContext:
 
             self._core_fusions = tuple(core_fusion_providers())
         self._stage_count = 0
+        self._peeked: dict[NormRequest, NormKernels] = {}
         # The last stage built, in construction order, and what it declared about its consumer:
         # the next stage's previous= is checked against it (see factories._check_neighbours).
         self.last_stage: Optional[BuiltStage] = None
@@ -109,7 +110,10 @@ class BoundaryContext:
         plugin = list(self.registry.norm_kernels) if self.registry is not None else []
         return plugin + [("core", p) for p in core_norm_providers()]
 
-    def kernel_selector(self, stage: str, variant: str) -> Callable[[NormRequest], NormKernels]:
+    def kernel_selector(self, stage: str, variant: str, *, record: bool = True) -> Callable[[NormRequest], NormKernels]:
+        """Selection for one stage's read; ``record=False`` answers what would be chosen without
+        a report row (to judge a neighbour's kernels at construction)."""
+
         def select(request: NormRequest) -> NormKernels:
             self._check_open()
             if self.device is not None and request.device_type != self.device.type:
@@ -136,10 +140,17 @@ class BoundaryContext:
                 refusals = "; ".join(f"{c.name}: {c.refused}" for c in cands)
                 raise DeclarationError(
                     f"{stage}: no norm kernel serves {request.describe()} ({refusals}); install a "
-                    "plugin that provides it (for FP8 outputs: layer-boundary[flashinfer] on a GPU)"
+                    "plugin that provides it"
                 )
-            self.report.add(Selection(stage, variant, "norm kernels", request.describe(), chosen[1].name, tuple(cands)))
-            return chosen[1].kernels(request)
+            if not record:
+                # A peek at the next stage's kernels: keep them for that stage's own selection,
+                # so a provider is asked once per norm.
+                kernels = self._peeked[request] = chosen[1].kernels(request)
+                return kernels
+            self.report.add(Selection(stage, variant, "norm kernels", request.describe(), chosen[1].name,
+                                      tuple(cands)))
+            peeked = self._peeked.pop(request, None)
+            return peeked if peeked is not None else chosen[1].kernels(request)
 
         return select
 

@@ -22,14 +22,26 @@ for ``reduce_scatter``); padding rows are zeros and never reach the residual.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from . import ops
+from .quant import QuantizedRows
 from .topology import Topology
 
-__all__ = ["DpRows"]
+__all__ = ["DpRows", "move_input"]
+
+
+def move_input(move: Callable[[torch.Tensor], torch.Tensor], x: Any) -> Any:
+    """Apply a row move to a stage input: a tensor, or a quantized input's codes and scales.
+
+    FP8 codes travel as bytes: gathers only copy them, and not every backend knows the dtype.
+    """
+    if isinstance(x, QuantizedRows):
+        data = move(x.data.view(torch.uint8)).view(x.data.dtype)
+        return QuantizedRows(data, move(x.scale))
+    return move(x)
 
 
 class DpRows:
