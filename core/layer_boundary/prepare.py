@@ -95,7 +95,7 @@ def run_entry(
     if entry.dp_gather is not None:
         return _dp_entry(plan, entry, stream, hidden, forward_batch)
     if entry.scatter is not None:
-        return _scattered_entry(plan, entry, stream, hidden, capture, forward_batch)
+        return _scattered_entry(plan, entry, stream, hidden, capture, collector, forward_batch)
     state = stream.state
     upd = None
     if state is StreamState.INITIAL:
@@ -121,7 +121,9 @@ def run_entry(
             assert c is not None
             check_edge(plan, entry, c)
             stream.consume()
-            if entry.candidates and _fusable(c):
+            # A capture completes the owed sum unfused (the spec's rule): a fused kernel may
+            # never materialize the updated residual outside its communication buffers.
+            if entry.candidates and capture is None and _fusable(c):
                 fused = _try_candidates(entry, c, stream.residual, read, forward_batch)
                 if fused is not None:
                     x, residual = fused  # only reads without makes_update fuse
@@ -267,7 +269,7 @@ def complete_scattered(c: Contribution, rows: Any) -> torch.Tensor:
 
 
 def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, hidden: Any,
-                     capture: Optional[Capture], forward_batch: Any) -> torch.Tensor:
+                     capture: Optional[Capture], collector: Any, forward_batch: Any) -> torch.Tensor:
     rows = scatter_rows(stream, plan, forward_batch)
     read = plan.read
     upd = None
@@ -280,6 +282,8 @@ def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, 
             )
         if capture is not None:
             capture(hidden, owned=False)
+        if collector is not None:
+            collector.capture(hidden, owned=False)  # the model's own input, on the group's rows
         x, residual, upd = _enter(read, rows.my_slice(hidden))
     else:
         stream.expect(hidden)
@@ -293,8 +297,14 @@ def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, 
             stream.consume()
             value = complete_scattered(c, rows)
             x, residual, upd = _update_read(read, c.update, value, stream.residual)
-        if capture is not None:
-            capture(rows.gather_group(residual), owned=True)  # the gather allocates
+        if capture is not None or collector is not None:
+            # Both want the group's rows (the producer's rows, and the attention's compute-input
+            # rows after its gather): one gather, which allocates, serves both.
+            mine = rows.gather_group(residual)
+            if capture is not None:
+                capture(mine, owned=True)
+            if collector is not None:
+                collector.capture(mine, owned=True)
     stream.write(residual)
     stream.next_update = upd
     if entry.scatter == "group":

@@ -13,7 +13,6 @@ from .exit import FfnExit, MixerExit
 from .forward import active_variant
 from .ops import all_reduce
 from .prepare import publish, run_entry
-from .residual.access import completed_copy
 from .residual.stream import Handle, StreamState, started_stream
 
 __all__ = ["StageBoundary"]
@@ -234,11 +233,15 @@ class StageBoundary:
     def capture_output(self, hidden_states: Any, forward_batch: Any) -> tuple[Handle, torch.Tensor]:
         """``(handle, snapshot)``: dynamic owed work is completed on the main output (a fresh
         handle); a statically declared sum is computed on a copy for the snapshot only."""
+        from .residual.rows import complete_on_rows, completed_copy_on_rows, to_model_rows
+
         stream = started_stream(forward_batch)
         stream.expect(hidden_states)
         self._entry(forward_batch)
         if stream.state is StreamState.WRITTEN:
             assert stream.residual is not None
+            if stream.scatter_rows is not None:
+                return hidden_states, to_model_rows(stream, stream.residual)  # the gather allocates
             return hidden_states, stream.residual.clone()
         c = stream.pending
         assert c is not None
@@ -252,12 +255,19 @@ class StageBoundary:
         handle = hidden_states
         dynamic = [o for o in c.owed if not o.static]
         if dynamic:
-            for o in dynamic:
-                assert o.group is not None
-                c.value = all_reduce(c.value, o.group)  # type: ignore[arg-type]
-            c.owed = tuple(o for o in c.owed if o.static)
+            if stream.scatter_rows is not None:
+                # Input-scattered: the sum is a reduce-scatter onto this rank's residual slice.
+                assert len(dynamic) == len(c.owed), "an output owes one sum, static or dynamic"
+                complete_on_rows(stream, c)
+            else:
+                for o in dynamic:
+                    assert o.group is not None
+                    c.value = all_reduce(c.value, o.group)  # type: ignore[arg-type]
+                c.owed = tuple(o for o in c.owed if o.static)
             handle = stream.rehand()
-        snap = c.update.apply(stream.residual, completed_copy(c))
+        snap = c.update.apply(stream.residual, completed_copy_on_rows(stream, c))
+        if stream.scatter_rows is not None:
+            return handle, to_model_rows(stream, snap)  # the group's rows, as the model sees them
         if snap is c.value:
             snap = snap.clone()
         return handle, snap

@@ -13,8 +13,9 @@ from torch import nn
 
 from ..errors import SNAPSHOT_PLAIN, WRITE_BEFORE_TAKE, BoundaryError
 from . import StageRead
-from .access import check_shape, complete, completed_copy
+from .access import check_shape
 from .add_norm import ADD_NORM, PLAIN_ADD
+from .rows import complete_on_rows, completed_copy_on_rows, to_model_rows, to_stream_rows
 from .stream import Handle, ResidualStream, StreamState, started_stream
 
 __all__ = [
@@ -133,12 +134,7 @@ def norm(
                         c.value.mark_consumed()  # the service ran the finalize: never again
                     return out
                 stream.consume()
-                if scattered is not None:
-                    from ..prepare import complete_scattered
-
-                    value = complete_scattered(c, scattered)
-                else:
-                    value = complete(c)
+                value = complete_on_rows(stream, c)
                 if stream.residual is not None and c.update.plain_add:
                     # A nonlinear update may own a residual of another shape (MHC streams).
                     check_shape("the layer output", value, stream.residual)
@@ -150,7 +146,9 @@ def norm(
                     out, residual = read.update_and_read(c.update, value, stream.residual)[:2]
         assert residual is not None
         if capture_output is not None:
-            capture_output(residual, owned=False)
+            # On the rows the model sees (gathered from the slices of an input-scattered batch);
+            # borrowed in every case, as the spec promises for the final norm.
+            capture_output(residual if scattered is None else scattered.gather_group(residual), owned=False)
         if out is None:
             if skip_empty and residual.shape[0] == 0:
                 out = residual
@@ -267,14 +265,20 @@ def fold(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
     if state is StreamState.INITIAL:
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"fold() expects a tensor, got {type(hidden_states).__name__}")
+        _refuse_scattered_start("fold", forward_batch)
         stream.write(hidden_states, hidden_states)
         return hidden_states
     stream.expect(hidden_states)
     if state is StreamState.WRITTEN:
         return hidden_states
     c = stream.consume()
-    value = complete(c)
+    value = complete_on_rows(stream, c)
     residual = c.update.apply(stream.residual, value)
+    if stream.scatter_rows is not None:
+        # The residual stays on this rank's slice; the model gets the group's rows.
+        out = to_model_rows(stream, residual)
+        stream.write(residual, out)
+        return out
     stream.write(residual, residual)
     return residual
 
@@ -289,6 +293,11 @@ def written(hidden_states: torch.Tensor, forward_batch: Any) -> torch.Tensor:
         raise TypeError(
             f"written() takes the full residual tensor compute produced, got {type(hidden_states).__name__}"
         )
+    if stream.scatter_rows is not None:
+        stream.write(to_stream_rows(stream, hidden_states), hidden_states)
+        return hidden_states
+    if stream.state is StreamState.INITIAL:
+        _refuse_scattered_start("written", forward_batch)
     stream.write(hidden_states, hidden_states)
     return hidden_states
 
@@ -305,7 +314,7 @@ def take_output(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
         if stream.state is StreamState.PENDING:
             raise BoundaryError(WRITE_BEFORE_TAKE)
         assert stream.residual is not None
-        return stream.residual
+        return to_model_rows(stream, stream.residual)
     finally:
         stream.release()
 
@@ -321,7 +330,7 @@ def complete_output(hidden_states: Any, forward_batch: Any) -> Handle:
         return hidden_states
     c = stream.pending
     assert c is not None
-    complete(c)
+    complete_on_rows(stream, c)
     return stream.rehand()
 
 
@@ -331,6 +340,8 @@ def snapshot(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
     stream.expect(hidden_states)
     if stream.state is StreamState.WRITTEN:
         assert stream.residual is not None
+        if stream.scatter_rows is not None:
+            return to_model_rows(stream, stream.residual)  # the gather allocates
         return stream.residual.clone()
     c = stream.pending
     assert c is not None
@@ -341,7 +352,9 @@ def snapshot(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
         )
     if not c.update.plain_add:
         raise BoundaryError(SNAPSHOT_PLAIN)
-    snap = c.update.apply(stream.residual, completed_copy(c))
+    snap = c.update.apply(stream.residual, completed_copy_on_rows(stream, c))
+    if stream.scatter_rows is not None:
+        return to_model_rows(stream, snap)
     return snap.clone() if snap is c.value else snap
 
 
@@ -354,17 +367,33 @@ def add_to_output(hidden_states: Any, forward_batch: Any, extra: torch.Tensor) -
     stream.expect(hidden_states)
     if not isinstance(extra, torch.Tensor):
         raise TypeError(f"add_to_output() extra must be a tensor, got {type(extra).__name__}")
+    # ``extra`` has the model's rows; an input-scattered residual takes this rank's slice of it.
     if stream.state is StreamState.WRITTEN:
         assert stream.residual is not None
-        check_shape("extra", extra, stream.residual)
+        mine = to_stream_rows(stream, extra)
+        check_shape("extra", mine, stream.residual)
         stream.handle = None
-        return stream.leave(_plain(extra.clone()))
+        return stream.leave(_plain(mine if mine is not extra else extra.clone()))
     c = stream.pending
     assert c is not None
-    value = complete(c)
-    check_shape("extra", extra, value)
-    c.value = value + extra
+    mine = to_stream_rows(stream, extra)
+    value = complete_on_rows(stream, c)
+    check_shape("extra", mine, value)
+    c.value = value + mine
     return stream.rehand()
+
+
+def _refuse_scattered_start(what: str, forward_batch: Any) -> None:
+    """An input-scattered residual is a row slice that only a stage's prepare() can cut."""
+    from ..forward import active_variant
+    from ..layout import BatchVariant
+
+    if active_variant(forward_batch) is BatchVariant.INPUT_SCATTERED:
+        raise BoundaryError(
+            f"{what}() on an initial stream of an input-scattered batch: the residual of this "
+            "variant is a row slice per attention-TP rank, which the first stage's prepare() cuts; "
+            "enter the stack through that prepare() first"
+        )
 
 
 def _plain(value: torch.Tensor) -> Any:
