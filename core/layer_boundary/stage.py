@@ -272,6 +272,13 @@ class StageBoundary:
             snap = snap.clone()
         return handle, snap
 
+    def input_rows(self, forward_batch: Any) -> Any:
+        """The rows this stage's compute input lives on for this batch (the LoRA adapter hook:
+        see ``layer_boundary.adapters.lora``). Host-side only; no collective runs."""
+        from .adapters.lora import input_rows
+
+        return input_rows(self, forward_batch)
+
     def __repr__(self) -> str:
         return f"StageBoundary({self.plan.describe()})"
 
