@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from layer_boundary import BoundaryContext, ForwardBatch
-from layer_boundary.fusion import AllReduceNormProvider, FusedSum
+from layer_boundary.fusion import AllReduceNormProvider, FusedSum, WorkspaceUnavailable
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
 from layer_boundary.plugins import PluginRegistry, hookimpl
 
@@ -26,9 +26,11 @@ class EchoFusion(AllReduceNormProvider):
     candidate_name = "echo all-reduce + add + rmsnorm"
     backends = frozenset({"gloo", "nccl"})
 
-    def __init__(self, max_tokens: int = 64, refuse_on_rank: Optional[int] = None, defer: bool = False) -> None:
+    def __init__(self, max_tokens: int = 64, refuse_on_rank: Optional[int] = None, defer: bool = False,
+                 late_on_rank: Optional[int] = None) -> None:
         super().__init__(max_tokens)
         self.refuse_on_rank = refuse_on_rank
+        self.late_on_rank = late_on_rank
         self.defer = defer
         self.calls = 0
         self.workspaces = 0
@@ -39,6 +41,8 @@ class EchoFusion(AllReduceNormProvider):
         return None
 
     def make_workspace(self, fused: FusedSum) -> Any:
+        if fused.group.rank == self.late_on_rank:
+            raise WorkspaceUnavailable(f"rank {fused.group.rank} could not map the peer buffers")
         self.workspaces += 1
         return fused.group
 
@@ -116,6 +120,20 @@ def model_cases(rank: int, world: int, device: str = "cpu") -> dict[str, Any]:
         out["dp"] = {"refusals": sorted({c.refused for s in ctx.report.selections for c in s.candidates
                                          if c.refused and c.origin == "echo"}), "workspaces": prov.workspaces}
     return out
+
+
+def late_refusal(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 turns the workspace down after the static checks passed everywhere."""
+    topo = parallel_cases.topology(world, 1)
+    ids = [3, 17, 5]
+    base = _logits(_qwen3(BoundaryContext(topo, core_fusion=False), torch.float32, "cpu"), ids, "cpu")
+    prov = EchoFusion(late_on_rank=1)
+    ctx = context_with(prov, topo)
+    logits = _logits(_qwen3(ctx, torch.float32, "cpu"), ids, "cpu")
+    return {"equal": torch.equal(logits, base), "calls": prov.calls,
+            "workspaces": prov.workspaces if rank != 1 else 0,
+            "refusals": sorted({c.refused for s in ctx.report.selections for c in s.candidates
+                                if c.refused and c.origin == "echo"})}
 
 
 def symm_mem_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -134,3 +134,12 @@ def test_symm_mem_candidate_matches_nccl_and_the_reference_on_two_gpus():
                 assert row["graph_equal"], (rank, row)
             if "repeat" in case:
                 assert row["repeat_equal"], (rank, row)
+
+
+def test_a_workspace_turned_down_on_one_rank_is_refused_by_every_rank():
+    for rank, r in enumerate(spawn(fused_cases.late_refusal, 2, timeout_s=120)):
+        # Rank 0 made its workspace once (then dropped it); no stage asks again.
+        assert r["equal"] and r["calls"] == 0 and r["workspaces"] == (1 if rank == 0 else 0), (rank, r)
+        want = "rank 1 could not map the peer buffers" if rank == 1 else \
+            "another rank of the group refused it (its selection report says why); every rank takes the same path or none does"
+        assert r["refusals"] == [want], (rank, r)

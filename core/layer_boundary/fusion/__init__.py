@@ -13,6 +13,7 @@ from .allreduce_norm import (
     AllReduceNormProvider,
     FusedSum,
     RefusedCandidate,
+    WorkspaceUnavailable,
     agree,
     group_backend,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "AllReduceNormProvider",
     "FusedSum",
     "RefusedCandidate",
+    "WorkspaceUnavailable",
     "agree",
     "group_backend",
     "core_fusion_providers",

@@ -38,12 +38,18 @@ __all__ = [
     "AllReduceNormProvider",
     "agree",
     "group_backend",
+    "WorkspaceUnavailable",
 ]
 
 log = logging.getLogger("layer_boundary")
 
 # (contribution, residual, read) -> (normalized input, residual'), residual updated in place.
 FusedRun = Callable[[torch.Tensor, torch.Tensor, Any], tuple[Any, torch.Tensor]]
+
+
+class WorkspaceUnavailable(RuntimeError):
+    """Raised by ``make_workspace`` when the backend turns the workspace down on this rank (its
+    own late check): the group then agrees to refuse, instead of one rank going unfused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +197,7 @@ class AllReduceNormProvider:
     def __init__(self, max_tokens: int = 2048) -> None:
         self.max_tokens = max_tokens
         self._workspaces: dict[tuple[Any, ...], Any] = {}
+        self._turned_down: dict[tuple[Any, ...], str] = {}
 
     # -- FusionProvider ---------------------------------------------------------------------
 
@@ -237,9 +244,22 @@ class AllReduceNormProvider:
         if why is not None:
             return (RefusedCandidate(self.candidate_name, why),)
         key = (fused.group.ranks, fused.hidden_size, fused.dtype)
+        if key in self._turned_down:
+            return (RefusedCandidate(self.candidate_name, self._turned_down[key]),)
         workspace = self._workspaces.get(key)
         if workspace is None:
-            workspace = self._workspaces[key] = self.make_workspace(fused)
+            late: Optional[str] = None
+            try:
+                workspace = self.make_workspace(fused)
+            except WorkspaceUnavailable as exc:
+                late = str(exc) or "the backend turned its workspace down"
+            # Every rank made its workspace (a collective) before any uses it; one that could
+            # not makes the whole group refuse.
+            late = agree(fused.group, late)
+            if late is not None:
+                self._turned_down[key] = late  # every rank remembers it: no retry per stage
+                return (RefusedCandidate(self.candidate_name, late),)
+            self._workspaces[key] = workspace
         return (AllReduceNormCandidate(self.candidate_name, fused, self.max_tokens,
                                        self.run_with(workspace, fused)),)
 

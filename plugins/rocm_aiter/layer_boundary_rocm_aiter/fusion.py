@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from layer_boundary.fusion import AllReduceNormProvider, FusedSum
+from layer_boundary.fusion import AllReduceNormProvider, FusedSum, WorkspaceUnavailable
 from layer_boundary.topology import GroupInfo
 
 from .api import AiterApi
@@ -109,11 +109,10 @@ class AiterAllReduceNorm(AllReduceNormProvider):
         ca = self.api.custom_allreduce().CustomAllreduce(cpu_group, device, max_size=max_size)
         if ca.disabled:
             # The conditions AITER checks were refused above with the same answer on every rank,
-            # so this is an AITER change this plugin does not know: stop rather than guess.
-            raise RuntimeError(
+            # so this is an AITER change this plugin does not know: the group agrees to refuse.
+            raise WorkspaceUnavailable(
                 f"{self.api.label} disabled its CustomAllreduce for ranks {fused.group.ranks} after "
-                "this plugin found it eligible (see aiter's warning); disable the plugin with "
-                "LAYER_BOUNDARY_DISABLE=rocm_aiter"
+                "this plugin found it eligible (see aiter's warning)"
             )
         self._served.add(fused.group.ranks)
         return ca
