@@ -95,7 +95,7 @@ class InputRows:
                 f"select() takes one row per token of every DP group ({total} = sum of "
                 f"{self.counts}), got {values_all.shape[0]}; use gather() for this group's tokens"
             )
-        if self.kind is RowKind.ALL_GROUPS:
+        if self.kind is RowKind.ALL_GROUPS or len(self.counts) == 1:
             return values_all
         lo = self._offset(self.dp_rank)
         return values_all[lo : lo + self.local_rows]
