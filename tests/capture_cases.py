@@ -152,6 +152,10 @@ def _run_layers(layers: dict[int, CapLayer], lo: int, hi: int, h: Any, fb: Any, 
                 h, kept[f"copyA{i + 1}"] = layers[i + 1].attn.capture_output(h, fb)
             if i == 0:
                 h = rb.complete_output(h, fb)
+            if i == 1:  # compute that produced the full residual itself: fold, then written()
+                h = rb.fold(h, fb)
+                kept[f"fold{i}"] = h.clone()
+                h = rb.written(h.clone(), fb)
     return h
 
 
@@ -223,7 +227,8 @@ def capture_matrix(world: int, cases: list[dict]) -> list[dict]:
         equal = {k: bool(torch.equal(v, want["values"][k][lo:hi])) for k, v in got["values"].items()}
         # Every capture the single-rank run took on this rank's layers was taken here too.
         first, last = got["layers"]
-        missing = sorted(k for k in want["values"] if k not in got["values"] and _expected(k, first, last, case))
+        missing = sorted(k for k in want["values"]
+                         if k not in got["values"] and _expected(k, first, last, case))
         out.append({"case": case, "equal": equal, "missing": missing, "owned": got["owned"],
                     "between": got["between"],
                     "released": got["released"], "runs": got["runs"], "pp_rank": topo.pp.rank,
@@ -340,7 +345,8 @@ def draft_logits(topo: Topology, case: dict, reference: bool = False) -> tuple[l
     pos = torch.cat([torch.arange(len(seqs[i])) for i in mine]) if mine else torch.zeros(0, dtype=torch.long)
 
     def batch() -> ForwardBatch:
-        return ForwardBatch(num_tokens=len(ids), positions=pos, seq_lens=tuple(len(seqs[i]) for i in mine) or None,
+        return ForwardBatch(num_tokens=len(ids), positions=pos,
+                            seq_lens=tuple(len(seqs[i]) for i in mine) or None,
                             dp_num_tokens=counts if dp > 1 else None,
                             input_scattered=case.get("scattered", False) and not reference)
 

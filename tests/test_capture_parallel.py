@@ -4,10 +4,10 @@ On gloo with 2 and 4 ranks (one spawn per world size, shared with test_lora_rows
 test_draft_stack.py through ``capture_cases.results``), the synthetic stack takes, per layer:
 ``prepare(capture_output=, captured_last_layer_outputs=)``, ``snapshot()`` of a static attention
 sum and of a (deferred) FFN sum, ``capture_output()`` of a static sum (on a copy) and of a dynamic
-one (on the main output), ``add_to_output()`` of deepstack extras, ``complete_output()``, and
-``norm(capture_output=)`` at the end; split prefill runs it in segments. Layouts: TP, TP + attention
-DP with every reduction policy, input-scattered (with and without DP), pipeline, and TP with a
-consumer fusion candidate that updates the residual in place. Dyadic float64 data and an exact
+one (on the main output), ``add_to_output()`` of deepstack extras, ``complete_output()``,
+``fold()`` then ``written()``, and ``norm(capture_output=)`` at the end; split prefill runs it in
+segments. Layouts: TP, TP + attention DP with every reduction policy, input-scattered (with and
+without DP), pipeline, and TP with a consumer fusion candidate that updates the residual in place. Dyadic float64 data and an exact
 read make every value bitwise equal to the single-rank one on this rank's rows.
 """
 
@@ -52,7 +52,7 @@ def test_every_layout_and_helper_was_covered(runs):
     if world == 2:
         assert {c["policy"] for c in cases if c.get("dp", 1) > 1} == {"ar", "rs", "rsv", "rs+rsv"}
     kinds = {k.rstrip("0123456789") for r in per_rank[0] for k in r["equal"]}
-    assert kinds >= {"cap", "col", "snapA", "snapF", "copyF", "copyA", "final", "capF"}
+    assert kinds >= {"cap", "col", "snapA", "snapF", "copyF", "copyA", "fold", "final", "capF"}
 
 
 def test_split_prefill_keeps_the_stream_until_the_last_segment(runs):

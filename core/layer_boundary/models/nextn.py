@@ -65,7 +65,8 @@ class Qwen3NextN(nn.Module):
                 f"{tuple(input_embeds.shape)}, target hidden states {tuple(target_hidden.shape)}"
             )
         residual_batch.start(forward_batch)  # the draft's own stack, not the target's stream
-        hidden_states: Any = self.eh_proj(torch.cat([self.enorm(input_embeds), self.hnorm(target_hidden)], dim=-1))
+        fused = torch.cat([self.enorm(input_embeds), self.hnorm(target_hidden)], dim=-1)
+        hidden_states: Any = self.eh_proj(fused)
         for layer in self.layers:
             hidden_states = layer(positions, hidden_states, forward_batch)
         hidden_states = residual_batch.fold(hidden_states, forward_batch)
@@ -106,7 +107,8 @@ class Qwen3NextNForCausalLM(nn.Module):
         return head(hidden_states).float()
 
 
-def nextn_random_state_dict(config: Qwen3Config, *, num_layers: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+def nextn_random_state_dict(config: Qwen3Config, *, num_layers: int = 1,
+                            seed: int = 0) -> dict[str, torch.Tensor]:
     """Full FP32 tensors under the draft's own names (``layers.{i}.*`` as Qwen3 names them)."""
     from .random_init import random_state_dict
 
