@@ -384,7 +384,7 @@ CAPTURE = {
         dict(tp=1, pp=2, counts=(4,), layers=3, split=2, deepstack=3, provider="defer"),
     ],
     4: [
-        dict(counts=(6,), layers=2, provider="fused", ops="snapshot", capture_every=2),
+        dict(counts=(6,), layers=3, provider="fused", ops="snapshot", capture_every=2),
         dict(dp=2, policy="rs", counts=(3, 4), layers=3, deepstack=2, segments=(1,)),
         dict(dp=4, policy="rsv", counts=(1, 0, 3, 2), layers=2, deepstack=1),
         dict(dp=2, policy="ar", counts=(3, 6), layers=2, deepstack=2, scattered=True),
