@@ -300,17 +300,27 @@ def test_custom_allreduce_that_fails_to_import_is_a_local_reason():
 
 
 def test_ffn_sums_are_deferred_only_where_every_rank_decides_alike():
+    from layer_boundary import BoundaryContext, Topology, declare_attn, declare_ffn, make_stages
+    from layer_boundary.norms import RMSNorm
+    from layer_boundary.topology import GroupInfo
+
+    pair, solo = GroupInfo(ranks=(0, 1), rank=0, group=object()), GroupInfo.solo()
+    topo = Topology(tp=pair, attn_tp=pair, attn_dp=solo, attn_cp=solo, moe_out=pair, pp=solo)
+    _, ffn = make_stages((declare_attn(), RMSNorm(64, dtype=torch.bfloat16)),
+                         (declare_ffn(), RMSNorm(64, dtype=torch.bfloat16)), previous=declare_ffn(),
+                         context=BoundaryContext(topo, core_fusion=False))
     provider = AiterAllReduceNorm(api_of(aiter_double.AiterDouble()), max_tokens=8)
     fb = ForwardBatch(num_tokens=4)
-    assert provider.can_defer_all_reduce(None, fb) is False  # no candidate serves yet
-    provider._served.add((0, 1))
-    assert provider.can_defer_all_reduce(None, fb) is True
-    assert provider.can_defer_all_reduce(None, ForwardBatch(num_tokens=9)) is False  # over the workspace
-    assert provider.can_defer_all_reduce(None, ForwardBatch(num_tokens=0)) is False
-    assert provider.can_defer_all_reduce(None, ForwardBatch(num_tokens=4, dp_num_tokens=(4, 3))) is False
-    assert provider.can_defer_all_reduce(None, ForwardBatch(num_tokens=4, context_parallel=True)) is False
-    provider.defer_ffn_sums = False
-    assert provider.can_defer_all_reduce(None, fb) is False
+    assert provider.can_defer_all_reduce(ffn.plan, fb) is False  # no candidate serves that sum
+    other = AiterAllReduceNorm(api_of(aiter_double.AiterDouble()), max_tokens=8)
+    other._workspaces[((0, 1), 64, torch.bfloat16)] = object()  # as if it served the TP group
+    assert other.can_defer_all_reduce(ffn.plan, fb) is True
+    assert other.can_defer_all_reduce(ffn.plan, ForwardBatch(num_tokens=9)) is False  # over the workspace
+    assert other.can_defer_all_reduce(ffn.plan, ForwardBatch(num_tokens=0)) is False
+    assert other.can_defer_all_reduce(ffn.plan, ForwardBatch(num_tokens=4, dp_num_tokens=(4, 3))) is False
+    assert other.can_defer_all_reduce(ffn.plan, ForwardBatch(num_tokens=4, context_parallel=True)) is False
+    other.defer_sums = False
+    assert other.can_defer_all_reduce(ffn.plan, fb) is False
 
 
 class TestAiterFusionConformance(FusionProviderConformance):

@@ -254,18 +254,26 @@ def test_cuda_plugin_on_a_cuda_machine_without_its_library_names_the_distributio
     )
 
 
+# What each CUDA plugin registers once active (CuTe DSL's kernels arrive with issue 7).
+OFFERS = {"flashinfer": (["flashinfer"], ["flashinfer-allreduce-fusion"]), "cutedsl": ([], [])}
+
+
 @pytest.mark.parametrize("vendor", CUDA_VENDORS, ids=lambda v: v.name)
-def test_cuda_plugin_with_device_and_library_is_active_and_offers_nothing_yet(vendor, monkeypatch,
-                                                                             fake_metadata):
+def test_cuda_plugin_with_device_and_library_is_active_without_importing_it(vendor, monkeypatch,
+                                                                           fake_metadata):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for module in vendor.vendor_modules:  # a GPU session may have imported the real one earlier
+        monkeypatch.delitem(sys.modules, module, raising=False)
     fake_metadata.versions = {vendor.vendor_distribution: "1.0"}
     rec = _examine(vendor.name)
     assert rec.status is PluginStatus.ACTIVE, rec.reason
     reg = PluginRegistry([rec], DiscoveryOptions(allow=(vendor.name,)))
     assert reg.records[0].status is PluginStatus.ACTIVE
-    assert (reg.norm_kernels, reg.fusion_providers) == ([], [])
-    for module in vendor.vendor_modules:  # the hooks do not import the vendor library yet
+    norms, fusions = OFFERS[vendor.name]
+    assert [p.name for _, p in reg.norm_kernels] == norms
+    assert [p.name for _, p in reg.fusion_providers] == fusions
+    for module in vendor.vendor_modules:  # the hooks do not import the vendor library itself
         assert module not in sys.modules
 
 

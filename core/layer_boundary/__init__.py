@@ -12,40 +12,101 @@ compute; they declare stages and call ``prepare`` / ``finish`` / ``exit`` around
         topology=topology,
     )
 
-Importing this package discovers no plugins and creates no process groups.
+Importing this package discovers no plugins, creates no process groups and imports nothing
+heavy: names load on first use (PEP 562), so a plugin's light manifest can import
+``layer_boundary.plugins.manifest`` without torch.
 """
 
-from .capture import AuxHiddenStateList
-from .context import BoundaryContext
-from .contracts import Owed, OwedKind, ProducerReduction, StageKind
-from .errors import BoundaryError, DeclarationError
-from .exit import FfnExit, MixerExit
-from .factories import (
-    StageDeclaration,
-    declare_attn,
-    declare_ffn,
-    make_attn_stage,
-    make_ffn_stage,
-    make_stages,
-)
-from .forward import ForwardBatch, ForwardBatchLike, ForwardFlags, ForwardMode, active_variant, get_forward
-from .layout import BatchVariant, Layout, SumGroup, TokenAxis
-from .norms import GemmaRMSNorm, RMSNorm
-from .output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
-from .residual import LayerResidual, ReadSpec, StageRead, StageUpdate
-from .residual.stream import ResidualStream, StreamState
-from .providers import (
-    ConsumerCandidate,
-    FusionProvider,
-    NormKernelProvider,
-    NormRequest,
-    ResidualSemantics,
-    StageResidual,
-)
-from .quant import QuantizedRows
-from .selection import SelectionReport
-from .stage import StageBoundary
-from .topology import GroupInfo, Topology
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    "AuxHiddenStateList": ".capture",
+    "BoundaryContext": ".context",
+    "Owed": ".contracts",
+    "OwedKind": ".contracts",
+    "ProducerReduction": ".contracts",
+    "StageKind": ".contracts",
+    "BoundaryError": ".errors",
+    "DeclarationError": ".errors",
+    "FfnExit": ".exit",
+    "MixerExit": ".exit",
+    "StageDeclaration": ".factories",
+    "declare_attn": ".factories",
+    "declare_ffn": ".factories",
+    "make_attn_stage": ".factories",
+    "make_ffn_stage": ".factories",
+    "make_stages": ".factories",
+    "ForwardBatch": ".forward",
+    "ForwardBatchLike": ".forward",
+    "ForwardFlags": ".forward",
+    "ForwardMode": ".forward",
+    "active_variant": ".forward",
+    "get_forward": ".forward",
+    "BatchVariant": ".layout",
+    "Layout": ".layout",
+    "SumGroup": ".layout",
+    "TokenAxis": ".layout",
+    "GemmaRMSNorm": ".norms",
+    "RMSNorm": ".norms",
+    "Contribution": ".output",
+    "HandoffOutput": ".output",
+    "OutputTransform": ".output",
+    "OwedOutput": ".output",
+    "UnreducedOutput": ".output",
+    "LayerResidual": ".residual",
+    "ReadSpec": ".residual",
+    "StageRead": ".residual",
+    "StageUpdate": ".residual",
+    "ResidualStream": ".residual.stream",
+    "StreamState": ".residual.stream",
+    "ConsumerCandidate": ".providers",
+    "FusionProvider": ".providers",
+    "NormKernelProvider": ".providers",
+    "NormRequest": ".providers",
+    "ResidualSemantics": ".providers",
+    "StageResidual": ".providers",
+    "QuantizedRows": ".quant",
+    "SelectionReport": ".selection",
+    "StageBoundary": ".stage",
+    "GroupInfo": ".topology",
+    "Topology": ".topology",
+}
+
+if TYPE_CHECKING:  # static checkers see the eager imports
+    from .capture import AuxHiddenStateList
+    from .context import BoundaryContext
+    from .contracts import Owed, OwedKind, ProducerReduction, StageKind
+    from .errors import BoundaryError, DeclarationError
+    from .exit import FfnExit, MixerExit
+    from .factories import (
+        StageDeclaration,
+        declare_attn,
+        declare_ffn,
+        make_attn_stage,
+        make_ffn_stage,
+        make_stages,
+    )
+    from .forward import ForwardBatch, ForwardBatchLike, ForwardFlags, ForwardMode, active_variant, get_forward
+    from .layout import BatchVariant, Layout, SumGroup, TokenAxis
+    from .norms import GemmaRMSNorm, RMSNorm
+    from .output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
+    from .residual import LayerResidual, ReadSpec, StageRead, StageUpdate
+    from .residual.stream import ResidualStream, StreamState
+    from .providers import (
+        ConsumerCandidate,
+        FusionProvider,
+        NormKernelProvider,
+        NormRequest,
+        ResidualSemantics,
+        StageResidual,
+    )
+    from .quant import QuantizedRows
+    from .selection import SelectionReport
+    from .stage import StageBoundary
+    from .topology import GroupInfo, Topology
 
 __version__ = "0.1.0"
 
@@ -101,3 +162,16 @@ __all__ = [
     "make_ffn_stage",
     "make_stages",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'layer_boundary' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

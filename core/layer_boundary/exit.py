@@ -27,7 +27,10 @@ _FINALIZE = Owed(OwedKind.FINALIZE)
 def decide(plan: StagePlan, path: ExitPath, forward_batch: Any) -> tuple[bool, bool]:
     """``(defer_sum, defer_finalize)`` for this batch.
 
-    The first provider that implements a decision makes it; providers were bound at construction.
+    Each decision is asked of the providers in order until one allows it: a provider that cannot
+    complete the work at the next input says no for itself, not for a provider after it (a
+    deferred sum no candidate fuses is still completed there, by the group's all-reduce).
+    Providers were bound at construction.
     """
     defer_finalize = False
     defer_sum = path.always_defer_sum
@@ -37,14 +40,13 @@ def decide(plan: StagePlan, path: ExitPath, forward_batch: Any) -> tuple[bool, b
     for provider in plan.fusions:
         if not asked_fin:
             can_fin = getattr(provider, "can_defer_finalize", None)
-            if can_fin is not None:
+            if can_fin is not None and can_fin(plan, forward_batch):
                 asked_fin = True
-                defer_finalize = bool(can_fin(plan, forward_batch)) and path.may_defer_finalize
+                defer_finalize = path.may_defer_finalize
         if not asked_ar:
             can_ar = getattr(provider, "can_defer_all_reduce", None)
-            if can_ar is not None:
-                asked_ar = True
-                defer_sum = bool(can_ar(plan, forward_batch))
+            if can_ar is not None and can_ar(plan, forward_batch):
+                asked_ar = defer_sum = True
         if asked_fin and asked_ar:
             break
     if defer_finalize and path.skip_owed is not None:

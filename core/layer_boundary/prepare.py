@@ -13,6 +13,7 @@ from .errors import BoundaryError
 from .output import Contribution, HandoffOutput
 from .residual.access import check_shape, complete
 from .residual.stream import Handle, ResidualStream, StreamState
+from .rows import move_input
 
 __all__ = ["run_entry", "check_edge", "publish"]
 
@@ -226,7 +227,7 @@ def _dp_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, hidden:
             return x_all
     assert entry.local is not None
     x_local = run_entry(plan, entry.local, stream, hidden, None, None, forward_batch)
-    return rows.gather(x_local)
+    return move_input(rows.gather, x_local)
 
 
 
@@ -308,5 +309,5 @@ def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, 
     stream.write(residual)
     stream.next_update = upd
     if entry.scatter == "group":
-        return rows.gather_group(x)
-    return rows.gather_all(x)
+        return move_input(rows.gather_group, x)
+    return move_input(rows.gather_all, x)

@@ -21,6 +21,7 @@ eligibility facts:
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..contracts import OwedKind
+from ..forward import active_variant
 from ..layout import BatchVariant, SumGroup
 from ..topology import GroupInfo
 
@@ -192,12 +194,16 @@ class AllReduceNormProvider:
     quants: frozenset[Optional[str]] = frozenset({None})
     max_world = 8
     max_hidden = 16384
+    # Let producers leave their output sums to the next input where a candidate fuses them.
+    defer_sums = True
     backends: frozenset[str] = frozenset({"nccl"})
 
     def __init__(self, max_tokens: int = 2048) -> None:
         self.max_tokens = max_tokens
         self._workspaces: dict[tuple[Any, ...], Any] = {}
         self._turned_down: dict[tuple[Any, ...], str] = {}
+        # Per producer plan (construction-time facts): whether its output sum is one we fuse.
+        self._deferrable: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
     # -- FusionProvider ---------------------------------------------------------------------
 
@@ -206,6 +212,32 @@ class AllReduceNormProvider:
 
     def ffn_input(self, plan: Any) -> Sequence[Any]:
         return self._offer(plan)
+
+    def can_defer_all_reduce(self, plan: Any, forward_batch: Any) -> bool:
+        """Let a producer leave its output sum to the next input when a candidate of this
+        provider completes that sum there and the batch fits its workspace.
+
+        Only ordinary batches: their rows are the same on every rank of the sum group, so every
+        rank decides alike. (The core asks only producers that may defer: never under attention
+        DP.) A deferred sum the next input does not fuse is completed there by the all-reduce.
+        """
+        if not self.defer_sums:
+            return False
+        ok = self._deferrable.get(plan)
+        if ok is None:
+            ok = self._deferrable[plan] = self._serves_output_of(plan)
+        return ok and 0 < forward_batch.num_tokens <= self.max_tokens \
+            and active_variant(forward_batch) is BatchVariant.ORDINARY \
+            and getattr(forward_batch, "dp_num_tokens", None) is None
+
+    def _serves_output_of(self, plan: Any) -> bool:
+        from ..construction import _output_sum
+
+        owed = _output_sum(plan.declaration, plan.topology)
+        weight = getattr(plan.read, "weight", None)
+        if owed is None or weight is None:
+            return False
+        return (owed.group.ranks, int(weight.shape[0]), weight.dtype) in self._workspaces
 
     # -- what a backend supplies ------------------------------------------------------------
 

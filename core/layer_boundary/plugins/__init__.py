@@ -1,24 +1,47 @@
 """Plugins: hook specifications, manifests, entry-point discovery and the registry.
 
 Nothing here runs at ``import layer_boundary``; call :func:`discover` (or build a
-``BoundaryContext`` with ``BoundaryContext.discover()``) to find plugins.
+``BoundaryContext`` with ``BoundaryContext.discover()``) to find plugins. Names load on first
+use, so a plugin's manifest module imports ``layer_boundary.plugins.manifest`` without pulling
+in pluggy or torch.
 """
 
-from .discovery import PluginError, PluginRecord
-from .hookspecs import hookimpl, hookspec
-from .manifest import ENTRY_POINT_GROUP, HOOK_API_VERSION, PluginManifest, PluginStatus, Provides
-from .registry import PluginRegistry, discover
+from __future__ import annotations
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "HOOK_API_VERSION",
-    "PluginError",
-    "PluginManifest",
-    "PluginRecord",
-    "PluginRegistry",
-    "PluginStatus",
-    "Provides",
-    "discover",
-    "hookimpl",
-    "hookspec",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    "ENTRY_POINT_GROUP": ".manifest",
+    "HOOK_API_VERSION": ".manifest",
+    "PluginManifest": ".manifest",
+    "PluginStatus": ".manifest",
+    "Provides": ".manifest",
+    "PluginError": ".discovery",
+    "PluginRecord": ".discovery",
+    "PluginRegistry": ".registry",
+    "discover": ".registry",
+    "hookimpl": ".hookspecs",
+    "hookspec": ".hookspecs",
+}
+
+if TYPE_CHECKING:
+    from .discovery import PluginError, PluginRecord
+    from .hookspecs import hookimpl, hookspec
+    from .manifest import ENTRY_POINT_GROUP, HOOK_API_VERSION, PluginManifest, PluginStatus, Provides
+    from .registry import PluginRegistry, discover
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'layer_boundary.plugins' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -71,6 +71,10 @@ class NormKernels:
     # True when fused_add_rmsnorm overwrites the residual it is given; a capture of that residual
     # is then borrowed rather than owned.
     residual_in_place: bool = False
+    # True when fused_add_rmsnorm is cheapest writing its output over the contribution (a kernel
+    # that works in place on its input would otherwise copy it first). The read then passes
+    # out=contribution: the boundary owns a consumed contribution and nothing reads it later.
+    input_as_out: bool = False
 
 
 REFERENCE_KERNELS = NormKernels("torch-reference", rmsnorm_ref, fused_add_rmsnorm_ref)
@@ -134,7 +138,11 @@ class RMSNormRead:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None and update.name in self.fuses_with:
             p = self._params
-            return self.kernels.fused_add_rmsnorm(
+            k = self.kernels
+            if k.input_as_out:
+                return k.fused_add_rmsnorm(contribution, residual, p["weight"] if p is not None else self.norm.weight,
+                                           self._eps, weight_offset=self.offset, out=contribution)
+            return k.fused_add_rmsnorm(
                 contribution, residual, p["weight"] if p is not None else self.norm.weight,
                 self._eps, weight_offset=self.offset
             )

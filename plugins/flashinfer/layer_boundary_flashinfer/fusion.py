@@ -51,21 +51,19 @@ Facts of FlashInfer 0.7.2 this relies on (``flashinfer/comm/allreduce.py``, ``tr
   waiting. The kernels are therefore built (``gen_trtllm_comm_module().build_and_load()``)
   before, as a check of this process whose failure the group agrees to refuse on.
 
-``can_defer_all_reduce`` lets an FFN (or a mixer) leave its TP sum to the next input when a
-candidate of this provider completes that sum there and the batch fits the workspace, so the
-FFN's all-reduce is fused too, not only attention's.
+The base class's ``can_defer_all_reduce`` lets an FFN (or a mixer) leave its TP sum to the next
+input when a candidate of this provider completes that sum there and the batch fits the
+workspace, so the FFN's all-reduce is fused too, not only attention's.
 """
 
 from __future__ import annotations
 
 import inspect
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from layer_boundary import StageKind, SumGroup
 from layer_boundary.fusion import AllReduceNormProvider, FusedSum
 
 __all__ = ["FlashInferAllReduceNorm", "CommApi", "FP8_REFUSAL", "WORLD_SIZES", "ONESHOT_BUDGET_MIB"]
@@ -167,8 +165,6 @@ class FlashInferAllReduceNorm(AllReduceNormProvider):
         self._built: Optional[str] = None  # "" once the kernels load, else why they do not
         # (group ranks, hidden size, dtype) of every sum a candidate of this provider completes,
         # and, per producer plan, whether its output sum is one of them (decided once).
-        self._fused: set[tuple[Any, ...]] = set()
-        self._deferrable: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
     # -- eligibility ---------------------------------------------------------------------------
 
@@ -208,31 +204,6 @@ class FlashInferAllReduceNorm(AllReduceNormProvider):
             return (f"FlashInfer builds its all-reduce fusion for compute capability 9.x, 10.x and "
                     f"12.x; this GPU is {major}.{minor}")
         return None
-
-    # -- output decision -----------------------------------------------------------------------
-
-    def can_defer_all_reduce(self, plan: Any, forward_batch: Any) -> bool:
-        """Leave a producer's output sum to the next input when this provider's candidate there
-        completes it for this batch: the same rows on every rank of the group, so every rank
-        decides alike. The core asks only producers that may defer (an FFN or mixer followed by
-        a stage, never under attention DP); a deferred sum the next input cannot fuse is
-        completed there by the group's all-reduce, as it would have been here."""
-        ok = self._deferrable.get(plan)
-        if ok is None:
-            ok = self._deferrable[plan] = self._completes_output_of(plan)
-        return ok and 0 < forward_batch.num_tokens <= self.max_tokens
-
-    def _completes_output_of(self, plan: Any) -> bool:
-        decl = plan.declaration
-        if decl.kind is StageKind.ATTN:
-            which = SumGroup.ATTN_TP
-        else:
-            which = SumGroup.MOE_OUTPUT if getattr(decl, "sparse", False) else SumGroup.TP
-        weight = getattr(plan.read, "weight", None)
-        if weight is None:
-            return False
-        group = plan.topology.sum_group(which)
-        return (group.ranks, int(weight.shape[0]), weight.dtype) in self._fused
 
     # -- workspace and kernel ------------------------------------------------------------------
 
@@ -274,7 +245,6 @@ class FlashInferAllReduceNorm(AllReduceNormProvider):
         if fused.weight_offset != 0.0:
             extra["weight_bias"] = fused.weight_offset
         pdl = self.launch_with_pdl
-        self._fused.add((fused.group.ranks, hidden, dtype))
 
         def run(x: torch.Tensor, residual: torch.Tensor, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
             rows = x.shape[0]

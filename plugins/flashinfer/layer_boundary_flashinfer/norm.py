@@ -138,7 +138,7 @@ def flashinfer_kernels(fi: Any) -> NormKernels:
             fn(y, residual_out, weight.detach() if weight.requires_grad else weight, eps)
         return y, residual_out
 
-    return NormKernels("flashinfer", rmsnorm, fused_add_rmsnorm, residual_in_place=True)
+    return NormKernels("flashinfer", rmsnorm, fused_add_rmsnorm, residual_in_place=True, input_as_out=True)
 
 
 def _why_not(x: torch.Tensor, weight: torch.Tensor, offset: float, *, residual: Optional[torch.Tensor] = None,

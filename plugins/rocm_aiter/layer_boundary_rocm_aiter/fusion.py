@@ -68,13 +68,12 @@ class AiterAllReduceNorm(AllReduceNormProvider):
                  device_type: str = "cuda", backends: Optional[tuple[str, ...]] = None) -> None:
         super().__init__(max_tokens)
         self.api = api
-        self.defer_ffn_sums = defer_ffn_sums
+        self.defer_sums = defer_ffn_sums
         self.device_type = device_type
         if backends is not None:
             self.backends = frozenset(backends)
         # Per group (its ranks): the gloo group AITER exchanges IPC handles over, and the hosts.
         self._cpu: dict[tuple[int, ...], tuple[Any, list[str]]] = {}
-        self._served: set[tuple[int, ...]] = set()
 
     # -- eligibility ----------------------------------------------------------------------------
 
@@ -114,7 +113,6 @@ class AiterAllReduceNorm(AllReduceNormProvider):
                 f"{self.api.label} disabled its CustomAllreduce for ranks {fused.group.ranks} after "
                 "this plugin found it eligible (see aiter's warning)"
             )
-        self._served.add(fused.group.ranks)
         return ca
 
     def run_with(self, workspace: Any, fused: FusedSum) -> Any:
@@ -133,24 +131,6 @@ class AiterAllReduceNorm(AllReduceNormProvider):
             return y, r_new
 
         return run
-
-    # -- output decision --------------------------------------------------------------------------
-
-    def can_defer_all_reduce(self, plan: Any, forward_batch: Any) -> bool:
-        """Let an FFN leave its TP sum to the next input, where this candidate completes it.
-
-        Only for ordinary batches within the token limit, once a candidate of this provider
-        serves a group: every rank of the sum group sees the same rows then, so they all decide
-        alike. Under attention DP or a scattered variant, rows differ between ranks.
-        """
-        if not (self.defer_ffn_sums and self._served):
-            return False
-        if getattr(forward_batch, "dp_num_tokens", None) is not None:
-            return False
-        if any(getattr(forward_batch, f, False) for f in ("context_parallel", "input_scattered",
-                                                          "sequence_parallel")):
-            return False
-        return 0 < forward_batch.num_tokens <= self.max_tokens
 
     # -- helpers ----------------------------------------------------------------------------------
 
