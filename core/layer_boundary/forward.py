@@ -51,6 +51,7 @@ class ForwardBatch:
     ``seq_lens``: lengths of the packed sequences (their sum is ``num_tokens``; ``None`` means one
     sequence). ``dp_num_tokens``: rows of every attention-DP rank, in DP-rank order (``None`` on one
     DP rank). The three variant flags say which row arrangement is active; see ``active_variant``.
+    ``tbo_split``: run the model's two-batch-overlap schedule, split there (``None``: unsplit).
     """
 
     num_tokens: int
@@ -62,6 +63,7 @@ class ForwardBatch:
     input_scattered: bool = False
     sequence_parallel: bool = False
     residual_stream: Optional["ResidualStream"] = field(default=None, repr=False)
+    tbo_split: Any = None  # a layer_boundary.adapters.tbo.TboSplit
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_tokens, int) or self.num_tokens < 0:

@@ -1,6 +1,9 @@
 """Adapters for integrations that need more than a sequential prepare call (see the spec's
-"Special adapters"): ``lora`` publishes the rows a stage's compute input lives on."""
+"Special adapters"): ``lora`` publishes the rows a stage's compute input lives on; ``tbo`` splits a
+batch into two microbatches with their own streams, interleaves their stages and merges them."""
 
 from .lora import InputRows, RowKind, input_rows
+from .tbo import TboPlan, TboRows, TboSplit, merge_streams, model_forward_stages, plan_overlap, split_stream
 
-__all__ = ["InputRows", "RowKind", "input_rows"]
+__all__ = ["InputRows", "RowKind", "input_rows", "TboPlan", "TboRows", "TboSplit", "merge_streams",
+           "model_forward_stages", "plan_overlap", "split_stream"]

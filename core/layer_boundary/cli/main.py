@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--defer-moe-finalize", action="store_true",
                      help="let sparse FFNs return finalize handoffs (defer_moe_finalize) that the "
                      "next layer's input or the final norm completes; Qwen3-MoE only")
+    run.add_argument("--tbo", action="store_true",
+                     help="two-batch overlap: split each DP group's sequences into two microbatches "
+                     "(balanced by tokens) with their own residual streams, interleave their layer "
+                     "stages and merge; dense Qwen3 overlaps every layer, Qwen3-MoE its sparse ones")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument(
         "--input-ids", type=_input_ids, default=None, metavar="IDS",

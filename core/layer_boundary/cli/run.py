@@ -65,7 +65,8 @@ def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
     return RunSpec(sequences=tuple(tuple(s) for s in args.input_ids), model=args.model, seed=args.seed,
                    dtype=args.dtype, tp=tp, dp=args.dp, pp=getattr(args, "pp", 1), reduction=args.reduction, residual=args.residual,
                    device=args.device, pattern=args.pattern, moe=getattr(args, "moe", False),
-                   defer_moe_finalize=getattr(args, "defer_moe_finalize", False))
+                   defer_moe_finalize=getattr(args, "defer_moe_finalize", False),
+                   tbo=getattr(args, "tbo", False))
 
 
 def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, Any]:
@@ -96,6 +97,8 @@ def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, A
             "selection": model.context.report.lines(),
             "vocab": model.config.vocab_size,
         }
+        if spec.tbo:
+            out["header"]["tbo"] = _describe_tbo(model, spec)
     return out
 
 
@@ -181,6 +184,9 @@ def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any
     print(f"stages:   {head['boundaries']} boundaries")
     for line in head["stages"]:
         print(line)
+    if "tbo" in head:
+        for line in head["tbo"]:
+            print(line)
     print(f"plugins:  {head['plugins']}")
     print("selection:")
     for line in head["selection"]:
@@ -228,6 +234,23 @@ def _is_moe_folder(spec: RunSpec) -> bool:
     from ..models.runner import _config
 
     return bool(spec.model) and _config(spec).model_type == "qwen3_moe"
+
+
+def _describe_tbo(model: Any, spec: RunSpec) -> list[str]:
+    from ..models.runner import tbo_split
+
+    ids = [layer.layer_id for layer in model.model.layers]  # this pipeline partition's layers
+    lines = [f"tbo:      {model.model.tbo_plan.describe()} (local layers {ids[0]}-{ids[-1]})"]
+    split = tbo_split(spec, 0)
+    if split.dp_num_tokens is None:
+        a = sum(len(s) for s in spec.sequences[: split.seq_index])
+        lines.append(f"          microbatches: {split.seq_index} + {len(spec.sequences) - split.seq_index} "
+                     f"sequence(s), {a} + {sum(len(s) for s in spec.sequences) - a} tokens")
+    else:
+        a, b = split.dp_num_tokens
+        lines.append("          microbatch tokens per DP group: " + ", ".join(
+            f"{x} + {y}" for x, y in zip(a, b)))
+    return lines
 
 
 def _describe_residual(semantics: Any) -> str:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages, ops
+from layer_boundary.adapters.tbo import model_forward_stages, plan_overlap
 from layer_boundary.models.config import Qwen3Config
 from layer_boundary.models.layers import (
     MergedColumnParallelLinear,
@@ -211,8 +212,35 @@ class Qwen3DecoderLayer(nn.Module):
         hidden_states = output.finish(hidden_states)
         return hidden_states
 
+    def forward_stages(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
+        """The layer as the two-batch-overlap schedule runs it (a generator returning the layer
+        output): it yields where the other microbatch may run while this one's sum is owed.
+
+        The FFN is operation-scheduled: no exit scope, so it reduces its own output, and
+        ``postprocess()`` hands that output on without owed work.
+        """
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
+        if hidden_states.shape[0] != 0:
+            hidden_states = self.self_attn(
+                positions=positions,
+                hidden_states=hidden_states,
+                forward_batch=forward_batch,
+            )
+        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
+        yield "attn"
+        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
+        yield "ffn_input"
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = self.ffn_boundary.postprocess(hidden_states, forward_batch)
+        yield "ffn"
+        return hidden_states
+
 
 class Qwen3Model(nn.Module):
+    # Layers that run as two microbatches under two-batch overlap: every layer of a dense stack
+    # (see layer_boundary.adapters.tbo.plan_overlap).
+    tbo_overlap = "all"
+
     def __init__(
         self,
         config: Qwen3Config,
@@ -248,6 +276,7 @@ class Qwen3Model(nn.Module):
             if final.params is not None:
                 self.final_residual = final.params
             residual_batch.bind_final_norm(self.norm, context=context, read=final.read)
+        self.tbo_plan = plan_overlap(self.layers, overlap=self.tbo_overlap)
 
     def forward(
         self,
@@ -263,8 +292,13 @@ class Qwen3Model(nn.Module):
             hidden_states = self.embed_tokens(input_ids)
         else:
             hidden_states = self.layers[0].attn_boundary.from_pp(pp_proxy_tensors, forward_batch)
-        for layer in self.layers:
-            hidden_states = layer(positions, hidden_states, forward_batch)
+        split = getattr(forward_batch, "tbo_split", None)
+        if split is not None:
+            hidden_states = model_forward_stages(self.layers, positions, hidden_states, forward_batch,
+                                                 split=split, plan=self.tbo_plan)
+        else:
+            for layer in self.layers:
+                hidden_states = layer(positions, hidden_states, forward_batch)
         if not self.pp_last:
             return residual_batch.to_pp(hidden_states, forward_batch)
         hidden_states = residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True)

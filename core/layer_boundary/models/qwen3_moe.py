@@ -23,11 +23,13 @@ import torch
 from torch import nn
 
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
+from layer_boundary.adapters.tbo import plan_overlap
 from layer_boundary.models.config import Qwen3MoeConfig
 from layer_boundary.models.layers import ParallelLMHead, RotaryEmbedding, VocabParallelEmbedding
 from layer_boundary.models.moe import SparseMoeBlock
 from layer_boundary.models.qwen3 import (
     Qwen3Attention,
+    Qwen3DecoderLayer,
     Qwen3ForCausalLM,
     Qwen3MLP,
     Qwen3Model,
@@ -117,10 +119,16 @@ class Qwen3MoeDecoderLayer(nn.Module):
         hidden_states = output.finish(hidden_states)
         return hidden_states
 
+    forward_stages = Qwen3DecoderLayer.forward_stages
+
 
 class Qwen3MoeModel(Qwen3Model):
     """Embedding, Qwen3-MoE layers, final norm; the forward (pipeline stages included) is
     :class:`Qwen3Model`'s."""
+
+    # Under two-batch overlap the sparse layers run as two microbatches (their expert
+    # communication is what the other microbatch hides); a dense layer runs on the whole batch.
+    tbo_overlap = "sparse"
 
     def __init__(
         self,
@@ -156,6 +164,7 @@ class Qwen3MoeModel(Qwen3Model):
             if final.params is not None:
                 self.final_residual = final.params
             residual_batch.bind_final_norm(self.norm, context=context, read=final.read)
+        self.tbo_plan = plan_overlap(self.layers, overlap=self.tbo_overlap)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

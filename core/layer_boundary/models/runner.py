@@ -18,7 +18,7 @@ from ..forward import ForwardBatch
 from ..topology import Topology
 
 __all__ = ["RunSpec", "assign_sequences", "build_model", "model_class", "describe_model", "rank_forward",
-           "single_rank_logits", "DTYPES"]
+           "single_rank_logits", "tbo_split", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -47,8 +47,21 @@ class RunSpec:
     # Sparse FFNs return finalize handoffs (a fusion provider that always allows
     # defer_moe_finalize): the next layer's input, or the final norm, completes them unfused.
     defer_moe_finalize: bool = False
+    # Two-batch overlap: each DP group's sequences split into two microbatches (balanced by
+    # tokens, at a sequence boundary) whose layer stages interleave; see adapters/tbo.py.
+    tbo: bool = False
 
     def __post_init__(self) -> None:
+        if self.tbo:
+            if self.pattern is not None:
+                raise ValueError("--tbo runs the Qwen3 and Qwen3-MoE references; the heterogeneous "
+                                 "--pattern model has no two-batch-overlap schedule yet")
+            if self.residual != "plain":
+                raise ValueError(f"--tbo needs the plain residual: {self.residual!r} is a nonlinear "
+                                 "update, whose per-call state cannot be split into microbatches")
+            if self.defer_moe_finalize:
+                raise ValueError("--tbo runs the sparse FFNs operation-scheduled (no exit scope, so "
+                                 "they finalize and reduce themselves); drop --defer-moe-finalize")
         if self.moe and (self.model or self.pattern is not None):
             raise ValueError("--moe builds the embedded random Qwen3-MoE; it takes no --model (whose "
                              "config.json names its model_type) and no --pattern")
@@ -194,6 +207,8 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
     token_index = [starts[i] + j for i in mine for j in range(len(spec.sequences[i]))]
     ids, fb = _batch([spec.sequences[i] for i in mine], device, counts if spec.dp > 1 else None)
     fb.input_scattered = spec.input_scattered
+    if spec.tbo:
+        fb.tbo_split = tbo_split(spec, topo.attn_dp.rank)
     with torch.inference_mode():
         if device == "cuda":
             torch.cuda.synchronize()
@@ -205,6 +220,14 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
     if logits is None:  # a pipeline stage before the last: its output went on to the next stage
         return [], torch.zeros(0, model.config.vocab_size), seconds
     return token_index, logits.cpu(), seconds
+
+
+def tbo_split(spec: RunSpec, dp_rank: int, trace: Optional[list] = None) -> Any:
+    """The two-batch split of DP group ``dp_rank``'s sequences (every group's row counts too)."""
+    from ..adapters.tbo import TboSplit
+
+    groups = assign_sequences(len(spec.sequences), spec.dp)
+    return TboSplit.balanced([[len(spec.sequences[i]) for i in g] for g in groups], dp_rank, trace=trace)
 
 
 def single_rank_logits(spec: RunSpec, device: Optional[str] = None) -> torch.Tensor:
