@@ -128,13 +128,13 @@ def qwen3_case(topo: Topology, case: dict[str, Any]) -> dict[str, Any]:
     the same layout."""
     from layer_boundary.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
 
-    tp = topo.tp.size
-    spec = RunSpec(sequences=tuple(tuple(s) for s in case["sequences"]), tp=tp, dp=case.get("dp", 1),
+    tp, pp = topo.tp.size, topo.pp.size
+    spec = RunSpec(sequences=tuple(tuple(s) for s in case["sequences"]), tp=tp, dp=case.get("dp", 1), pp=pp,
                    dtype=case.get("dtype", "float64"), moe=case.get("moe", False), plugins=False,
                    reduction=case.get("policy", "ar"), input_scattered=case.get("scattered", False),
                    tbo=True)
     model = build_model(spec, topo, "cpu")
-    idx, logits, _ = rank_forward(model, spec, "cpu")
+    idx, logits, _ = rank_forward(model, spec, "cpu")  # no rows on a pipeline stage before the last
     want = single_rank_logits(spec)
     scale = max(1.0, want.abs().max().item())
     out: dict[str, Any] = {"case": case, "rows": len(idx),
@@ -168,5 +168,6 @@ def tbo_matrix(rank: int, world: int, synthetic: list[dict[str, Any]], qwen: lis
     for case in synthetic:
         res["synthetic"].append(synthetic_case(topology(world, len(case["groups"])), case))
     for case in qwen:
-        res["qwen3"].append(qwen3_case(topology(world, case.get("dp", 1)), case))
+        pp = case.get("pp", 1)
+        res["qwen3"].append(qwen3_case(topology(world // pp, case.get("dp", 1), pp), case))
     return res

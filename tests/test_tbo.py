@@ -150,6 +150,29 @@ def test_interleave_keeps_stepping_the_longer_schedule():
     assert trace == [(0, "a0"), (1, "b0"), (1, "b1"), (1, "b2")]
 
 
+def test_a_stage_that_yields_inside_an_exit_scope_is_refused():
+    from layer_boundary import get_forward
+    from layer_boundary.models.moe import DeferFinalize
+
+    ctx = BoundaryContext(Topology.single())
+    a, f = make_stages((declare_attn(), make_norm(H, torch.float64)),
+                       (declare_ffn(sparse=True), make_norm(H, torch.float64), {"fusions": DeferFinalize()}),
+                       terminal=True, context=ctx)
+
+    def stages(fb):
+        rb.start(fb)
+        h = a.finish(a.prepare(rand(2, H), fb), fb)
+        x = f.prepare(h, fb)
+        with f.exit(fb) as out:  # publishes defer_moe_finalize
+            yield "ffn"
+            y = x * 2
+        return out.finish(y)
+
+    with pytest.raises(BoundaryError, match="across a two-batch-overlap yield point"):
+        interleave([stages(ForwardBatch.for_tokens(2)), stages(ForwardBatch.for_tokens(2))])
+    assert get_forward().snapshot() == (False, False, False)  # closing the stages closed the scope
+
+
 # -- streams: identity, release, owed work --------------------------------------------------------
 
 
@@ -254,7 +277,7 @@ def test_run_tbo_refuses_what_it_cannot_split(capsys):
     assert "drop --defer-moe-finalize" in capsys.readouterr().err
 
 
-# -- gloo: tp2 and tp2 dp2 in one spawn ----------------------------------------------------------
+# -- gloo: tp2, tp2 dp2 and pp2 in one spawn ----------------------------------------------------------
 
 SYNTHETIC_2 = [
     dict(kinds="SDS", groups=[(2, 3, 1)]),
@@ -273,11 +296,13 @@ QWEN_2 = [
     dict(sequences=[[1, 5, 9, 300], [4, 77], [8], [2, 2]], dp=2, dtype="float32"),
     dict(sequences=[[1, 5, 9, 300], [4, 77], [8]], dp=2, moe=True, policy="rs"),
     dict(sequences=[[1, 5, 9], [4, 77, 6]], moe=True, scattered=True),
+    # pp2: each partition splits from and merges to the batch's rows (from_pp / to_pp).
+    dict(sequences=[[1, 5, 9, 300], [4, 77], [8]], moe=True, pp=2),
 ]
 
 
 @pytest.mark.slow
-def test_tbo_on_gloo_tp2_and_tp2_dp2():
+def test_tbo_on_gloo_tp2_tp2_dp2_and_pp2():
     out = spawn(tbo_cases.tbo_matrix, 2, args=(SYNTHETIC_2, QWEN_2))
     for rank, res in enumerate(out):
         for r in res["synthetic"]:
@@ -289,5 +314,6 @@ def test_tbo_on_gloo_tp2_and_tp2_dp2():
         for r in res["qwen3"]:
             tol = 1e-5 if r["case"].get("dtype") == "float32" else 1e-10
             assert r["rel_diff"] <= tol, (rank, r)
+            assert r["rows"] > 0 or r["case"].get("pp") == 2 and rank == 0, (rank, r)
             if r["case"].get("per_microbatch"):
                 assert r["bitwise_per_microbatch"], (rank, r)

@@ -46,7 +46,7 @@ import torch
 
 from ..contracts import OwedKind, StageKind
 from ..errors import BoundaryError
-from ..forward import ForwardMode
+from ..forward import ForwardMode, get_forward
 from ..output import Contribution, HandoffOutput
 from ..residual.rows import complete_on_rows
 from ..residual.stream import Handle, ResidualStream, StreamState, started_stream
@@ -331,6 +331,9 @@ def split_stream(hidden_states: Any, forward_batch: Any, children: Sequence[Any]
             if not isinstance(hidden_states, torch.Tensor):
                 raise TypeError(f"split_stream() on an initial stream takes the stack input tensor, "
                                 f"got {type(hidden_states).__name__}")
+            if hidden_states.shape[0] != forward_batch.num_tokens:
+                raise ValueError(f"the stack input has {hidden_states.shape[0]} rows but the batch "
+                                 f"has num_tokens={forward_batch.num_tokens}")
             handles = []
             for child, lo, hi in zip(children, offsets, offsets[1:]):
                 _install(child, ResidualStream())
@@ -439,19 +442,30 @@ def interleave(stages: Sequence[Stages], trace: Optional[list] = None) -> list[H
     """Run the generators in turn, one stage each per round, until all return; their results.
 
     Every rank runs the same order, so the collectives inside the stages pair up across ranks.
-    ``trace`` receives ``(index, label)`` for each stage run.
+    ``trace`` receives ``(index, label)`` for each stage run. A stage that yields with an
+    ``exit()`` scope still open (its flags still published) is refused: the other microbatch's
+    compute would run under them.
     """
+    flags = get_forward()
     results: list[Any] = [None] * len(stages)
     live = list(range(len(stages)))
     try:
         while live:
             for m in list(live):
+                before = flags.snapshot()
                 try:
                     label = next(stages[m])
                 except StopIteration as stop:
                     results[m] = stop.value
                     live.remove(m)
                     continue
+                if flags.snapshot() != before:
+                    raise BoundaryError(
+                        f"microbatch {m} yielded at {label!r} inside an exit() scope ({flags!r}); "
+                        "do not hold an exit() scope open across a two-batch-overlap yield point: "
+                        "finish the output before yielding, or run the FFN operation-scheduled "
+                        "(no scope, then boundary.postprocess())"
+                    )
                 if trace is not None:
                     trace.append((m, label))
     finally:
