@@ -63,6 +63,13 @@ def _provider_method(origin: str, provider: Any, request: NormRequest) -> NormMe
     def call(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Any:
         return fused(x, r, w, EPS, weight_offset=0.0, out=y, residual_out=r)
 
+    def call_over_input(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Any:
+        # As the boundary's read calls it (NormKernels.input_as_out): over the consumed input.
+        return fused(x, r, w, EPS, weight_offset=0.0, out=x, residual_out=r)
+
+    if k.input_as_out:
+        call = call_over_input
+
     return NormMethod(provider.name, origin, call, tolerance_of(provider, request.dtype))
 
 
@@ -139,10 +146,10 @@ def measure_shape(method: NormMethod, tokens: int, hidden: int, dtype: torch.dty
                   plan: TimingPlan, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
     """Check ``method`` once against the reference, then time it with the residual updated in
     place (its values drift over the calls; the time does not depend on them)."""
-    x, r0, w, want_y, want_r = inputs
+    x0, r0, w, want_y, want_r = inputs
     row: dict[str, Any] = {"method": method.name, "origin": method.origin, "hidden": hidden,
                            "tokens": tokens, "dtype": str(dtype).replace("torch.", "")}
-    r = r0.clone()
+    x, r = x0.clone(), r0.clone()  # a method may write over its input (input_as_out)
     y = torch.empty_like(x)
     try:
         got = method.call(x, r, w, y)

@@ -35,6 +35,8 @@ MAX_TILE = 16384
 CHUNK = 4096
 
 # A kernel reads only constexpr globals (the interpreter does not check this; the compiler does).
+# Under torch.compile, Inductor re-emits the kernel with these as float64 constants: the scale
+# arithmetic is cast back to FP32 explicitly (f64 -> e4m3 has no conversion on the GPU).
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _FP8_SCALE_FLOOR = tl.constexpr(FP8_SCALE_FLOOR)
 
@@ -75,7 +77,7 @@ def _fp8_codes(y, inv_scale, dst_ptr, EXACT_CASTS: tl.constexpr):
     # an FP32 ulp, which moves an FP8 code only at an exact rounding tie. The clamp is the
     # saturation the GPU's conversion also applies; the interpreter's FP8 conversion mis-rounds
     # (no carry into the exponent), hence the explicit rounding there.
-    q = tl.clamp(y * inv_scale, -_FP8_MAX, _FP8_MAX)
+    q = tl.clamp((y * inv_scale).to(tl.float32), -_FP8_MAX, _FP8_MAX).to(tl.float32)
     if EXACT_CASTS:
         q = _round_e4m3(q)
     return q.to(dst_ptr.dtype.element_ty)
@@ -114,7 +116,7 @@ def norm_rows_kernel(
         w = tl.load(w_ptr + cols * w_col, mask=mask, other=0.0).to(tl.float32) + offset
         y = s * rstd * w
         if FP8:
-            scale = tl.maximum(tl.max(tl.abs(y), axis=0) / _FP8_MAX, _FP8_SCALE_FLOOR)
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0) / _FP8_MAX, _FP8_SCALE_FLOOR).to(tl.float32)
             tl.store(scale_ptr + row * scale_row, scale)
             tl.store(y_ptr + cols * y_col, _fp8_codes(y, 1.0 / scale, y_ptr, EXACT_CASTS), mask=mask)
         else:
@@ -134,7 +136,7 @@ def norm_rows_kernel(
                 s = _row_sum(x_ptr, r_ptr, c, x_col, r_col, m, ADD)
                 w = tl.load(w_ptr + c * w_col, mask=m, other=0.0).to(tl.float32) + offset
                 amax = tl.maximum(amax, tl.abs(s * rstd * w))
-            scale = tl.maximum(tl.max(amax, axis=0) / _FP8_MAX, _FP8_SCALE_FLOOR)
+            scale = tl.maximum(tl.max(amax, axis=0) / _FP8_MAX, _FP8_SCALE_FLOOR).to(tl.float32)
             tl.store(scale_ptr + row * scale_row, scale)
             inv_scale = 1.0 / scale
         for start in tl.range(0, H, BLOCK):
