@@ -203,7 +203,7 @@ class AllReduceNormProvider:
         self._workspaces: dict[tuple[Any, ...], Any] = {}
         self._turned_down: dict[tuple[Any, ...], str] = {}
         # Per producer plan (construction-time facts): whether its output sum is one we fuse.
-        self._deferrable: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        self._deferrable: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
     # -- FusionProvider ---------------------------------------------------------------------
 
@@ -223,21 +223,24 @@ class AllReduceNormProvider:
         """
         if not self.defer_sums:
             return False
-        ok = self._deferrable.get(plan)
+        ok = self._deferrable.get(plan)  # the rows the fusing workspace holds; 0: none fuses
         if ok is None:
             ok = self._deferrable[plan] = self._serves_output_of(plan)
-        return ok and 0 < forward_batch.num_tokens <= self.max_tokens \
+        return 0 < forward_batch.num_tokens <= ok \
             and active_variant(forward_batch) is BatchVariant.ORDINARY \
             and getattr(forward_batch, "dp_num_tokens", None) is None
 
-    def _serves_output_of(self, plan: Any) -> bool:
+    def _serves_output_of(self, plan: Any) -> int:
         from ..construction import _output_sum
 
         owed = _output_sum(plan.declaration, plan.topology)
         weight = getattr(plan.read, "weight", None)
         if owed is None or weight is None:
-            return False
-        return (owed.group.ranks, int(weight.shape[0]), weight.dtype) in self._workspaces
+            return 0
+        key = (owed.group.ranks, int(weight.shape[0]), weight.dtype)
+        if key not in self._workspaces:
+            return 0
+        return int(getattr(self._workspaces[key], "max_tokens", self.max_tokens))
 
     # -- what a backend supplies ------------------------------------------------------------
 
@@ -292,8 +295,9 @@ class AllReduceNormProvider:
                 self._turned_down[key] = late  # every rank remembers it: no retry per stage
                 return (RefusedCandidate(self.candidate_name, late),)
             self._workspaces[key] = workspace
-        return (AllReduceNormCandidate(self.candidate_name, fused, self.max_tokens,
-                                       self.run_with(workspace, fused)),)
+        # A workspace may hold fewer rows than asked for (a memory budget): it says so.
+        rows = getattr(workspace, "max_tokens", self.max_tokens)
+        return (AllReduceNormCandidate(self.candidate_name, fused, rows, self.run_with(workspace, fused)),)
 
     def _common_refusal(self, fused: FusedSum) -> Optional[str]:
         backend = group_backend(fused.group)

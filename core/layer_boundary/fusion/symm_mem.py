@@ -34,6 +34,7 @@ class SymmWorkspace:
     rank: int
     world: int
     max_programs: int
+    max_tokens: int  # rows per call the buffers hold
 
 
 def _num_warps(block: int) -> int:
@@ -44,8 +45,11 @@ class SymmMemAllReduceNorm(AllReduceNormProvider):
     name = "core-symm-mem"
     candidate_name = "symm-mem all-reduce + add + rmsnorm"
 
-    def __init__(self, max_tokens: int = 2048) -> None:
+    def __init__(self, max_tokens: int = 2048, workspace_bytes: int = 256 << 20) -> None:
         super().__init__(max_tokens)
+        # Per group, hidden size and dtype: 2 halves x world slots x rows x hidden. Past this the
+        # row limit shrinks (where the fusion gains least: NCCL catches up at long batches).
+        self.workspace_bytes = workspace_bytes
 
     def local_refusal(self, fused: FusedSum) -> Optional[str]:
         if not torch.cuda.is_available():
@@ -70,8 +74,11 @@ class SymmMemAllReduceNorm(AllReduceNormProvider):
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(name)
         max_programs = torch.cuda.get_device_properties(device).multi_processor_count
-        # Two halves: consecutive calls alternate, so no closing barrier is needed (see the kernel).
-        data = symm_mem.empty(2 * self.max_tokens * fused.hidden_size, dtype=fused.dtype, device=device)
+        # Two halves (consecutive calls alternate, so no closing barrier is needed), each with one
+        # slot of rows per rank (ranks push their rows; see the kernel).
+        row_bytes = 2 * group.size * fused.hidden_size * fused.dtype.itemsize
+        rows = max(1, min(self.max_tokens, self.workspace_bytes // row_bytes))
+        data = symm_mem.empty(rows * row_bytes // fused.dtype.itemsize, dtype=fused.dtype, device=device)
         flags = symm_mem.empty(max_programs * group.size, dtype=torch.int32, device=device)
         flags.zero_()
         data_h = symm_mem.rendezvous(data, name)
@@ -89,7 +96,7 @@ class SymmMemAllReduceNorm(AllReduceNormProvider):
             torch.tensor(offsets, dtype=torch.int64, device=device),
             torch.tensor(list(flags_h.buffer_ptrs), dtype=torch.int64, device=device),
             torch.zeros(max_programs, dtype=torch.int32, device=device),
-            group.rank, group.size, max_programs,
+            group.rank, group.size, max_programs, rows,
         )
         # Every rank's flags must read zero before any rank's first kernel signals into them.
         torch.cuda.synchronize(device)
@@ -105,14 +112,14 @@ class SymmMemAllReduceNorm(AllReduceNormProvider):
         grid = (workspace.max_programs,)  # always all programs: each keeps its rows (see kernel)
         rank, world = workspace.rank, workspace.world
         data, offsets, flag_ptrs = workspace.data, workspace.data_offsets, workspace.flag_ptrs
-        epochs, half = workspace.epochs, self.max_tokens * hidden
+        epochs, slot = workspace.epochs, workspace.max_tokens * hidden
 
         def run(x: torch.Tensor, residual: torch.Tensor, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
             rows = x.shape[0]
             out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
             allreduce_add_rmsnorm_kernel[grid](
                 x, residual, read.weight, out, data, offsets, flag_ptrs, epochs,
-                rows, hidden, x.stride(0), half, read.eps, read.offset,
+                rows, hidden, x.stride(0), slot, read.eps, read.offset,
                 RANK=rank, WORLD=world, BLOCK=block, num_warps=warps,
             )
             return out, residual

@@ -1,8 +1,9 @@
 """Triton kernel: one-shot all-reduce over symmetric memory + residual add + RMSNorm, fused.
 
-Each rank copies its partial rows into its own peer-visible buffer, meets its peers at a
-per-program barrier, then every rank reads all ranks' rows (peers over NVLink), sums them in
-rank order, adds the residual and normalizes, in one launch. Peers' memory is reached through
+Each rank pushes its partial rows into its slot of every rank's peer-visible buffer (stores over
+NVLink, which need no reply), meets its peers at a per-program barrier, then reads all ranks'
+rows from its own memory, sums them in rank order, adds the residual and normalizes, in one
+launch. Pushing instead of pulling saves an NVLink round trip per call. Peers' memory is reached through
 the addresses symmetric-memory rendezvous hands out, never through NVLink multicast.
 
 Numerics match the unfused path: the rank sum is accumulated in FP32 in rank order (the same
@@ -12,10 +13,11 @@ dtype, as an all-reduce output is; the residual add and the norm then follow the
 
 Synchronization: one barrier per call and program, with epochs instead of a closing barrier.
 Program ``p`` keeps its call count (epoch ``e``) in local memory, writes its rows into buffer
-half ``e % 2`` and stores ``e`` into its flag slot in every peer's flag buffer (releasing), then
-waits until each peer's slot in its own buffer reaches ``e`` (acquiring). A fast rank's next call
-writes the other half; the call after that can only start once this rank has signalled that next
-call, which it does after its reads of this call, so no rank overwrites rows a peer still reads.
+half ``e % 2`` (of every rank) and stores ``e`` into its flag slot in every peer's flag buffer
+(releasing), then waits until each peer's slot in its own buffer reaches ``e`` (acquiring). A
+fast rank's next call writes the other half; the call after that can only start once this rank
+has signalled that next call, which it does after its reads of this call, so no rank overwrites
+rows a peer still reads.
 That needs program ``p`` to handle the same rows in every call: the grid is always the whole
 (SM-count) set of programs and row ``r`` belongs to program ``r % programs``. Every program must
 also be resident at once (a waiting program holds its SM), which that grid size guarantees.
@@ -56,7 +58,7 @@ def _barrier(flag_ptrs, pid, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
 def allreduce_add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
     buf_ptr, buf_offsets, flag_ptrs, epoch_ptr,
-    n_rows, hidden, x_stride, half_stride, eps, weight_offset,
+    n_rows, hidden, x_stride, slot_stride, eps, weight_offset,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -65,21 +67,25 @@ def allreduce_add_rmsnorm_kernel(
     mask = cols < hidden
     dtype = x_ptr.dtype.element_ty
     epoch = tl.load(epoch_ptr + pid) + 1
-    half = (epoch % 2).to(tl.int64) * half_stride
+    half = (epoch % 2).to(tl.int64) * slot_stride * WORLD
     mine = buf_ptr + half
 
+    # Push: this rank's rows go into its slot of every rank's buffer (peers over NVLink), so
+    # after the barrier every rank reads all partial rows from its own memory.
     for row in range(pid, n_rows, nprog):
         v = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-        tl.store(mine + row * hidden + cols, v, mask=mask)
+        for p in tl.static_range(WORLD):
+            dst = mine + tl.multiple_of(tl.load(buf_offsets + p), 16) + RANK * slot_stride
+            tl.store(dst + row * hidden + cols, v, mask=mask)
     _barrier(flag_ptrs, pid, epoch, RANK, WORLD)
 
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
     for row in range(pid, n_rows, nprog):
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for p in tl.static_range(WORLD):
-            src = mine + tl.multiple_of(tl.load(buf_offsets + p), 16)
-            # .cg: served from the owner's memory, never from a line this SM cached earlier.
-            acc += tl.load(src + row * hidden + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            # .cg: the peers wrote these lines; never serve them from this SM's L1.
+            acc += tl.load(mine + p * slot_stride + row * hidden + cols, mask=mask, other=0.0,
+                           cache_modifier=".cg").to(tl.float32)
         total = acc.to(dtype).to(tl.float32)  # an all-reduce output is in the activation dtype
         r = tl.load(res_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
         s = total + r
