@@ -14,7 +14,8 @@ from torch import nn
 from .contracts import Owed, OwedKind, ProducerReduction, StageKind
 from .layout import BatchVariant, SumGroup
 from .residual import StageRead, StageUpdate
-from .topology import Topology
+from .topology import GroupInfo, Topology
+from .variants import cp_paths, stage_variants
 
 __all__ = ["EntryPath", "ExitPath", "StagePlan", "build_stage"]
 
@@ -40,9 +41,14 @@ class EntryPath:
     dp_gather: Optional[str] = None
     # The same path without the DP move: the read on the local rows that "read_first" runs.
     local: Optional["EntryPath"] = None
-    # Input-scattered variant: after the read on this rank's slice, gather the input over the
-    # attention-TP group ("group") or over the whole TP group ("all", an FFN).
+    # Input-scattered and sequence-parallel variants: after the read on this rank's slice,
+    # gather the input over the attention-TP group ("group") or over the whole TP group ("all",
+    # an FFN).
     scatter: Optional[str] = None
+    # CP variant: run ``local`` (the read on this rank's tokens), then "gather" the normalized
+    # input to every token's rows (an FFN) or keep it "local" (attention gathers its keys and
+    # values itself); see layer_boundary.cp.
+    cp: Optional[str] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +69,12 @@ class ExitPath:
     # Under attention DP an FFN output returns to its group's rows at finish(), by the first of
     # these that the batch allows ("rsv", "rs", "ar"); empty without attention DP.
     dp_returns: tuple[str, ...] = ()
-    # Input-scattered variant: an FFN output returns to this rank's slice by a reduce-scatter
-    # over TP at finish().
+    # Input-scattered and sequence-parallel variants: an FFN output returns to this rank's slice
+    # by a reduce-scatter over TP at finish().
     scatter_return: bool = False
+    # CP variant: an FFN output returns to this rank's tokens by a reduce-scatter over this group
+    # (its sum group) at finish(), through the batch's CP token mapping.
+    cp_return: Optional[GroupInfo] = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,6 +89,8 @@ class StagePlan:
     options: Mapping[str, Any]
     entries: Mapping[BatchVariant, EntryPath] = field(default_factory=dict)
     exits: Mapping[BatchVariant, ExitPath] = field(default_factory=dict)
+    # Why a variant the topology has gets no path at this stage (see layer_boundary.variants).
+    refusals: Mapping[BatchVariant, str] = field(default_factory=dict)
 
     @property
     def variants(self) -> tuple[BatchVariant, ...]:
@@ -93,14 +104,6 @@ class StagePlan:
             f"{self.name.split(' #')[0]}: {d.describe()} read={self.read.name} update={self.update.name} "
             f"previous={prev} following={nxt} variants={[v.name for v in self.variants]}"
         )
-
-
-def _supported_variants(topology: Topology) -> tuple[BatchVariant, ...]:
-    # A variant exists only where the topology gives it rows to move; any other active variant
-    # is an error at forward, never a silent fallback to ordinary rows.
-    if topology.attn_tp.size > 1:
-        return (BatchVariant.ORDINARY, BatchVariant.INPUT_SCATTERED)
-    return (BatchVariant.ORDINARY,)
 
 
 def _output_sum(decl: Any, topology: Topology) -> Optional[Owed]:
@@ -144,7 +147,9 @@ def build_stage(
     name = context.next_stage_name(kind)
     if decl.prepared_from is None and norm is None:
         raise TypeError(f"{decl.kind.value} stage needs its norm module; got None")
-    variants = _supported_variants(topology)
+    # A variant exists only where the topology gives it rows to move and the stage can run it;
+    # any other active variant is an error at forward, never a silent fallback to ordinary rows.
+    variants, refused_variants = stage_variants(decl, topology)
     read = decl.read.bind(norm, context.kernel_selector(name, variants[0].name)) if norm is not None else None
     out_sum = _output_sum(decl, topology)
     # A certificate that the next local read leaves the residual it is given untouched: judged
@@ -172,18 +177,22 @@ def build_stage(
         dp_returns = returns if dp else ()
         _report_returns(context, name, variants[0].name, context.reduction, returns,
                         refusals(context.reduction, topology))
+        if BatchVariant.CP in variants:
+            from .variants import report_cp_return
+
+            report_cp_return(context, name)
     before_ffn = following is not None and following.kind is StageKind.FFN
     mixer_before_mixer = following is not None and following.is_mixer
     entries = {}
     exits = {}
     for variant in variants:
-        if variant is BatchVariant.INPUT_SCATTERED:
-            # A stage whose compute takes the whole sequence un-gathered (gathers_tp_input=False,
-            # e.g. a recurrent mixer) cannot run on a row slice: it has no path in this variant,
-            # and a scattered batch raises the spec's error instead of computing on a slice.
-            if decl.kind is StageKind.ATTN and not decl.gathers_tp_input:
-                continue
-            entries[variant], exits[variant] = _scattered_paths(decl, topology, capture_owned, out_sum, scoped)
+        if variant in (BatchVariant.INPUT_SCATTERED, BatchVariant.SEQUENCE_PARALLEL):
+            entries[variant], exits[variant] = _scattered_paths(decl, topology, capture_owned, out_sum,
+                                                                scoped, variant)
+            continue
+        if variant is BatchVariant.CP:  # built from the ordinary paths (ORDINARY comes first)
+            entries[variant], exits[variant] = cp_paths(
+                decl, entries[BatchVariant.ORDINARY], exits[BatchVariant.ORDINARY], out_sum)
             continue
         entries[variant] = EntryPath(
             variant=variant,
@@ -231,15 +240,21 @@ def build_stage(
         options=dict(options),
         entries=entries,
         exits=exits,
+        refusals=refused_variants,
     )
     _bind_candidates(plan, context)
     return StageBoundary(plan)
 
 
 def _scattered_paths(decl: Any, topology: Topology, capture_owned: bool, out_sum: Optional[Owed],
-                     scoped: bool) -> tuple[EntryPath, ExitPath]:
-    """Paths of the input-scattered variant: the residual lives on this rank's row slice."""
-    variant = BatchVariant.INPUT_SCATTERED
+                     scoped: bool, variant: BatchVariant = BatchVariant.INPUT_SCATTERED,
+                     ) -> tuple[EntryPath, ExitPath]:
+    """Paths of the input-scattered variant: the residual lives on this rank's row slice.
+
+    Sequence parallel (no attention DP) runs the same moves: the residual sharded over the TP
+    rows between stages, all-gathered before the column-parallel projections and reduce-scattered
+    after the row-parallel ones.
+    """
     is_ffn = decl.kind is StageKind.FFN
     scatter = "all" if is_ffn else "group"
     entry = EntryPath(

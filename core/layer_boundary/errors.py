@@ -44,8 +44,12 @@ def foreign_output(why: str) -> BoundaryError:
     return err
 
 
-def no_path(variant_name: str, stage: str) -> BoundaryError:
+def no_path(variant_name: str, stage: str, reason: str | None = None) -> BoundaryError:
+    """The spec's error for an active variant without a path; ``reason`` (from the plan's
+    refusals, see ``layer_boundary.variants``) names the combination and why it cannot run."""
     err = BoundaryError(NO_PATH.format(variant=variant_name))
+    if reason is not None:
+        err.add_note(f"{stage}: {reason}")
     err.add_note(
         f"{stage} has paths only for the batch variants its topology supports; reject this "
         "parallel configuration in the engine's argument checks, or build the topology that has it"

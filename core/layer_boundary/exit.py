@@ -66,7 +66,8 @@ class _Exit:
         self._defer_sum, self._defer_finalize = decide(plan, path, forward_batch)
         # Under attention DP the output returns to its group's rows at finish(); a scatter
         # return leaves the sum to that reduce-scatter (mlp_reduce_scatter).
-        self._return = "scatter" if path.scatter_return else (path.dp_returns[0] if path.dp_returns else None)
+        self._return = ("scatter" if path.scatter_return else "cp" if path.cp_return is not None
+                        else (path.dp_returns[0] if path.dp_returns else None))
         self._saved: Optional[tuple[bool, bool, bool]] = None
         self._done = False
 
@@ -85,11 +86,12 @@ class _Exit:
 
     @property
     def mlp_reduce_scatter(self) -> bool:
-        return self._return in ("rs", "rsv", "scatter")
+        return self._return in ("rs", "rsv", "scatter", "cp")
 
     @property
     def output_return(self) -> Optional[str]:
-        """``"ar"``, ``"rs"`` or ``"rsv"`` under attention DP; ``None`` otherwise."""
+        """``"ar"``, ``"rs"`` or ``"rsv"`` under attention DP; ``"scatter"`` to a row slice
+        (input-scattered, sequence parallel); ``"cp"`` to this rank's CP tokens; ``None`` otherwise."""
         return self._return
 
     @property
@@ -136,6 +138,11 @@ class _Exit:
             value = value.complete()
         if self._return == "scatter":
             return scatter_rows(self._stream, self._plan, self._fb).reduce_scatter_all(value)
+        if self._return == "cp":
+            from .cp import checked_split
+
+            assert self._path.cp_return is not None
+            return checked_split(self._plan, self._fb).reduce_scatter(value, self._path.cp_return)
         rows = dp_rows(self._stream, self._plan, self._fb)
         if self._return == "ar":
             return rows.take_local(value)  # compute summed over TP: flags asked it to

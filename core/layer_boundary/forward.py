@@ -52,6 +52,8 @@ class ForwardBatch:
     sequence). ``dp_num_tokens``: rows of every attention-DP rank, in DP-rank order (``None`` on one
     DP rank). The three variant flags say which row arrangement is active; see ``active_variant``.
     ``tbo_split``: run the model's two-batch-overlap schedule, split there (``None``: unsplit).
+    ``cp_split``: under ``context_parallel``, the token mapping over the attention-CP group (a
+    ``layer_boundary.cp.CpSplit``); ``num_tokens`` and ``positions`` are then this rank's rows.
     """
 
     num_tokens: int
@@ -64,6 +66,7 @@ class ForwardBatch:
     sequence_parallel: bool = False
     residual_stream: Optional["ResidualStream"] = field(default=None, repr=False)
     tbo_split: Any = None  # a layer_boundary.adapters.tbo.TboSplit
+    cp_split: Any = None  # a layer_boundary.cp.CpSplit
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_tokens, int) or self.num_tokens < 0:

@@ -97,6 +97,10 @@ def run_entry(
         return _dp_entry(plan, entry, stream, hidden, forward_batch)
     if entry.scatter is not None:
         return _scattered_entry(plan, entry, stream, hidden, capture, collector, forward_batch)
+    if entry.cp is not None:
+        from .cp import run_cp_entry
+
+        return run_cp_entry(plan, entry, stream, hidden, capture, collector, forward_batch)
     state = stream.state
     upd = None
     if state is StreamState.INITIAL:

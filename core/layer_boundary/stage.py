@@ -52,14 +52,14 @@ class StageBoundary:
         variant = _variant(forward_batch, stream)
         path = self._entries.get(variant)
         if path is None:
-            raise no_path(variant.name, self.plan.name)
+            raise no_path(variant.name, self.plan.name, self.plan.refusals.get(variant))
         return path
 
     def _exit_path(self, forward_batch: Any, stream: Any = None) -> ExitPath:
         variant = _variant(forward_batch, stream)
         path = self._exits.get(variant)
         if path is None:
-            raise no_path(variant.name, self.plan.name)
+            raise no_path(variant.name, self.plan.name, self.plan.refusals.get(variant))
         return path
 
     def prepare(
@@ -131,6 +131,10 @@ class StageBoundary:
 
             rows = scatter_rows(stream, self.plan, forward_batch)
             value = rows.my_slice(value[rows.offsets[rows.d] : rows.offsets[rows.d + 1]])
+        elif path.cp_return is not None:  # fully reduced on every token's rows: keep this rank's
+            from .cp import checked_split
+
+            value = checked_split(self.plan, forward_batch).take_local(value)
         elif path.dp_returns:  # fully reduced on every group's rows: keep this group's
             from .prepare import dp_rows
 

@@ -8,7 +8,7 @@ twice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -62,6 +62,12 @@ class Topology:
     ``tp`` is the full tensor-parallel group, ``attn_tp`` the attention-TP group inside one
     attention-DP replica (``tp`` = ``attn_dp`` x ``attn_tp``), ``attn_cp`` the context-parallel
     group, ``moe_out`` the group over which MoE outputs are summed, and ``pp`` the pipeline group.
+
+    Context parallelism splits attention TP: ``attn_tp`` = ``attn_cp`` x ``attn_heads``. The ranks
+    of one CP group hold different tokens of the same heads, so attention heads (and the
+    vocabulary of the embedding and LM head, whose ranks must hold the same rows) are sharded over
+    ``attn_heads``, the attention-TP ranks that share this rank's CP position; the attention's
+    partial sum (``SumGroup.ATTN_TP``) runs over it. Without CP it is ``attn_tp`` itself.
     """
 
     tp: GroupInfo
@@ -70,8 +76,18 @@ class Topology:
     attn_cp: GroupInfo
     moe_out: GroupInfo
     pp: GroupInfo
+    attn_heads: Optional[GroupInfo] = None
 
     def __post_init__(self) -> None:
+        if self.attn_heads is None:
+            if self.attn_cp.size > 1:
+                raise ValueError(
+                    f"a context-parallel topology (attn_cp of {self.attn_cp.size} ranks) needs "
+                    "attn_heads, the attention-TP ranks sharing this rank's CP position; build the "
+                    "groups with Topology.from_sizes(cp=...)"
+                )
+            object.__setattr__(self, "attn_heads", self.attn_tp)
+        self._check_cp()
         if self.attn_tp.size * self.attn_dp.size != self.tp.size:
             raise ValueError(
                 f"attention TP ({self.attn_tp.size}) x attention DP ({self.attn_dp.size}) must equal "
@@ -85,6 +101,29 @@ class Topology:
                 f"this rank is TP rank {self.tp.rank} but attention DP rank {self.attn_dp.rank} x "
                 f"attention TP size {self.attn_tp.size} + attention TP rank {self.attn_tp.rank} = "
                 f"{expected}; order the TP group's ranks DP-group by DP-group (Topology.from_sizes does)"
+            )
+
+    def _check_cp(self) -> None:
+        cp, heads, a = self.attn_cp, self.attn_heads, self.attn_tp
+        assert heads is not None
+        if cp.size * heads.size != a.size:
+            raise ValueError(
+                f"attention CP ({cp.size}) x attention heads ({heads.size}) must equal attention TP "
+                f"({a.size}); build the groups with Topology.from_sizes or fix the sizes"
+            )
+        if cp.size == 1:
+            return
+        # The CP row moves (adapters in layer_boundary.cp) rely on this rank order inside attention
+        # TP: CP groups are consecutive blocks, head groups the strides across them, so attention-TP
+        # rank t sits at CP rank t % cp.
+        c = a.rank // cp.size
+        block = a.ranks[c * cp.size : (c + 1) * cp.size]
+        stride = a.ranks[a.rank % cp.size :: cp.size]
+        if cp.ranks != block or heads.ranks != stride or cp.rank != a.rank % cp.size:
+            raise ValueError(
+                f"attention TP ranks {a.ranks} with CP group {cp.ranks} and head group {heads.ranks}: "
+                f"CP groups must be consecutive blocks of {cp.size} attention-TP ranks and head groups "
+                "the ranks at one position of every block (Topology.from_sizes builds them so)"
             )
 
     @classmethod
@@ -145,12 +184,18 @@ class Topology:
                 for c in range(attn_tp // cp)
             ]
         )
+        heads_g = (
+            build([st[d * attn_tp : (d + 1) * attn_tp][j::cp] for st in stages for d in range(dp)
+                   for j in range(cp)])
+            if cp > 1 else attn_tp_g
+        )
         pp_g = build([list(range(i, world, tp)) for i in range(tp)])
-        return cls(tp=tp_g, attn_tp=attn_tp_g, attn_dp=attn_dp_g, attn_cp=cp_g, moe_out=tp_g, pp=pp_g)
+        return cls(tp=tp_g, attn_tp=attn_tp_g, attn_dp=attn_dp_g, attn_cp=cp_g, moe_out=tp_g, pp=pp_g,
+                   attn_heads=heads_g)
 
     def sum_group(self, which: SumGroup) -> GroupInfo:
         if which is SumGroup.ATTN_TP:
-            return self.attn_tp
+            return self.attn_heads  # type: ignore[return-value]  # attn_tp without CP
         if which is SumGroup.TP:
             return self.tp
         return self.moe_out

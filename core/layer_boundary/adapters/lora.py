@@ -132,8 +132,14 @@ def input_rows(boundary: Any, forward_batch: Any) -> InputRows:
     variant = active_variant(forward_batch)
     entry = plan.entries.get(variant)
     if entry is None:
-        raise no_path(variant.name, plan.name)
+        raise no_path(variant.name, plan.name, plan.refusals.get(variant))
     topo: Topology = plan.topology
+    if entry.cp == "gather":
+        raise BoundaryError(
+            f"{plan.name}: LoRA input rows of a context-parallel FFN are not supported yet: its input "
+            "is gathered to every token of the CP group through the batch's CP token mapping "
+            "(layer_boundary.cp.CpSplit), which InputRows does not describe"
+        )
     counts = _counts(topo, forward_batch, plan.name)
     d = topo.attn_dp.rank if topo.attn_dp.size > 1 else 0
     every_group = (entry.dp_gather is not None or entry.scatter == "all") and len(counts) > 1

@@ -224,6 +224,12 @@ def split_batch(forward_batch: Any, split: TboSplit, positions: Optional[torch.T
             f"{type(forward_batch).__name__}. Build your engine's two microbatch objects yourself "
             "and pass them to split_stream()"
         )
+    if getattr(forward_batch, "context_parallel", False):
+        raise ValueError(
+            "two-batch overlap with a context-parallel batch is not supported: TBO splits the batch "
+            "at a sequence boundary, but a CP batch spreads every sequence's tokens over the CP group "
+            "(its rows are not whole sequences); run CP prefill without tbo_split"
+        )
     n = forward_batch.num_tokens
     lens = tuple(forward_batch.seq_lens) if forward_batch.seq_lens is not None else ((n,) if n else ())
     k = split.seq_index

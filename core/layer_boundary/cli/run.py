@@ -63,15 +63,17 @@ CHECK_REL = {"float32": 1e-5, "bfloat16": 0.03, "float64": 1e-12}
 
 def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
     return RunSpec(sequences=tuple(tuple(s) for s in args.input_ids), model=args.model, seed=args.seed,
-                   dtype=args.dtype, tp=tp, dp=args.dp, pp=getattr(args, "pp", 1), reduction=args.reduction, residual=args.residual,
+                   dtype=args.dtype, tp=tp, dp=args.dp, pp=getattr(args, "pp", 1), cp=getattr(args, "cp", 1),
+                   reduction=args.reduction, residual=args.residual,
                    device=args.device, pattern=args.pattern, moe=getattr(args, "moe", False),
                    defer_moe_finalize=getattr(args, "defer_moe_finalize", False),
-                   tbo=getattr(args, "tbo", False))
+                   tbo=getattr(args, "tbo", False), longcat=getattr(args, "longcat", False))
 
 
 def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, Any]:
     """One rank: build, run ``repeats`` forwards, return its rows' logits (rank 0 also the report)."""
-    topo = Topology.from_sizes(tp=spec.tp, dp=spec.dp, pp=spec.pp) if world > 1 else Topology.single()
+    topo = (Topology.from_sizes(tp=spec.tp, dp=spec.dp, cp=spec.cp, pp=spec.pp) if world > 1
+            else Topology.single())
     device = spec.device
     model = build_model(spec, topo, device)
     idx, logits, first = rank_forward(model, spec, device)
@@ -84,7 +86,8 @@ def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, A
     times.sort()
     out: dict[str, Any] = {"rank": rank, "tokens": idx, "logits": logits, "first": first,
                            "median": times[len(times) // 2] if times else first,
-                           "attn_tp_rank": topo.attn_tp.rank}
+                           # Ranks of one head group hold the same rows: the first reports them.
+                           "attn_tp_rank": topo.attn_heads.rank}
     if rank == 0:
         registry = model.context.registry
         out["header"] = {
@@ -147,9 +150,10 @@ def run_command(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"layer-boundary run: {e}", file=sys.stderr)
         return 2
-    if spec.defer_moe_finalize and cfg.model_type != "qwen3_moe":
-        print("layer-boundary run: --defer-moe-finalize needs a Qwen3-MoE model (--moe, or a --model "
-              f"folder whose model_type is qwen3_moe); this model is {cfg.model_type!r}", file=sys.stderr)
+    if spec.defer_moe_finalize and cfg.model_type not in ("qwen3_moe", "longcat"):
+        print("layer-boundary run: --defer-moe-finalize needs a Qwen3-MoE model or the LongCat-style "
+              "one (--moe, --longcat, or a --model folder whose model_type is qwen3_moe); this model "
+              f"is {cfg.model_type!r}", file=sys.stderr)
         return 2
     vocab = cfg.vocab_size
     bad = sorted({i for s in spec.sequences for i in s if i >= vocab})
@@ -211,7 +215,7 @@ def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any
 
 
 def _check(spec: RunSpec, results: list[dict[str, Any]]) -> int:
-    ref = single_rank_logits(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1, "pp": 1}))
+    ref = single_rank_logits(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1, "pp": 1, "cp": 1}))
     scale = max(1.0, ref.abs().max().item())
     tol = CHECK_REL[spec.dtype] * scale
     worst = (0.0, -1)
@@ -223,7 +227,7 @@ def _check(spec: RunSpec, results: list[dict[str, Any]]) -> int:
     where = f" (rank {worst[1]})" if worst[1] >= 0 else ""
     print(f"check:    {'ok' if ok else 'MISMATCH'}: largest |logit difference| against the single-rank "
           f"model {worst[0]:.3g}{where}, tolerance {tol:.3g}")
-    if not ok and spec.dtype == "bfloat16" and (spec.moe or _is_moe_folder(spec)):
+    if not ok and spec.dtype == "bfloat16" and (spec.moe or spec.longcat or _is_moe_folder(spec)):
         print("note:     in bfloat16 a near-tie in a MoE router's top-k can choose another expert "
               "when the sums feeding it are regrouped over ranks; that token's logits then move by "
               "more than rounding. Check the layout in float32 (--dtype float32)")

@@ -259,7 +259,7 @@ class MixerLayer(_Layer):
                  following: Optional[LayerKind], *, options: dict[str, Any],
                  dtype: Optional[torch.dtype] = None, **_: Any) -> None:
         super().__init__(layer_declaration(self.kind), previous, following, config, context, options, dtype)
-        self.mixer = ShortConvMixer(config, context.topology.attn_tp, dtype=dtype)
+        self.mixer = ShortConvMixer(config, context.topology.attn_heads, dtype=dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
         hidden_states = self.boundary.prepare(hidden_states, forward_batch)
@@ -275,7 +275,7 @@ class AttentionLayer(_Layer):
                  following: Optional[LayerKind], *, options: dict[str, Any],
                  rotary_emb: RotaryEmbedding, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(layer_declaration(self.kind), previous, following, config, context, options, dtype)
-        self.self_attn = Qwen3Attention(config, context.topology.attn_tp, rotary_emb, dtype=dtype)  # type: ignore[arg-type]
+        self.self_attn = Qwen3Attention(config, context.topology.attn_heads, rotary_emb, dtype=dtype)  # type: ignore[arg-type]
 
     def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
         hidden_states = self.boundary.prepare(hidden_states, forward_batch)
@@ -314,7 +314,7 @@ class HeteroModel(nn.Module):
         kinds = parse_pattern(pattern)
         topology = self.topology = context.topology
         options = {"fusions": fusions} if fusions is not None else {}
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
             _LAYERS[kind](
@@ -374,7 +374,7 @@ class HeteroForCausalLM(nn.Module):
         self.topology = context.topology
         self.residual = context.semantics("plain")
         self.model = HeteroModel(config, pattern, context, dtype=dtype, fusions=fusions)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.topology.attn_tp, dtype=dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.topology.attn_heads, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -4,10 +4,11 @@ A decoder layer's forward is the spec's prepare -> compute -> finish and nothing
 boundaries own the residual, the norms' add+read and every sum the compute leaves unfinished.
 
 Tensor parallelism: attention (q/k/v by heads, ``o_proj`` by its input) is sharded over the
-attention-TP group, the MLP over the full TP group, the embedding and LM head (by vocabulary) over
-the attention-TP group, whose ranks hold the same token rows. ``o_proj`` never reduces (the
-``PARTIAL`` attention contract: the next boundary completes the sum); ``down_proj`` reduces unless
-the FFN exit scope tells it not to.
+head group (``Topology.attn_heads``: the attention-TP group, less the context-parallel ranks that
+split its tokens), the MLP over the full TP group, the embedding and LM head (by vocabulary) over
+the head group, whose ranks hold the same token rows. ``o_proj`` never reduces (the ``PARTIAL``
+attention contract: the next boundary completes the sum); ``down_proj`` reduces unless the FFN
+exit scope tells it not to. Context-parallel prefill: see ``Qwen3Attention``.
 
 Residual schemes: ``residual="plain"`` (the default) is ``r' = r + y`` with fused add+RMSNorm
 reads; another name (for example ``"mhc"`` from the ``layer-boundary-mhc`` plugin) is looked up in
@@ -27,6 +28,7 @@ from torch import nn
 
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages, ops
 from layer_boundary.adapters.tbo import model_forward_stages, plan_overlap
+from layer_boundary.cp import context_parallel_split
 from layer_boundary.models.config import Qwen3Config
 from layer_boundary.models.layers import (
     MergedColumnParallelLinear,
@@ -74,12 +76,24 @@ def causal_attention(
     v: torch.Tensor,
     seq_lens: Optional[tuple[int, ...]],
     scale: float,
+    *,
+    mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention over packed sequences: ``q [T, Hq, d]``, ``k, v [T, Hk, d]`` -> ``[T, Hq, d]``.
 
     ``seq_lens`` splits the ``T`` rows into consecutive sequences (block-diagonal causal mask);
     ``None`` or one length is a single sequence. ``Hq`` is a multiple of ``Hk`` (grouped-query).
+    ``mask [Tq, Tk]`` (bool, True where a query may attend) replaces both for queries that are
+    not the key rows: under context parallelism ``q`` holds this rank's tokens and ``k, v`` every
+    token's (``CpSplit.causal_mask()``).
     """
+    if mask is not None:
+        if q.shape[0] == 0:  # a CP rank without tokens: it only joined the key/value gather
+            return q.new_zeros(0, q.shape[1], v.shape[2])
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.squeeze(0).transpose(0, 1)
     if seq_lens is not None and len(seq_lens) == q.shape[0] and q.shape[0] > 1:
         # Every sequence is one token (a decode step with an empty cache): each row attends to
         # itself only. Built without host data so the step can be captured in a CUDA graph.
@@ -100,7 +114,12 @@ def causal_attention(
 
 
 class Qwen3Attention(nn.Module):
-    """``o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))``, a partial sum over attention TP."""
+    """``o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))``, a partial sum over the head group.
+
+    Heads are sharded over ``Topology.attn_heads`` (attention TP without CP). In a context-parallel
+    batch the rows are this rank's tokens: their keys and values are gathered over the CP group
+    through the batch's token mapping, and each rank attends for its own query rows.
+    """
 
     def __init__(
         self,
@@ -138,8 +157,14 @@ class Qwen3Attention(nn.Module):
         q = self.q_norm(q.reshape(t, -1, self.head_dim))
         k = self.k_norm(k.reshape(t, -1, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)
-        seq_lens = getattr(forward_batch, "seq_lens", None)
-        out = causal_attention(q, k, v.reshape(t, -1, self.head_dim), seq_lens, self.scaling)
+        v = v.reshape(t, -1, self.head_dim)
+        cp = context_parallel_split(forward_batch)
+        if cp is not None:
+            kv = cp.gather(torch.cat((k, v), dim=-1))  # one gather: every token's keys and values
+            k, v = kv.split(self.head_dim, dim=-1)
+            out = causal_attention(q, k, v, None, self.scaling, mask=cp.causal_mask())
+        else:
+            out = causal_attention(q, k, v, getattr(forward_batch, "seq_lens", None), self.scaling)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -177,7 +202,7 @@ class Qwen3DecoderLayer(nn.Module):
         if rotary_emb is None:
             rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         topology = context.topology
-        self.self_attn = Qwen3Attention(config, topology.attn_tp, rotary_emb, dtype=dtype)
+        self.self_attn = Qwen3Attention(config, topology.attn_heads, rotary_emb, dtype=dtype)
         self.mlp = Qwen3MLP(config, topology.tp, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -198,7 +223,8 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
         hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
-        if hidden_states.shape[0] != 0:
+        # A CP rank without tokens still joins the key/value gather of the others.
+        if hidden_states.shape[0] != 0 or context_parallel_split(forward_batch) is not None:
             hidden_states = self.self_attn(
                 positions=positions,
                 hidden_states=hidden_states,
@@ -260,7 +286,7 @@ class Qwen3Model(nn.Module):
         self.pp_first, self.pp_last = pp.rank == 0, pp.rank == pp.size - 1
         self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.size)
         self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
             if self.pp_first else None
         )
         # One cos/sin table shared by every layer.
@@ -349,7 +375,7 @@ class Qwen3ForCausalLM(nn.Module):
             )
         self.model = Qwen3Model(config, context, dtype=dtype, residual=self.residual)
         # The LM head lives on the last pipeline stage only.
-        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
                         if self.model.pp_last else None)
         if config.tie_word_embeddings and self.model.pp_first and self.model.pp_last:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -75,7 +75,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
             residual = context.semantics("plain")
         topology = context.topology
         self.is_sparse = config.is_sparse(layer_id)
-        self.self_attn = Qwen3Attention(config, topology.attn_tp, rotary_emb, dtype=dtype)
+        self.self_attn = Qwen3Attention(config, topology.attn_heads, rotary_emb, dtype=dtype)
         self.mlp: nn.Module
         if self.is_sparse:
             self.mlp = SparseMoeBlock(
@@ -148,7 +148,7 @@ class Qwen3MoeModel(Qwen3Model):
         self.pp_first, self.pp_last = pp.rank == 0, pp.rank == pp.size - 1
         self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.size)
         self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
             if self.pp_first else None
         )
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
@@ -213,7 +213,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 "add; nonlinear updates are not supported across pipeline stages yet (use pp=1)"
             )
         self.model = Qwen3MoeModel(config, context, dtype=dtype, residual=self.residual, fusions=fusions)
-        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
                         if self.model.pp_last else None)
         if config.tie_word_embeddings and self.model.pp_first and self.model.pp_last:
             self.lm_head.weight = self.model.embed_tokens.weight

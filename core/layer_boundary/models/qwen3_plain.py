@@ -33,7 +33,7 @@ def plain_forward(
             f"{model.topology.attn_dp.size}; use model.forward (the boundary path) for attention DP"
         )
     m = model.model
-    attn_tp = model.topology.attn_tp
+    attn_tp = model.topology.attn_heads  # the ranks o_proj shards heads over (attention TP without CP)
     hidden_states = m.embed_tokens(input_ids)
     residual = None
     for layer in m.layers:

@@ -3,6 +3,8 @@
 Used by ``layer-boundary run`` and by the multi-process tests. Every rank builds the same model
 (the same checkpoint or the same seeded random weights) on its topology; DP group ``d`` gets the
 sequences ``i`` with ``i % dp == d`` (a group may get none) and runs them packed in one forward.
+With ``cp > 1`` the forward is a context-parallel prefill: each CP rank runs its tokens of every
+sequence (``CpSplit.zigzag``) and returns their logits.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class RunSpec:
     tp: int = 1
     dp: int = 1
     pp: int = 1  # pipeline stages; the world is tp * pp ranks
+    cp: int = 1  # context-parallel prefill over cp ranks of attention TP (cp divides tp // dp)
     reduction: str = "auto"
     residual: str = "plain"
     device: str = "cpu"
@@ -50,8 +53,13 @@ class RunSpec:
     # Two-batch overlap: each DP group's sequences split into two microbatches (balanced by
     # tokens, at a sequence boundary) whose layer stages interleave; see adapters/tbo.py.
     tbo: bool = False
+    # The embedded random LongCat-style model (models/longcat.py): a MoE branch beside a dense
+    # FFN -> attention -> FFN branch in every layer (see adapters/branch.py).
+    longcat: bool = False
 
     def __post_init__(self) -> None:
+        if self.longcat:
+            _check_longcat(self)
         if self.tbo:
             if self.pattern is not None:
                 raise ValueError("--tbo runs the Qwen3 and Qwen3-MoE references; the heterogeneous "
@@ -89,6 +97,31 @@ class RunSpec:
                 raise ValueError("the input-scattered variant is not supported across pipeline stages yet")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: use one of {sorted(DTYPES)}")
+        if self.cp != 1:
+            self._check_cp()
+
+    def _check_cp(self) -> None:
+        if not isinstance(self.cp, int) or self.cp < 1:
+            raise ValueError(f"--cp {self.cp!r} must be a positive integer")
+        attn_tp = self.tp // self.dp
+        if attn_tp % self.cp:
+            raise ValueError(f"--cp {self.cp} must divide the attention-TP size --tp {self.tp} / --dp "
+                             f"{self.dp} = {attn_tp}: context parallelism splits attention TP into "
+                             "CP ranks (different tokens) x head ranks (different heads)")
+        if self.dp > 1:
+            raise ValueError(f"--cp {self.cp} with --dp {self.dp}: context parallelism with attention DP "
+                             "is not supported (the DP moves need each group's rows on all of its "
+                             "attention-TP ranks); use --dp 1")
+        if self.tbo:
+            raise ValueError("--cp with --tbo: two-batch overlap splits at sequence boundaries, and a CP "
+                             "batch spreads every sequence over the CP ranks; drop one of them")
+        if self.pattern is not None:
+            raise ValueError("--cp runs the Qwen3 and Qwen3-MoE references; the heterogeneous --pattern "
+                             "model's mixers scan whole sequences and have no CP path")
+        if self.input_scattered:
+            raise ValueError("--cp with the input-scattered variant is not supported: on a CP topology "
+                             "attention heads are replicated over CP, so a row slice over attention TP "
+                             "would sum each head once per CP rank")
 
     @property
     def world_size(self) -> int:
@@ -98,6 +131,22 @@ class RunSpec:
 def assign_sequences(n: int, dp: int) -> list[list[int]]:
     """Sequence indices of each DP group, round-robin."""
     return [list(range(d, n, dp)) for d in range(dp)]
+
+
+def _check_longcat(spec: RunSpec) -> None:
+    """The configurations the LongCat-style model refuses up front (its branches move ordinary
+    token rows only and meet by addition)."""
+    if spec.model or spec.pattern is not None or spec.moe:
+        raise ValueError("--longcat builds the embedded random LongCat-style model; it takes no "
+                         "--model, --pattern or --moe")
+    if spec.tbo:
+        raise ValueError("--longcat has no two-batch-overlap schedule; drop --tbo")
+    if spec.residual != "plain":
+        raise ValueError(f"--longcat needs the plain residual: its MoE and dense branches meet by "
+                         f"addition, and {spec.residual!r} is a nonlinear update")
+    if spec.input_scattered or getattr(spec, "cp", 1) != 1:
+        raise ValueError("--longcat runs ordinary token rows only: branch transport has no "
+                         "context-parallel, input-scattered or sequence-parallel path")
 
 
 def _config(spec: RunSpec) -> Any:
@@ -110,15 +159,22 @@ def _config(spec: RunSpec) -> Any:
         cfg = HeteroConfig()
     elif spec.model:
         cfg = load_config(spec.model)  # the class config.json's model_type names
+    elif spec.longcat:
+        from .longcat import small_random_longcat_config
+
+        cfg = small_random_longcat_config()
     else:
         cfg = small_random_moe_config() if spec.moe else small_random_config()
     return dataclasses.replace(cfg, **spec.config_overrides) if spec.config_overrides else cfg
 
 
 def model_class(config: Any) -> type:
-    """The reference decoder class for a config (dense Qwen3 or Qwen3-MoE)."""
+    """The reference decoder class for a config (dense Qwen3, Qwen3-MoE or LongCat-style)."""
     from .config import Qwen3MoeConfig
+    from .longcat import LongcatConfig, LongcatForCausalLM
 
+    if isinstance(config, LongcatConfig):
+        return LongcatForCausalLM
     if isinstance(config, Qwen3MoeConfig):
         from .qwen3_moe import Qwen3MoeForCausalLM
 
@@ -134,6 +190,11 @@ def describe_model(spec: RunSpec) -> str:
         return (f"embedded random heterogeneous decoder {spec.pattern!r} (seed {spec.seed}; "
                 "M mixer, * attention, - FFN)")
     cfg = _config(spec)
+    if cfg.model_type == "longcat":
+        what = (f"embedded random LongCat-style decoder (seed {spec.seed}; {cfg.num_hidden_layers} "
+                f"layers, each a {cfg.num_experts}-expert top-{cfg.num_experts_per_tok} MoE branch "
+                "beside a dense FFN -> attention -> FFN branch)")
+        return what + ("; the MoE defers its finalize" if spec.defer_moe_finalize else "")
     name = "Qwen3-MoE" if cfg.model_type == "qwen3_moe" else "Qwen3"
     if cfg.model_type == "qwen3_moe":
         sparse = sum(cfg.is_sparse(i) for i in range(cfg.num_hidden_layers))
@@ -159,9 +220,10 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
     if spec.residual != "plain":
         kw["residual"] = spec.residual
     if spec.defer_moe_finalize:
-        if cfg.model_type != "qwen3_moe":
-            raise ValueError("--defer-moe-finalize needs a Qwen3-MoE model (--moe, or a --model "
-                             "folder whose model_type is qwen3_moe); a dense model has no finalize")
+        if cfg.model_type not in ("qwen3_moe", "longcat"):
+            raise ValueError("--defer-moe-finalize needs a Qwen3-MoE model or the LongCat-style one "
+                             "(--moe, --longcat, or a --model folder whose model_type is qwen3_moe); "
+                             "a dense model has no finalize")
         from .moe import DeferFinalize
 
         kw["fusions"] = DeferFinalize()
@@ -179,6 +241,10 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
             from .qwen3_moe import init_random_moe_weights
 
             init_random_moe_weights(model, seed=spec.seed)
+        elif cfg.model_type == "longcat":
+            from .longcat import init_random_longcat_weights
+
+            init_random_longcat_weights(model, seed=spec.seed)
         else:
             init_random_weights(model, seed=spec.seed)
         model = model.to(device).eval().requires_grad_(False)
@@ -207,6 +273,8 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
     token_index = [starts[i] + j for i in mine for j in range(len(spec.sequences[i]))]
     ids, fb = _batch([spec.sequences[i] for i in mine], device, counts if spec.dp > 1 else None)
     fb.input_scattered = spec.input_scattered
+    if spec.cp > 1:
+        ids, fb, token_index = _cp_batch(ids, fb, token_index, topo, device)
     if spec.tbo:
         fb.tbo_split = tbo_split(spec, topo.attn_dp.rank)
     with torch.inference_mode():
@@ -222,6 +290,18 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
     return token_index, logits.cpu(), seconds
 
 
+def _cp_batch(ids: torch.Tensor, fb: ForwardBatch, token_index: list[int], topology: Topology,
+              device: str) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
+    """This CP rank's part of a packed prefill batch: its tokens of every sequence (zig-zag)."""
+    from ..cp import CpSplit
+
+    split = CpSplit.zigzag(fb.seq_lens or (fb.num_tokens,), topology, device=device)
+    mine = split.owners(split.rank).tolist()
+    local = ForwardBatch(num_tokens=split.local_rows, positions=split.take_local(fb.positions),
+                         context_parallel=True, cp_split=split)
+    return split.take_local(ids), local, [token_index[i] for i in mine]
+
+
 def tbo_split(spec: RunSpec, dp_rank: int, trace: Optional[list] = None) -> Any:
     """The two-batch split of DP group ``dp_rank``'s sequences (every group's row counts too)."""
     from ..adapters.tbo import TboSplit
@@ -232,7 +312,8 @@ def tbo_split(spec: RunSpec, dp_rank: int, trace: Optional[list] = None) -> Any:
 
 def single_rank_logits(spec: RunSpec, device: Optional[str] = None) -> torch.Tensor:
     """Logits of every token, in input order, from the single-rank model (all sequences packed)."""
-    model = build_model(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1, "pp": 1, "input_scattered": False}),
+    model = build_model(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1, "pp": 1, "cp": 1,
+                                   "input_scattered": False}),
                         Topology.single(), device or spec.device)
     ids, fb = _batch(spec.sequences, device or spec.device, None)
     with torch.inference_mode():

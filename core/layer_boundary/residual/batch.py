@@ -191,8 +191,8 @@ def to_pp(hidden_states: Any, forward_batch: Any) -> dict[str, torch.Tensor]:
         state = stream.state
         if stream.scatter_rows is not None:
             raise BoundaryError(
-                "to_pp(): an input-scattered batch holds a row slice per attention-TP rank; the "
-                "input-scattered variant is not supported across pipeline stages yet"
+                "to_pp(): an input-scattered (or sequence-parallel) batch holds a row slice per "
+                "attention-TP rank; these variants are not supported across pipeline stages yet"
             )
         if state is StreamState.INITIAL:
             if not isinstance(hidden_states, torch.Tensor):
@@ -388,9 +388,11 @@ def _refuse_scattered_start(what: str, forward_batch: Any) -> None:
     from ..forward import active_variant
     from ..layout import BatchVariant
 
-    if active_variant(forward_batch) is BatchVariant.INPUT_SCATTERED:
+    variant = active_variant(forward_batch)
+    if variant in (BatchVariant.INPUT_SCATTERED, BatchVariant.SEQUENCE_PARALLEL):
+        name = "an input-scattered" if variant is BatchVariant.INPUT_SCATTERED else "a sequence-parallel"
         raise BoundaryError(
-            f"{what}() on an initial stream of an input-scattered batch: the residual of this "
+            f"{what}() on an initial stream of {name} batch: the residual of this "
             "variant is a row slice per attention-TP rank, which the first stage's prepare() cuts; "
             "enter the stack through that prepare() first"
         )
