@@ -137,14 +137,14 @@ def count_collectives() -> Iterator[dict[str, int]]:
             setattr(owner, name, orig)
 
 
-_TOPOLOGIES: dict[tuple[int, int, int], Topology] = {}
+_TOPOLOGIES: dict[tuple[int, int, int, int], Topology] = {}
 
 
-def topology(tp: int, dp: int, pp: int = 1) -> Topology:
+def topology(tp: int, dp: int, pp: int = 1, cp: int = 1) -> Topology:
     """One set of process groups per layout for the whole worker (groups are expensive)."""
-    if (tp, dp, pp) not in _TOPOLOGIES:
-        _TOPOLOGIES[(tp, dp, pp)] = Topology.from_sizes(tp=tp, dp=dp, pp=pp)
-    return _TOPOLOGIES[(tp, dp, pp)]
+    if (tp, dp, pp, cp) not in _TOPOLOGIES:
+        _TOPOLOGIES[(tp, dp, pp, cp)] = Topology.from_sizes(tp=tp, dp=dp, pp=pp, cp=cp)
+    return _TOPOLOGIES[(tp, dp, pp, cp)]
 
 
 def linear_matrix(rank: int, world: int, cases: list[dict[str, Any]], device: str = "cpu") -> list[dict[str, Any]]:

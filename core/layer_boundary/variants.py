@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from .contracts import StageKind
 from .errors import DeclarationError
-from .layout import BatchVariant
+from .layout import BatchVariant, SumGroup
 from .topology import Topology
 
 __all__ = ["stage_variants", "check_topology", "cp_paths", "report_cp_return"]
@@ -84,8 +84,9 @@ def stage_variants(decl: Any, topology: Topology) -> tuple[tuple[BatchVariant, .
                   "{} path")
     mixer_why = ("a mixer that takes the whole sequence un-gathered (gathers_tp_input=False, e.g. a "
                  "recurrent scan) cannot run on {}")
+    heads = topology.sum_group(SumGroup.ATTN_TP).size
     cp_topo_why = (f"{{}} on a context-parallel topology (cp={cp}) is not supported: attention heads "
-                   f"are sharded over the {topology.attn_heads.size} ranks of one CP position "  # type: ignore[union-attr]
+                   f"are sharded over the {heads} ranks of one CP position "
                    f"and replicated over CP, so a row slice over attention TP ({a} ranks) would sum "
                    "each head's output once per CP rank; run the batch ordinary or as CP")
     consider(BatchVariant.INPUT_SCATTERED, a > 1, [
