@@ -259,6 +259,10 @@ def make_stages(
                         next_local_decl=(decls[i + 1] if i + 1 < len(decls) else None),
                         context=ctx)
         )
+    if prepared_from is not None:
+        from .adapters.branch import bind_branch
+
+        bind_branch(boundaries, prepared_from, ctx)
     _remember(ctx, boundaries[-1], following, branch=prepared_from is not None)
     return tuple(boundaries)
 
@@ -330,6 +334,10 @@ def _make_single(
     _check_neighbours(ctx, decl)
     boundary = build_stage(decl, norm, opts, following=following, next_local_norm=None,
                            next_local_decl=None, context=ctx)
+    if decl.prepared_from is not None:
+        from .adapters.branch import bind_branch
+
+        bind_branch((boundary,), decl.prepared_from, ctx)
     _remember(ctx, boundary, following, branch=decl.prepared_from is not None)
     return boundary
 

@@ -28,6 +28,7 @@ AUTO_POLICY: dict[str, str] = {
     "qwen3": "rs+rsv",
     "qwen3_moe": "rs+rsv",
     "hetero": "rs+rsv",
+    "longcat": "rs+rsv",
 }
 
 

@@ -78,6 +78,10 @@ class StageBoundary:
         stream = started_stream(forward_batch)
         if self._prepared:
             raise BoundaryError(BRANCH_ENTRY)
+        if stream.branches:  # a branch output is set aside: only the branch's stages may read
+            from .adapters.branch import check_entry
+
+            check_entry(self, stream)
         if not self._is_attn and (capture_output is not None or captured_last_layer_outputs is not None):
             raise TypeError(
                 "FFN prepare() does not accept capture_output/captured_last_layer_outputs; capture "
@@ -87,6 +91,14 @@ class StageBoundary:
             self.plan, self._entry(forward_batch, stream), stream, hidden_states,
             capture_output, captured_last_layer_outputs, forward_batch,
         )
+
+    def branch_input(self, source: Any, hidden_states: Any, forward_batch: Any) -> Any:
+        """Enter a ``prepared_from`` stage: ``source``'s prepared input (what its ``prepare()``
+        returned) on this stage's compute rows, without reading the residual again; the residual
+        passes to this branch. See ``layer_boundary.adapters.branch``."""
+        from .adapters.branch import branch_input
+
+        return branch_input(self, source, hidden_states, forward_batch)
 
     def finish(self, hidden_states: torch.Tensor, forward_batch: Any) -> Handle:
         """Register a PARTIAL attention's contribution; return the handle the model keeps."""

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="build a reference decoder on the boundaries and run one forward",
         description="Build a reference decoder on the boundaries and run one forward on N ranks "
         "(spawned here, or started by torchrun). With no --model it builds an embedded small "
-        "random Qwen3 (with --moe a Qwen3-MoE) on 2 CPU ranks (gloo).",
+        "random Qwen3 (with --moe a Qwen3-MoE, with --longcat a LongCat-style decoder) on 2 CPU "
+        "ranks (gloo).",
     )
     run.add_argument("--model", metavar="PATH",
                      help="a Hugging Face checkpoint folder (config.json + *.safetensors); its "
@@ -60,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="two-batch overlap: split each DP group's sequences into two microbatches "
                      "(balanced by tokens) with their own residual streams, interleave their layer "
                      "stages and merge; dense Qwen3 overlaps every layer, Qwen3-MoE its sparse ones")
+    run.add_argument("--longcat", action="store_true",
+                     help="build the embedded random LongCat-style decoder: every layer runs a MoE "
+                     "branch (8 experts, top 2) beside a dense FFN -> attention -> FFN branch that "
+                     "starts from the MoE's prepared input (branch_input) and merges its output "
+                     "(branch_output, merge_branch); ordinary token rows only (no input-scattered, "
+                     "CP or sequence-parallel variant), --pp and --defer-moe-finalize allowed")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument(
         "--input-ids", type=_input_ids, default=None, metavar="IDS",

@@ -67,7 +67,7 @@ def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
                    reduction=args.reduction, residual=args.residual,
                    device=args.device, pattern=args.pattern, moe=getattr(args, "moe", False),
                    defer_moe_finalize=getattr(args, "defer_moe_finalize", False),
-                   tbo=getattr(args, "tbo", False))
+                   tbo=getattr(args, "tbo", False), longcat=getattr(args, "longcat", False))
 
 
 def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, Any]:
@@ -150,9 +150,10 @@ def run_command(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"layer-boundary run: {e}", file=sys.stderr)
         return 2
-    if spec.defer_moe_finalize and cfg.model_type != "qwen3_moe":
-        print("layer-boundary run: --defer-moe-finalize needs a Qwen3-MoE model (--moe, or a --model "
-              f"folder whose model_type is qwen3_moe); this model is {cfg.model_type!r}", file=sys.stderr)
+    if spec.defer_moe_finalize and cfg.model_type not in ("qwen3_moe", "longcat"):
+        print("layer-boundary run: --defer-moe-finalize needs a Qwen3-MoE model or the LongCat-style "
+              "one (--moe, --longcat, or a --model folder whose model_type is qwen3_moe); this model "
+              f"is {cfg.model_type!r}", file=sys.stderr)
         return 2
     vocab = cfg.vocab_size
     bad = sorted({i for s in spec.sequences for i in s if i >= vocab})
@@ -226,7 +227,7 @@ def _check(spec: RunSpec, results: list[dict[str, Any]]) -> int:
     where = f" (rank {worst[1]})" if worst[1] >= 0 else ""
     print(f"check:    {'ok' if ok else 'MISMATCH'}: largest |logit difference| against the single-rank "
           f"model {worst[0]:.3g}{where}, tolerance {tol:.3g}")
-    if not ok and spec.dtype == "bfloat16" and (spec.moe or _is_moe_folder(spec)):
+    if not ok and spec.dtype == "bfloat16" and (spec.moe or spec.longcat or _is_moe_folder(spec)):
         print("note:     in bfloat16 a near-tie in a MoE router's top-k can choose another expert "
               "when the sums feeding it are regrouped over ranks; that token's logits then move by "
               "more than rounding. Check the layout in float32 (--dtype float32)")

@@ -11,6 +11,7 @@ from .hetero import (
     parse_pattern,
 )
 from .loader import CheckpointMismatch, load_checkpoint, load_tensors
+from .longcat import LongcatConfig, LongcatForCausalLM, init_random_longcat_weights, small_random_longcat_config
 from .qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 from .moe import DeferFinalize, SparseMoeBlock
 from .qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel, init_random_moe_weights, random_moe_state_dict
@@ -33,6 +34,10 @@ __all__ = [
     "CheckpointMismatch",
     "load_checkpoint",
     "load_tensors",
+    "LongcatConfig",
+    "LongcatForCausalLM",
+    "init_random_longcat_weights",
+    "small_random_longcat_config",
     "Qwen3DecoderLayer",
     "Qwen3ForCausalLM",
     "Qwen3Model",

@@ -53,8 +53,13 @@ class RunSpec:
     # Two-batch overlap: each DP group's sequences split into two microbatches (balanced by
     # tokens, at a sequence boundary) whose layer stages interleave; see adapters/tbo.py.
     tbo: bool = False
+    # The embedded random LongCat-style model (models/longcat.py): a MoE branch beside a dense
+    # FFN -> attention -> FFN branch in every layer (see adapters/branch.py).
+    longcat: bool = False
 
     def __post_init__(self) -> None:
+        if self.longcat:
+            _check_longcat(self)
         if self.tbo:
             if self.pattern is not None:
                 raise ValueError("--tbo runs the Qwen3 and Qwen3-MoE references; the heterogeneous "
@@ -128,6 +133,22 @@ def assign_sequences(n: int, dp: int) -> list[list[int]]:
     return [list(range(d, n, dp)) for d in range(dp)]
 
 
+def _check_longcat(spec: RunSpec) -> None:
+    """The configurations the LongCat-style model refuses up front (its branches move ordinary
+    token rows only and meet by addition)."""
+    if spec.model or spec.pattern is not None or spec.moe:
+        raise ValueError("--longcat builds the embedded random LongCat-style model; it takes no "
+                         "--model, --pattern or --moe")
+    if spec.tbo:
+        raise ValueError("--longcat has no two-batch-overlap schedule; drop --tbo")
+    if spec.residual != "plain":
+        raise ValueError(f"--longcat needs the plain residual: its MoE and dense branches meet by "
+                         f"addition, and {spec.residual!r} is a nonlinear update")
+    if spec.input_scattered or getattr(spec, "cp", 1) != 1:
+        raise ValueError("--longcat runs ordinary token rows only: branch transport has no "
+                         "context-parallel, input-scattered or sequence-parallel path")
+
+
 def _config(spec: RunSpec) -> Any:
     import dataclasses
 
@@ -138,15 +159,22 @@ def _config(spec: RunSpec) -> Any:
         cfg = HeteroConfig()
     elif spec.model:
         cfg = load_config(spec.model)  # the class config.json's model_type names
+    elif spec.longcat:
+        from .longcat import small_random_longcat_config
+
+        cfg = small_random_longcat_config()
     else:
         cfg = small_random_moe_config() if spec.moe else small_random_config()
     return dataclasses.replace(cfg, **spec.config_overrides) if spec.config_overrides else cfg
 
 
 def model_class(config: Any) -> type:
-    """The reference decoder class for a config (dense Qwen3 or Qwen3-MoE)."""
+    """The reference decoder class for a config (dense Qwen3, Qwen3-MoE or LongCat-style)."""
     from .config import Qwen3MoeConfig
+    from .longcat import LongcatConfig, LongcatForCausalLM
 
+    if isinstance(config, LongcatConfig):
+        return LongcatForCausalLM
     if isinstance(config, Qwen3MoeConfig):
         from .qwen3_moe import Qwen3MoeForCausalLM
 
@@ -162,6 +190,11 @@ def describe_model(spec: RunSpec) -> str:
         return (f"embedded random heterogeneous decoder {spec.pattern!r} (seed {spec.seed}; "
                 "M mixer, * attention, - FFN)")
     cfg = _config(spec)
+    if cfg.model_type == "longcat":
+        what = (f"embedded random LongCat-style decoder (seed {spec.seed}; {cfg.num_hidden_layers} "
+                f"layers, each a {cfg.num_experts}-expert top-{cfg.num_experts_per_tok} MoE branch "
+                "beside a dense FFN -> attention -> FFN branch)")
+        return what + ("; the MoE defers its finalize" if spec.defer_moe_finalize else "")
     name = "Qwen3-MoE" if cfg.model_type == "qwen3_moe" else "Qwen3"
     if cfg.model_type == "qwen3_moe":
         sparse = sum(cfg.is_sparse(i) for i in range(cfg.num_hidden_layers))
@@ -187,9 +220,10 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
     if spec.residual != "plain":
         kw["residual"] = spec.residual
     if spec.defer_moe_finalize:
-        if cfg.model_type != "qwen3_moe":
-            raise ValueError("--defer-moe-finalize needs a Qwen3-MoE model (--moe, or a --model "
-                             "folder whose model_type is qwen3_moe); a dense model has no finalize")
+        if cfg.model_type not in ("qwen3_moe", "longcat"):
+            raise ValueError("--defer-moe-finalize needs a Qwen3-MoE model or the LongCat-style one "
+                             "(--moe, --longcat, or a --model folder whose model_type is qwen3_moe); "
+                             "a dense model has no finalize")
         from .moe import DeferFinalize
 
         kw["fusions"] = DeferFinalize()
@@ -207,6 +241,10 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
             from .qwen3_moe import init_random_moe_weights
 
             init_random_moe_weights(model, seed=spec.seed)
+        elif cfg.model_type == "longcat":
+            from .longcat import init_random_longcat_weights
+
+            init_random_longcat_weights(model, seed=spec.seed)
         else:
             init_random_weights(model, seed=spec.seed)
         model = model.to(device).eval().requires_grad_(False)

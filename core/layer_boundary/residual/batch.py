@@ -97,6 +97,7 @@ def norm(
     # back to the group's rows so the model's head sees the rows its stack started with.
     scattered = stream.scatter_rows
     try:
+        _refuse_open_branches(stream, "norm()")
         read = _read_for(layernorm)
         state = stream.state
         if state is StreamState.INITIAL:
@@ -188,6 +189,7 @@ def to_pp(hidden_states: Any, forward_batch: Any) -> dict[str, torch.Tensor]:
     """
     stream = started_stream(forward_batch)
     try:
+        _refuse_open_branches(stream, "to_pp()")
         state = stream.state
         if stream.scatter_rows is not None:
             raise BoundaryError(
@@ -306,6 +308,7 @@ def take_output(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
     """Release the stream at a terminal exit whose output is already written; return it."""
     stream = started_stream(forward_batch)
     try:
+        _refuse_open_branches(stream, "take_output()")
         if stream.state is StreamState.INITIAL:
             if not isinstance(hidden_states, torch.Tensor):
                 raise TypeError(f"take_output() expects a tensor, got {type(hidden_states).__name__}")
@@ -381,6 +384,14 @@ def add_to_output(hidden_states: Any, forward_batch: Any, extra: torch.Tensor) -
     check_shape("extra", mine, value)
     c.value = value + mine
     return stream.rehand()
+
+
+def _refuse_open_branches(stream: ResidualStream, what: str) -> None:
+    """Leaving the stack would drop a branch output set aside and never merged."""
+    if stream.branches:
+        from ..adapters.branch import refuse_unmerged
+
+        refuse_unmerged(stream, what)
 
 
 def _refuse_scattered_start(what: str, forward_batch: Any) -> None:

@@ -41,7 +41,7 @@ class ResidualStream:
     """Residual and pending contribution of one forward (or one microbatch of it)."""
 
     __slots__ = ("residual", "pending", "handle", "released", "next_update", "dp_rows", "scatter_rows",
-                 "__weakref__")
+                 "branches", "__weakref__")
 
     def __init__(self) -> None:
         self.residual: Optional[torch.Tensor] = None
@@ -56,6 +56,8 @@ class ResidualStream:
         self.dp_rows: Any = None
         # Input-scattered row slices of this batch (see prepare.scatter_rows).
         self.scatter_rows: Any = None
+        # Branch outputs set aside and not merged yet (see adapters.branch).
+        self.branches: tuple[Any, ...] = ()
 
     @property
     def state(self) -> StreamState:
@@ -136,6 +138,7 @@ class ResidualStream:
         self.next_update = None
         self.dp_rows = None
         self.scatter_rows = None
+        self.branches = ()
         self.released = True
 
     # -- checks ------------------------------------------------------------------------------
