@@ -360,3 +360,17 @@ def test_decode_on_a_cp_topology_runs_ordinary_and_refuses_cp(spawned):
         assert r["max_diff"] <= 1e-4, (rank, r)
         kind, text = r["refused"]
         assert kind == "BoundaryError" and "a DECODE batch cannot run context parallel" in text
+
+
+@pytest.mark.slow
+def test_run_cp_checks_against_one_rank(tmp_path, capsys):
+    """``layer-boundary run --cp 2 --check``: the logits each CP rank reports for its tokens,
+    assembled in input order, match the single-rank model."""
+    out = tmp_path / "logits.pt"
+    rc = main(["run", "--tp", "2", "--cp", "2", "--check", "--input-ids", "5,6,7,8,9;10;11,12,13",
+               "--save-logits", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "topology: tp=2 attn_tp=2 attn_dp=1 cp=2 pp=1" in text and "check:    ok" in text
+    assert "ffn CP x4: output return [CP token mapping] -> reduce-scatter" in text
+    assert torch.load(out).shape == (9, 512)
