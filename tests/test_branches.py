@@ -89,6 +89,23 @@ def test_construction_leaves_branch_stages_on_ordinary_rows():
     refused = [s for s in ctx.report.selections if s.what == "branch transport"]
     assert refused and all(s.chosen is None and "ordinary token rows" in s.text() for s in refused)
     assert {s.stage for s in refused} >= {b.plan.name for b in chain[1:]}
+    for b in chain:  # the reason travels with the plan into the spec's error as a note
+        assert all("ordinary token rows" in why for why in b.plan.refusals.values()), b
+        assert set(b.plan.refusals) >= {BatchVariant.INPUT_SCATTERED, BatchVariant.SEQUENCE_PARALLEL}
+
+
+def test_construction_leaves_branch_stages_out_of_context_parallel():
+    from helpers import FAKE_GROUP
+    from layer_boundary import GroupInfo
+
+    pair, solo = GroupInfo((0, 1), 0, FAKE_GROUP), GroupInfo.solo()
+    topo = Topology(tp=pair, attn_tp=pair, attn_dp=solo, attn_cp=pair, moe_out=pair, pp=solo,
+                    attn_heads=solo)
+    _, moe, chain = _moe_and_chain(BoundaryContext(topo))
+    assert BatchVariant.CP in moe.plan.variants
+    for b in chain:
+        assert b.plan.variants == (BatchVariant.ORDINARY,)
+        assert "ordinary token rows" in b.plan.refusals[BatchVariant.CP]
 
 
 def test_construction_refuses_nonlinear_updates_in_a_branch():
@@ -138,8 +155,9 @@ def test_other_variants_have_no_branch_path(flag, variant):
         y = layer.moe(x)
     h = out.finish(y)
     setattr(fb, flag, True)
-    with raises_exact(BoundaryError, NO_PATH.format(variant)):
+    with raises_exact(BoundaryError, NO_PATH.format(variant)) as info:
         branch_output(h, fb)
+    assert any("ordinary token rows" in note for note in info.value.__notes__)
     setattr(fb, flag, False)
     side = branch_output(h, fb)
     h = layer.chain(x, fb)
