@@ -224,7 +224,7 @@ def test_written_stream_takes_the_branch_output_as_its_pending_contribution():
     assert torch.equal(rb.norm(h, fb, nn.Identity()), want)
 
 
-@pytest.mark.parametrize("leave", ["prepare", "norm", "to_pp", "take_output"])
+@pytest.mark.parametrize("leave", ["prepare", "norm", "to_pp", "take_output", "split_stream"])
 def test_an_unmerged_branch_output_is_never_dropped(leave):
     """Reading or leaving the residual outside the branch while an output is set aside raises;
     the branch's own stages may read meanwhile."""
@@ -246,6 +246,10 @@ def test_an_unmerged_branch_output_is_never_dropped(leave):
             rb.norm(h, fb, nn.Identity())
         elif leave == "to_pp":
             rb.to_pp(h, fb)
+        elif leave == "split_stream":
+            from layer_boundary.adapters.tbo import split_stream
+
+            split_stream(h, fb, [ForwardBatch(num_tokens=2), ForwardBatch(num_tokens=T - 2)])
         else:
             rb.take_output(h, fb)
 

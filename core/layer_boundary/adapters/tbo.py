@@ -325,6 +325,10 @@ def split_stream(hidden_states: Any, forward_batch: Any, children: Sequence[Any]
     """
     stream = started_stream(forward_batch)
     try:
+        if stream.branches:  # the microbatch streams would not carry a set-aside branch output
+            from .branch import refuse_unmerged
+
+            refuse_unmerged(stream, "split_stream()")
         sizes = [c.num_tokens for c in children]
         if sum(sizes) != forward_batch.num_tokens:
             raise ValueError(f"microbatches of {sizes} rows do not cover the batch's "
