@@ -217,12 +217,17 @@ def qwen3_sp(world: int, case: dict[str, Any]) -> dict[str, Any]:
     """The Qwen3 reference as a sequence-parallel batch against the single-rank model."""
     from layer_boundary.models.runner import RunSpec, build_model, single_rank_logits
 
+    from layer_boundary.models.runner import tbo_split
+
     spec = RunSpec(sequences=tuple(tuple(s) for s in case["sequences"]), tp=world,
-                   dtype=case.get("dtype", "float32"), plugins=False)
+                   dtype=case.get("dtype", "float32"), plugins=False, tbo=case.get("tbo", False),
+                   moe=case.get("moe", False))
     model = build_model(spec, topology(world, 1), "cpu")
     ids, pos = _packed(spec.sequences)
     fb = ForwardBatch(num_tokens=ids.shape[0], positions=pos, seq_lens=tuple(len(s) for s in spec.sequences),
                       sequence_parallel=True)
+    if spec.tbo:  # two microbatches, each with its own sequence-parallel row slices
+        fb.tbo_split = tbo_split(spec, 0)
     with count_collectives() as counts, torch.inference_mode():
         logits = model(ids, pos, fb)
     want = single_rank_logits(spec)
@@ -256,6 +261,7 @@ CASES: dict[int, list[dict[str, Any]]] = {
         dict(kind="qwen3_cp", cp=2, sequences=[[6, 2, 7, 1, 8, 2, 8, 1, 8]], residual="mhc"),
         dict(kind="qwen3_cp", cp=2, sequences=[[1, 5, 9, 2], [4, 8, 16]], moe=True),
         dict(kind="qwen3_sp", sequences=[[1, 5, 9], [4, 4], [7]]),
+        dict(kind="qwen3_sp", sequences=[[1, 5, 9], [4, 77, 6, 2], [3]], moe=True, tbo=True),
     ],
     4: [
         dict(kind="cp_linear", cp=2, seqs=(5, 2, 9), layers=2),  # heads over 2 ranks too
