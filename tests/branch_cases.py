@@ -306,7 +306,8 @@ def longcat_matrix(world: int, cases: list[dict[str, Any]]) -> list[dict[str, An
     return results
 
 
-def matrix(rank: int, world: int, linear: list[dict[str, Any]], longcat: list[dict[str, Any]]) -> dict[str, Any]:
+def matrix(rank: int, world: int, linear: list[dict[str, Any]],
+           longcat: list[dict[str, Any]]) -> dict[str, Any]:
     """Every branch case of one world size in one spawn (process groups are created once)."""
     return {"linear": linear_matrix(world, linear), "longcat": longcat_matrix(world, longcat),
             "refused": refused_variants(world)}

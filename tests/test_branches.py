@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import HalfSkip, exact, fake_topology, raises_exact, rand
+from helpers import HalfSkip, exact, fake_topology, raises_exact
 from layer_boundary import (BatchVariant, BoundaryContext, BoundaryError, DeclarationError, ForwardBatch,
                             Topology, declare_attn, declare_ffn, make_ffn_stage, make_stages)
 from layer_boundary.adapters.branch import BranchOutput, branch_output, merge_branch

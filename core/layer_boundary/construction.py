@@ -99,7 +99,8 @@ class StagePlan:
     def describe(self) -> str:
         d = self.declaration
         prev = d.previous.describe() if d.previous is not None else "stack entry"
-        src = f"prepared_from={d.prepared_from.describe()}" if d.prepared_from is not None else f"previous={prev}"
+        src = (f"prepared_from={d.prepared_from.describe()}" if d.prepared_from is not None
+               else f"previous={prev}")
         nxt = "terminal" if d.terminal else (self.following.describe() if self.following else "next layer")
         return (
             f"{self.name.split(' #')[0]}: {d.describe()} read={self.read.name} update={self.update.name} "

@@ -113,12 +113,10 @@ def bind_branch(boundaries: Sequence[Any], source: Any, context: Any) -> None:
 
     for b in boundaries:
         plan = b.plan
-        refusals = getattr(plan, "refusals", None)  # why a variant has no path (no_path's note)
         for variant in [v for v in plan.entries if v is not BatchVariant.ORDINARY]:
             del plan.entries[variant]
             plan.exits.pop(variant, None)
-            if isinstance(refusals, dict):
-                refusals[variant] = _BRANCH_ROWS
+            plan.refusals[variant] = _BRANCH_ROWS  # type: ignore[index]  # no_path's note
             context.report.add(Selection(plan.name, variant.name, "branch transport",
                                          "prepared_from", None,
                                          (Candidate("branch rows", "core", _BRANCH_ROWS),)))
@@ -136,19 +134,13 @@ def is_branch_stage(boundary: Any) -> bool:
 def _path_or_refuse(plan: Any, forward_batch: Any) -> None:
     variant = active_variant(forward_batch)
     if variant not in plan.entries:
-        err = no_path(variant.name, plan.name)
-        why = getattr(plan, "refusals", {}).get(variant)
-        if why is not None:
-            err.add_note(f"{plan.name}: {why}")
-        raise err
+        raise no_path(variant.name, plan.name, plan.refusals.get(variant))
 
 
 def _ordinary_or_refuse(what: str, forward_batch: Any) -> None:
     variant = active_variant(forward_batch)
     if variant is not BatchVariant.ORDINARY:
-        err = no_path(variant.name, what)
-        err.add_note(f"{what}: {_BRANCH_ROWS}")
-        raise err
+        raise no_path(variant.name, what, _BRANCH_ROWS)
 
 
 def _rows(x: Any) -> int:

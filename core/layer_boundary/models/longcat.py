@@ -237,8 +237,10 @@ class LongcatForCausalLM(Qwen3ForCausalLM):
         self.context = context
         self.residual = context.semantics("plain")
         self.model = LongcatModel(config, context, dtype=dtype, fusions=fusions)
-        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, self.topology.attn_tp, dtype=dtype)
-                        if self.model.pp_last else None)
+        self.lm_head = (
+            ParallelLMHead(config.vocab_size, config.hidden_size, self.topology.attn_tp, dtype=dtype)
+            if self.model.pp_last else None
+        )
         if config.tie_word_embeddings and self.model.pp_first and self.model.pp_last:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._residual_prefixes = ()
