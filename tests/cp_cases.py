@@ -260,6 +260,8 @@ CASES: dict[int, list[dict[str, Any]]] = {
         dict(kind="qwen3_cp", cp=2, sequences=[[1, 5, 9, 2, 7], [4], [3, 8, 1, 30, 2, 2, 9]]),
         dict(kind="qwen3_cp", cp=2, sequences=[[6, 2, 7, 1, 8, 2, 8, 1, 8]], residual="mhc"),
         dict(kind="qwen3_cp", cp=2, sequences=[[1, 5, 9, 2], [4, 8, 16]], moe=True),
+        dict(kind="qwen3_cp", cp=2, sequences=[[7]]),  # CP rank 1 holds no token: it still joins
+        dict(kind="qwen3_cp", cp=2, sequences=[[7]], moe=True),  # every gather of rank 0
         dict(kind="qwen3_sp", sequences=[[1, 5, 9], [4, 4], [7]]),
         dict(kind="qwen3_sp", sequences=[[1, 5, 9], [4, 77, 6, 2], [3]], moe=True, tbo=True),
     ],

@@ -150,6 +150,17 @@ def test_cp_with_attention_dp_is_refused_at_construction():
         layer(fake_cp_topology(tp=4, cp=2, dp=2))
 
 
+def test_cp_with_a_moe_output_group_other_than_tp_is_refused_at_construction():
+    import dataclasses
+
+    topo = fake_cp_topology(tp=2, cp=2)
+    other = dataclasses.replace(topo, moe_out=GroupInfo.solo())
+    with raises_exact(DeclarationError, "context parallelism (cp=2) with a MoE output group (0,) other "
+                      "than TP (0, 1) is not supported: the CP reduce-scatter of an FFN output maps TP "
+                      "ranks to CP partitions"):
+        layer(other)
+
+
 def test_input_scattered_on_a_cp_topology_is_refused_per_batch():
     a, _ = layer(fake_cp_topology(tp=4, cp=2))
     notes = refusal(a, started(input_scattered=True), "INPUT_SCATTERED")

@@ -95,6 +95,16 @@ def test_branch_stages_have_no_sequence_parallel_path():
         "sequence-parallel path")
 
 
+def test_a_sequence_parallel_slice_does_not_cross_pipeline_stages():
+    fb = ForwardBatch(num_tokens=2, sequence_parallel=True)
+    stream = rb.start(fb)
+    stream.scatter_rows = object()  # what the first prepare() of the batch leaves on its stream
+    with raises_exact(BoundaryError, "to_pp(): an input-scattered (or sequence-parallel) batch holds a row "
+                      "slice per attention-TP rank; these variants are not supported across pipeline "
+                      "stages yet"):
+        rb.to_pp(torch.randn(2, H), fb)
+
+
 def test_fold_cannot_start_a_sequence_parallel_stack():
     fb = ForwardBatch(num_tokens=2, sequence_parallel=True)
     rb.start(fb)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layer_boundary import BoundaryContext, ProducerReduction, declare_attn, declare_ffn, make_stages
+from layer_boundary.cp import context_parallel_split
 from layer_boundary.factories import StageDeclaration
 from layer_boundary.models.layers import (
     MergedColumnParallelLinear,
@@ -279,7 +280,8 @@ class AttentionLayer(_Layer):
 
     def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
         hidden_states = self.boundary.prepare(hidden_states, forward_batch)
-        if hidden_states.shape[0] != 0:
+        # A CP rank without tokens still joins the key/value gather of the others.
+        if hidden_states.shape[0] != 0 or context_parallel_split(forward_batch) is not None:
             hidden_states = self.self_attn(
                 positions=positions, hidden_states=hidden_states, forward_batch=forward_batch
             )

@@ -152,20 +152,21 @@ class Qwen3Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: Any
     ) -> torch.Tensor:
-        t = hidden_states.shape[0]
+        t, hd = hidden_states.shape[0], self.head_dim
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # explicit: t may be 0
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        q = self.q_norm(q.reshape(t, -1, self.head_dim))
-        k = self.k_norm(k.reshape(t, -1, self.head_dim))
+        q = self.q_norm(q.reshape(t, heads, hd))
+        k = self.k_norm(k.reshape(t, kv_heads, hd))
         q, k = self.rotary_emb(positions, q, k)
-        v = v.reshape(t, -1, self.head_dim)
+        v = v.reshape(t, kv_heads, hd)
         cp = context_parallel_split(forward_batch)
         if cp is not None:
             kv = cp.gather(torch.cat((k, v), dim=-1))  # one gather: every token's keys and values
-            k, v = kv.split(self.head_dim, dim=-1)
+            k, v = kv.split(hd, dim=-1)
             out = causal_attention(q, k, v, None, self.scaling, mask=cp.causal_mask())
         else:
             out = causal_attention(q, k, v, getattr(forward_batch, "seq_lens", None), self.scaling)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(t, heads * hd))
 
 
 class Qwen3MLP(nn.Module):

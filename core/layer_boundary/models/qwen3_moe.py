@@ -24,6 +24,7 @@ from torch import nn
 
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
 from layer_boundary.adapters.tbo import plan_overlap
+from layer_boundary.cp import context_parallel_split
 from layer_boundary.models.config import Qwen3MoeConfig
 from layer_boundary.models.layers import ParallelLMHead, RotaryEmbedding, VocabParallelEmbedding
 from layer_boundary.models.moe import SparseMoeBlock
@@ -105,7 +106,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
         hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
-        if hidden_states.shape[0] != 0:
+        # A CP rank without tokens still joins the key/value gather of the others.
+        if hidden_states.shape[0] != 0 or context_parallel_split(forward_batch) is not None:
             hidden_states = self.self_attn(
                 positions=positions,
                 hidden_states=hidden_states,
