@@ -80,6 +80,14 @@ def test_causal_mask_is_the_block_causal_mask_of_the_local_queries():
     assert torch.equal(split.seq_ids(), torch.tensor([0] * 5 + [1] + [2] * 6))
 
 
+def test_an_empty_cp_batch_moves_nothing():
+    topo = fake_cp_topology(tp=2, cp=2)  # a collective on its fake groups would fail
+    split = CpSplit.zigzag((), topo)
+    assert split.local_rows == 0 and split.causal_mask().shape == (0, 0)
+    assert split.gather(torch.zeros(0, H)).shape == (0, H)
+    assert split.reduce_scatter(torch.zeros(0, H), topo.tp).shape == (0, H)
+
+
 def test_a_split_must_partition_the_tokens():
     topo = fake_cp_topology(tp=2, cp=2)
     with pytest.raises(ValueError, match="every token 0..3 exactly once"):

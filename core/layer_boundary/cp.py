@@ -48,6 +48,8 @@ import torch
 
 from . import ops
 from .errors import BoundaryError
+from .forward import ForwardMode, active_variant
+from .layout import BatchVariant
 from .topology import GroupInfo, Topology
 
 __all__ = ["CpSplit", "context_parallel_split", "run_cp_entry"]
@@ -158,6 +160,8 @@ class CpSplit:
         every rank of the CP group (one all-gather over attention CP)."""
         if x_local.shape[0] != self.local_rows:
             raise ValueError(f"gather() takes this CP rank's {self.local_rows} rows, got {x_local.shape[0]}")
+        if self.num_tokens == 0:  # every rank holds the same empty split: nothing to exchange
+            return x_local
         s = self.slot_rows
         if x_local.shape[0] != s:
             pad = x_local.new_zeros((s, *x_local.shape[1:]))
@@ -175,7 +179,7 @@ class CpSplit:
             raise ValueError(f"reduce_scatter() takes one row per token of the batch ({self.num_tokens}), "
                              f"got {partial_all.shape[0]}")
         g = group.size
-        if g == 1:
+        if g == 1 or self.num_tokens == 0:
             return self.take_local(partial_all)
         src, dst = self._rs_index(g, partial_all.device)
         buf = partial_all.new_zeros((g * self.slot_rows, *partial_all.shape[1:]))
@@ -230,9 +234,6 @@ def context_parallel_split(forward_batch: Any) -> Optional[CpSplit]:
     """
     if not getattr(forward_batch, "context_parallel", False):
         return None
-    from .forward import active_variant
-    from .layout import BatchVariant
-
     if active_variant(forward_batch) is not BatchVariant.CP:
         return None
     split = getattr(forward_batch, "cp_split", None)
@@ -246,8 +247,6 @@ def context_parallel_split(forward_batch: Any) -> Optional[CpSplit]:
 
 def checked_split(plan: Any, forward_batch: Any) -> CpSplit:
     """The CP batch's split, refused before any collective when it cannot be this stage's."""
-    from .forward import ForwardMode
-
     if getattr(forward_batch, "mode", None) is ForwardMode.DECODE:
         raise BoundaryError(
             f"{plan.name}: a DECODE batch cannot run context parallel. CP partitions the tokens of "
