@@ -110,7 +110,7 @@ class LongcatDecoderLayer(nn.Module):
         self.layer_id = layer_id
         topo = context.topology
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = nn.ModuleList(Qwen3Attention(config, topo.attn_tp, rotary_emb, dtype=dtype)
+        self.self_attn = nn.ModuleList(Qwen3Attention(config, topo.attn_heads, rotary_emb, dtype=dtype)
                                        for _ in range(2))
         self.mlps = nn.ModuleList(Qwen3MLP(config, topo.tp, dtype=dtype) for _ in range(2))
         self.mlp = SparseMoeBlock(h, config.num_experts, config.num_experts_per_tok,
@@ -181,7 +181,7 @@ class LongcatModel(Qwen3Model):
         self.pp_first, self.pp_last = pp.rank == 0, pp.rank == pp.size - 1
         self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.size)
         self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_tp, dtype=dtype)
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
             if self.pp_first else None
         )
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
@@ -238,7 +238,7 @@ class LongcatForCausalLM(Qwen3ForCausalLM):
         self.residual = context.semantics("plain")
         self.model = LongcatModel(config, context, dtype=dtype, fusions=fusions)
         self.lm_head = (
-            ParallelLMHead(config.vocab_size, config.hidden_size, self.topology.attn_tp, dtype=dtype)
+            ParallelLMHead(config.vocab_size, config.hidden_size, self.topology.attn_heads, dtype=dtype)
             if self.model.pp_last else None
         )
         if config.tie_word_embeddings and self.model.pp_first and self.model.pp_last:
@@ -328,7 +328,7 @@ def plain_forward(model: LongcatForCausalLM, input_ids: torch.Tensor, positions:
                 x, residual = fused_add_rmsnorm_ref(hidden_states, residual, ln.weight, ln.eps)
             if x.shape[0] != 0:
                 x = layer.self_attn[j](positions, x, forward_batch)
-            hidden_states = all_reduce(x, topo.attn_tp)  # o_proj leaves its sum
+            hidden_states = all_reduce(x, topo.attn_heads)  # o_proj leaves its sum
             ln = layer.post_attention_layernorm[j]
             x, residual = fused_add_rmsnorm_ref(hidden_states, residual, ln.weight, ln.eps)
             if j == 0:
