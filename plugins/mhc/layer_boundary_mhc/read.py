@@ -6,6 +6,11 @@ Stage read (``makes_update = True``), for streams ``x [T, n, C]``::
     input                  = norm(sum_j H_pre[j] x_j)  [T, C]
     update                 = MhcCoefficients(H_post, H_res)
 
+``update_and_read`` applies the producer's update first. Both run on the Triton kernels where
+they serve the call (``layer_boundary_mhc.selection``: CUDA, 16-bit or FP32 streams, an RMSNorm),
+the update fused with the read in one launch; on the torch reference otherwise
+(``layer_boundary_mhc.reference``), which defines what both compute.
+
 The update travels with the stream and then with this stage's contribution, so two microbatches
 through the same stage never see each other's coefficients. The combination ``H_pre x`` stays in
 FP32 through the norm and is rounded once to the activation dtype: the torch reference RMSNorm
@@ -27,8 +32,10 @@ from layer_boundary import StageUpdate
 from layer_boundary.kernels.reference import rmsnorm_ref
 from layer_boundary.norms import norm_params
 
-from .coefficients import acc_dtype, mhc_coefficients
+from .coefficients import acc_dtype
 from .params import MhcHead, MhcStageParams
+from .reference import mhc_combine_ref
+from .selection import select_kernels
 from .update import MhcCoefficients
 
 __all__ = ["MhcRead", "MhcReadSpec", "MhcExitRead", "MhcExitReadSpec"]
@@ -59,28 +66,36 @@ class _Norm:
         else:
             self.kind = "gemma_rmsnorm" if self.offset == 1.0 else "rmsnorm"
 
+    def rms(self) -> tuple[torch.Tensor, float]:
+        """``(weight, eps)`` of an RMSNorm-like norm, looked up per call: a loader may replace the
+        parameter object."""
+        return self.norm.weight, getattr(self.norm, self._eps_attr)
+
     def __call__(self, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self._black_box:
             return self.norm(s.to(dtype))
-        # Weight and eps are looked up per call: a loader may replace the parameter object.
-        eps = getattr(self.norm, self._eps_attr)
-        return rmsnorm_ref(s, self.norm.weight, eps, weight_offset=self.offset).to(dtype)
+        weight, eps = self.rms()
+        return rmsnorm_ref(s, weight, eps, weight_offset=self.offset).to(dtype)
 
 
 class MhcRead:
-    """A stage's MHC read, bound to its parameters and its norm (see the module docstring)."""
+    """A stage's MHC read, bound to its parameters and its norm (see the module docstring).
 
-    __slots__ = ("params", "iters", "_norm", "name")
+    ``kernels`` (a ``KernelSelection``) says whether a call runs the Triton kernels or the torch
+    reference, and ``kernels.reason(device_type, dtype)`` why."""
+
+    __slots__ = ("params", "iters", "_norm", "name", "kernels")
     before_gather = True  # coefficients are per residual row: read where the streams live
     makes_update = True
     residual_in_place = False
     fuses_with: frozenset[str] = frozenset()
 
-    def __init__(self, params: MhcStageParams, norm: nn.Module, iters: int) -> None:
+    def __init__(self, params: MhcStageParams, norm: nn.Module, iters: int, kernels: str = "auto") -> None:
         self.params = params
         self.iters = iters
         self._norm = _Norm(norm)
         self.name = f"mhc(n={params.n})+{self._norm.kind}"
+        self.kernels = select_kernels(kernels, params.n, self._norm.kind)
 
     @property
     def norm(self) -> nn.Module:
@@ -97,6 +112,14 @@ class MhcRead:
         x, update = self.read(streams)
         return x, streams, update
 
+    def _triton(self, streams: torch.Tensor) -> bool:
+        k = self.kernels
+        if k.serves(streams):
+            return True
+        if k.mode == "triton":
+            raise ValueError(k.refusal(streams))
+        return False
+
     def read(self, residual: torch.Tensor) -> tuple[torch.Tensor, MhcCoefficients]:
         p = self.params
         if residual.dim() != 3 or residual.shape[1:] != (p.n, p.hidden_size):
@@ -104,36 +127,54 @@ class MhcRead:
                 f"the MHC read takes streams [tokens, {p.n}, {p.hidden_size}], got shape "
                 f"{tuple(residual.shape)}; an MHC stack starts at a stage whose read enters it"
             )
-        h_pre, h_post, h_res = mhc_coefficients(residual, p, self.iters)
-        mixed = (h_pre.unsqueeze(1) @ residual.to(acc_dtype(residual.dtype))).squeeze(1)  # [T, C]
+        if self._triton(residual):
+            ops = self.kernels.ops
+            weight, eps = self._norm.rms()
+            x, h_post, h_res = ops.mhc_read_triton(residual, p, weight, eps, norm_offset=self._norm.offset,
+                                                   iters=self.iters)
+            return x, MhcCoefficients(h_post, h_res, ops.mhc_update_triton)
+        mixed, h_post, h_res = mhc_combine_ref(residual, p, self.iters)
         return self._norm(mixed, residual.dtype), MhcCoefficients(h_post, h_res)
 
     def update_and_read(
         self, update: StageUpdate, contribution: torch.Tensor, residual: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, MhcCoefficients]:
-        """Apply the producer's update, then read: two steps, each rounding once."""
+        """Apply the producer's update, then read: each step rounds once. On Triton both run in
+        one launch (the streams the read sees are the rounded ``x'`` it stores)."""
+        if (residual is not None and isinstance(update, MhcCoefficients) and contribution.dtype == residual.dtype
+                and self._triton(residual)):
+            update.check(residual, contribution)
+            p = self.params
+            ops = self.kernels.ops
+            weight, eps = self._norm.rms()
+            streams, x, h_post, h_res = ops.mhc_update_read_triton(
+                residual, contribution, update.h_post, update.h_res, p, weight, eps,
+                norm_offset=self._norm.offset, iters=self.iters)
+            return x, streams, MhcCoefficients(h_post, h_res, ops.mhc_update_triton)
         streams = update.apply(residual, contribution)
         x, own = self.read(streams)
         return x, streams, own
 
     def __repr__(self) -> str:
-        return f"MhcRead({self.name}, sinkhorn={self.iters})"
+        return f"MhcRead({self.name}, sinkhorn={self.iters}, {self.kernels!r})"
 
 
 class MhcReadSpec:
-    """The unbound read kind of one MHC stage: its parameters and Sinkhorn iteration count."""
+    """The unbound read kind of one MHC stage: its parameters, Sinkhorn iteration count and kernel
+    choice (``auto``, ``triton`` or ``torch``; see ``layer_boundary_mhc.selection``)."""
 
     name = "mhc"
 
-    def __init__(self, params: MhcStageParams, iters: int) -> None:
+    def __init__(self, params: MhcStageParams, iters: int, kernels: str = "auto") -> None:
         self.params = params
         self.iters = iters
+        self.kernels = kernels
 
     def bind(self, norm: nn.Module, select: Optional[Callable[..., Any]] = None) -> MhcRead:
-        return MhcRead(self.params, norm, self.iters)
+        return MhcRead(self.params, norm, self.iters, self.kernels)
 
     def __repr__(self) -> str:
-        return f"MhcReadSpec(n={self.params.n})"
+        return f"MhcReadSpec(n={self.params.n}, kernels={self.kernels})"
 
 
 class MhcExitRead:

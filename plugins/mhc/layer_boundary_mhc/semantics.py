@@ -22,6 +22,7 @@ from layer_boundary import StageResidual
 from .coefficients import SINKHORN_ITERS
 from .params import MhcHead, MhcStageParams
 from .read import MhcExitReadSpec, MhcReadSpec
+from .selection import KERNEL_MODES, triton_unavailable
 from .update import MHC_UPDATE
 
 __all__ = ["MhcSemantics", "CONTRACTIONS"]
@@ -38,6 +39,8 @@ class MhcSemantics:
     ``seed``: ``None`` gives every stage the deterministic near-plain init (see ``params``);
     an int draws each stage's parameters with ``init_random`` from one generator seeded with it,
     in construction order (tests and demos that want non-trivial coefficients at once).
+    ``kernels``: ``"auto"`` (the Triton kernels where they serve a call, the torch reference
+    elsewhere), ``"triton"`` (raise where they cannot) or ``"torch"``; see ``selection``.
     """
 
     name = "mhc"
@@ -56,6 +59,7 @@ class MhcSemantics:
         contraction: str = "mean",
         eps: float = 1e-6,
         seed: Optional[int] = None,
+        kernels: str = "auto",
     ) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"MhcSemantics(n={n!r}): the number of streams must be a positive int")
@@ -63,11 +67,14 @@ class MhcSemantics:
             raise ValueError(f"MhcSemantics(sinkhorn_iters={sinkhorn_iters!r}) must be a positive int")
         if contraction not in CONTRACTIONS:
             raise ValueError(f"MhcSemantics(contraction={contraction!r}): choose one of {CONTRACTIONS}")
+        if kernels not in KERNEL_MODES:
+            raise ValueError(f"MhcSemantics(kernels={kernels!r}): choose one of {KERNEL_MODES}")
         self.n = n
         self.sinkhorn_iters = sinkhorn_iters
         self.contraction = contraction
         self.eps = float(eps)
         self.seed = seed
+        self.kernels = kernels
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
     def _init(self, module: Any) -> Any:
@@ -78,7 +85,7 @@ class MhcSemantics:
     def stage(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
         """The update kind, the read (bound to this stage's parameters) and the parameters."""
         params = self._init(MhcStageParams(self.n, hidden_size, dtype=dtype, device=device, eps=self.eps))
-        return StageResidual(MHC_UPDATE, MhcReadSpec(params, self.sinkhorn_iters), params)
+        return StageResidual(MHC_UPDATE, MhcReadSpec(params, self.sinkhorn_iters, self.kernels), params)
 
     def exit(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
         """The final norm's read: contract the streams, then normalize. A ``head`` owns parameters."""
@@ -87,8 +94,16 @@ class MhcSemantics:
 
     def describe(self) -> str:
         return (f"mhc: {self.n} streams, Sinkhorn {self.sinkhorn_iters} iterations, "
-                f"exit {self.contraction}, FP32 coefficients")
+                f"exit {self.contraction}, FP32 coefficients, kernels {self._kernels_text()}")
+
+    def _kernels_text(self) -> str:
+        if self.kernels == "torch":
+            return "torch (the reference)"
+        why = triton_unavailable()
+        if why is not None:
+            return f"{self.kernels}: torch reference ({why})"
+        return f"{self.kernels}: Triton on CUDA (bf16, fp16, fp32 streams), torch reference elsewhere"
 
     def __repr__(self) -> str:
         return (f"MhcSemantics(n={self.n}, sinkhorn_iters={self.sinkhorn_iters}, "
-                f"contraction={self.contraction!r})")
+                f"contraction={self.contraction!r}, kernels={self.kernels!r})")

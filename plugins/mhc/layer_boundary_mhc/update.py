@@ -13,11 +13,13 @@ actually carries, made by that stage's read.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from layer_boundary import BoundaryError
+
+from .reference import mhc_update_ref
 
 __all__ = ["MhcUpdate", "MHC_UPDATE", "MhcCoefficients"]
 
@@ -50,33 +52,42 @@ MHC_UPDATE = MhcUpdate()
 
 class MhcCoefficients(_MhcCapabilities):
     """The update of one stage invocation: ``h_post [T, n]`` and ``h_res [T, n, n]`` (FP32, or FP64
-    for FP64 streams), computed by the read from that invocation's input streams."""
+    for FP64 streams), computed by the read from that invocation's input streams. ``kernel``: the
+    Triton update (``mhc_update_triton``) when the read that made them ran on Triton, used for
+    streams it serves; the torch reference otherwise."""
 
-    __slots__ = ("h_post", "h_res")
+    __slots__ = ("h_post", "h_res", "kernel")
 
-    def __init__(self, h_post: torch.Tensor, h_res: torch.Tensor) -> None:
+    def __init__(self, h_post: torch.Tensor, h_res: torch.Tensor, kernel: Optional[Callable[..., torch.Tensor]] = None,
+                 ) -> None:
         self.h_post = h_post
         self.h_res = h_res
+        self.kernel = kernel
 
-    def apply(self, residual: Optional[torch.Tensor], contribution: torch.Tensor) -> torch.Tensor:
-        """``H_res x + H_post^T y`` accumulated in the coefficients' precision, rounded once to the
-        residual dtype. ``residual=None`` (no streams yet) gives ``H_post^T y``."""
+    def check(self, residual: Optional[torch.Tensor], contribution: torch.Tensor) -> None:
+        """Raise unless ``contribution`` is an output ``[T, hidden]`` for these coefficients and
+        ``residual`` (if any) the streams ``[T, n, hidden]`` it updates."""
         t, n = self.h_post.shape
         if contribution.dim() != 2 or contribution.shape[0] != t:
             raise ValueError(
                 f"the MHC update got a stage output of shape {tuple(contribution.shape)}; it was made "
                 f"for {t} token rows and takes an output [{t}, hidden]"
             )
-        acc = self.h_res.dtype
-        out = self.h_post.unsqueeze(-1) * contribution.to(acc).unsqueeze(1)  # [T, n, C]
-        if residual is None:
-            return out.to(contribution.dtype)
-        if residual.shape != out.shape:
+        want = (t, n, contribution.shape[1])
+        if residual is not None and tuple(residual.shape) != want:
             raise ValueError(
                 f"the MHC streams have shape {tuple(residual.shape)} but the update expects "
-                f"{tuple(out.shape)} ([tokens, n, hidden]); pass the stage's own output"
+                f"{want} ([tokens, n, hidden]); pass the stage's own output"
             )
-        return torch.baddbmm(out, self.h_res, residual.to(acc)).to(residual.dtype)
+
+    def apply(self, residual: Optional[torch.Tensor], contribution: torch.Tensor) -> torch.Tensor:
+        """``H_res x + H_post^T y`` accumulated in the coefficients' precision, rounded once to the
+        residual dtype. ``residual=None`` (no streams yet) gives ``H_post^T y``."""
+        self.check(residual, contribution)
+        if (self.kernel is not None and residual is not None and residual.device.type == contribution.device.type
+                and residual.dtype == contribution.dtype and self.h_res.dtype == torch.float32):
+            return self.kernel(residual, contribution, self.h_post, self.h_res)
+        return mhc_update_ref(residual, contribution, self.h_post, self.h_res)
 
     def __repr__(self) -> str:
         t, n = self.h_post.shape

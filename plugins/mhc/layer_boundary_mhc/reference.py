@@ -1,0 +1,111 @@
+"""The MHC read and update as torch functions: the meaning every faster kernel keeps.
+
+For streams ``x [T, n, C]``, a stage output ``y [T, C]`` and an RMSNorm ``(w, eps, offset)``::
+
+    mhc_read_ref(x, params, w, eps)
+        (H_pre, H_post, H_res) = mhc_coefficients(x, params)        FP32
+        input = RMSNorm(sum_j H_pre[j] x_j) * (w + offset)         FP32, rounded once
+        -> (input [T, C], H_post [T, n], H_res [T, n, n])
+
+    mhc_update_ref(x, y, H_post, H_res)
+        x'_i = sum_j H_res[i, j] x_j + H_post[i] y                 FP32, rounded once
+        -> x' [T, n, C]
+
+    mhc_update_read_ref(x, y, H_post, H_res, params, w, eps)
+        x' = mhc_update_ref(...); (input, H_post', H_res') = mhc_read_ref(x', ...)
+        -> (x', input, H_post', H_res')
+
+The read sees the *rounded* streams ``x'``, as a stage that stores the streams and reads them
+later does. FP64 streams are computed in FP64 throughout. The Triton kernels
+(``layer_boundary_mhc.triton_ops``) have these signatures; ``out=``-style destinations are
+filled and returned.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from layer_boundary.kernels.reference import rmsnorm_ref
+
+from .coefficients import SINKHORN_ITERS, acc_dtype, mhc_coefficients
+from .params import MhcStageParams
+
+__all__ = ["mhc_combine_ref", "mhc_read_ref", "mhc_update_ref", "mhc_update_read_ref"]
+
+
+def _into(dest: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+    if dest is None:
+        return value
+    dest.copy_(value)
+    return dest
+
+
+def mhc_combine_ref(
+    x: torch.Tensor, params: MhcStageParams, iters: int = SINKHORN_ITERS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sum_j H_pre[j] x_j [T, C], H_post, H_res)`` of streams ``x``; the combination is left in
+    the accumulation dtype, for the stage's norm to round once."""
+    h_pre, h_post, h_res = mhc_coefficients(x, params, iters)
+    mixed = (h_pre.unsqueeze(1) @ x.to(acc_dtype(x.dtype))).squeeze(1)
+    return mixed, h_post, h_res
+
+
+def mhc_read_ref(
+    x: torch.Tensor,
+    params: MhcStageParams,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    *,
+    norm_offset: float = 0.0,
+    iters: int = SINKHORN_ITERS,
+    out: Optional[torch.Tensor] = None,
+    h_post: Optional[torch.Tensor] = None,
+    h_res: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input, H_post, H_res)`` of streams ``x [T, n, C]`` (see the module docstring)."""
+    mixed, hp, hr = mhc_combine_ref(x, params, iters)
+    inp = rmsnorm_ref(mixed, norm_weight, norm_eps, weight_offset=norm_offset).to(x.dtype)
+    return _into(out, inp), _into(h_post, hp), _into(h_res, hr)
+
+
+def mhc_update_ref(
+    x: Optional[torch.Tensor],
+    y: torch.Tensor,
+    h_post: torch.Tensor,
+    h_res: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``H_res x + H_post^T y`` accumulated in the coefficients' dtype, rounded once to the
+    streams' dtype; ``x=None`` (no streams yet) gives ``H_post^T y`` in ``y``'s dtype."""
+    acc = h_res.dtype
+    new = h_post.unsqueeze(-1) * y.to(acc).unsqueeze(1)  # [T, n, C]
+    if x is None:
+        return _into(out, new.to(y.dtype))
+    return _into(out, torch.baddbmm(new, h_res, x.to(acc)).to(x.dtype))
+
+
+def mhc_update_read_ref(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    h_post: torch.Tensor,
+    h_res: torch.Tensor,
+    params: MhcStageParams,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    *,
+    norm_offset: float = 0.0,
+    iters: int = SINKHORN_ITERS,
+    streams_out: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    h_post_out: Optional[torch.Tensor] = None,
+    h_res_out: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x', input, H_post', H_res')``: the producer's update, then this stage's read of the
+    rounded streams."""
+    streams = mhc_update_ref(x, y, h_post, h_res, out=streams_out)
+    inp, hp, hr = mhc_read_ref(streams, params, norm_weight, norm_eps, norm_offset=norm_offset, iters=iters,
+                               out=out, h_post=h_post_out, h_res=h_res_out)
+    return streams, inp, hp, hr

@@ -1,0 +1,457 @@
+"""Triton kernels of the MHC read and update, FP32 accumulation throughout.
+
+``mhc_boundary_kernel`` is the read (``UPDATE=False``) and the producer's update fused with the
+next read (``UPDATE=True``). Its programs work on blocks of ``BT`` tokens, in two kinds:
+
+    stream pass  (one per token block and column slice of ``CS`` columns, ``S`` slices)
+        x'[t, i, c] = H_post[t, i] y[t, c] + sum_j H_res[t, i, j] x[t, j, c]
+                      FP32, rounded once to the stream dtype and stored          (UPDATE only)
+        partial sum_c x'^2 and partial x' @ phi over the slice, FP32          -> workspace
+    finish       (one per ``TB`` tokens, after every stream pass of its block)
+        sum the slices' partials -> rstd = rsqrt(sum x'^2 / (n C) + eps),
+        H_pre = sigmoid(a_pre rstd (x' phi_pre) + b_pre), H_post' = 2 sigmoid(...),
+        H_res' = Sinkhorn(a_res rstd mat(x' phi_res) + b_res)             -> stored (the update)
+        input = s * rsqrt(mean(s^2) + norm_eps) * (w + offset), s = sum_j H_pre[j] x'_j
+
+the operation order of ``layer_boundary_mhc.reference`` (the projection of the normalized
+streams is ``rstd`` times the projection of the streams). ``phi`` is FP32 and the streams are at
+most FP32: the projection runs on tensor cores as three TF32 products (``tf32x3``), whose error is
+about 2^-22 of each term, the accuracy of an FP32 product.
+
+Why slices: ``phi`` ([n C, n^2 + 2n] FP32, 1.5 MiB at n = 4, C = 4096) is read from L2 once per
+stream pass, so a pass covers ``BT`` tokens to amortize it (24 KiB a token at BT = 64), and the
+columns are split so that a block's stream passes are small and many: few tokens lie between a
+block's stream pass and its finish, and the finish re-reads x' from L2, not HBM.
+
+Cooperative launch (``MODE = 0``, one grid): each program takes a ticket from an atomic counter
+when it starts. Tickets are read as rounds of ``S + RB``: the stream passes of block ``r``, then
+the ``RB`` finishes of block ``r - LAG``. A finish waits (acquire) until the ``S`` stream passes
+of its block have arrived (release). Those hold lower tickets, so they started before it and wait
+for nothing: no deadlock, whatever number of programs is resident; and under the interpreter,
+which runs programs one at a time in ticket order, no finish ever waits. ``MODE = 1`` / ``2`` are
+the same code as two launches (stream passes, then finishes), without tickets or waiting.
+
+``mhc_update_kernel`` is the update alone (a stage whose streams are not read next).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from .selection import MAX_STREAMS
+
+__all__ = [
+    "mhc_boundary_kernel",
+    "mhc_update_kernel",
+    "BoundaryConfig",
+    "boundary_config",
+    "update_config",
+    "INTERPRETED",
+    "MAX_STREAMS",
+    "MAX_TILE",
+    "CHUNK",
+    "COOPERATIVE",
+    "STREAM_PASS",
+    "FINISH",
+]
+
+# Widest row a finish holds in registers (combination, weight and one stream: 96 FP32 values a
+# thread over 8 warps); wider rows are normalized in CHUNK-wide pieces, read twice.
+MAX_TILE = 8192
+CHUNK = 4096
+COOPERATIVE, STREAM_PASS, FINISH = 0, 1, 2
+
+_TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the reference's floor on exp(logits)
+
+
+@triton.jit
+def _store_cast(ptr, v, mask, EXACT_CASTS: tl.constexpr):
+    # Triton 3.6's interpreter converts FP32 to bf16 by truncation, a GPU to nearest even: under
+    # the interpreter round the FP32 bit pattern to 16 significant bits first, then the
+    # conversion is exact (finite values only, which is all a kernel here stores).
+    if EXACT_CASTS:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = v.to(tl.int32, bitcast=True)
+            half = 0x7FFF + ((bits >> 16) & 1)
+            v = ((bits + half) & -65536).to(tl.float32, bitcast=True)
+    tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+    return v.to(ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _load_rows(ptr, tt, c, m2, st, sc):
+    return tl.load(ptr + tt[:, None] * st + c[None, :] * sc, mask=m2, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mixed_stream(y, xs, hp_ptr, hr_ptr, tt, tm, i: tl.constexpr, N: tl.constexpr):
+    """Stream ``i`` of ``H_post y + H_res x`` in FP32, [BT, BC]: ``y`` and the streams ``xs`` are
+    [BT, BC] tiles, the coefficients contiguous rows from the block's first token."""
+    v = tl.load(hp_ptr + tt * N + i, mask=tm, other=0.0)[:, None] * y
+    for j in tl.static_range(N):
+        v += tl.load(hr_ptr + tt * (N * N) + i * N + j, mask=tm, other=0.0)[:, None] * xs[j]
+    return v
+
+
+@triton.jit
+def _tf32_high(v):
+    # The 11 leading significant bits: exact in TF32, and v - high is exact in FP32.
+    return (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _project(v, phi, acc, SPLIT_A: tl.constexpr):
+    """``acc + v @ phi`` to about FP32 accuracy on TF32 tensor cores: ``phi = high + low`` with both
+    parts rounded to TF32 by the MMA (an error of 2^-21 of phi); 16-bit streams are exact in TF32,
+    FP32 streams (``SPLIT_A``) are split the same way."""
+    phi_hi = _tf32_high(phi)
+    if SPLIT_A:
+        v_hi = _tf32_high(v)
+        acc = tl.dot(v - v_hi, phi_hi, acc, input_precision="tf32")
+        v = v_hi
+    acc = tl.dot(v, phi - phi_hi, acc, input_precision="tf32")
+    return tl.dot(v, phi_hi, acc, input_precision="tf32")
+
+
+@triton.jit
+def _stream_pass(
+    x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, b, s, T,
+    sxt, sxn, sxc, syt, syc, sot, son, soc,
+    N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
+    S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, EXACT_CASTS: tl.constexpr,
+):
+    row0 = b.to(tl.int64) * BT
+    # Block-local offsets stay in int32 (BT tokens' streams); the int64 base is in the pointers.
+    x_ptr += row0 * sxt
+    tt = tl.arange(0, BT)
+    tm = row0 + tt < T
+    cc = tl.arange(0, BC)
+    kk = tl.arange(0, KP)
+    km = kk < K
+    if UPDATE:
+        y_ptr += row0 * syt
+        hp_ptr += row0 * N
+        hr_ptr += row0 * (N * N)
+        xo_ptr += row0 * sot
+    acc = tl.zeros([BT, KP], dtype=tl.float32)
+    ssq = tl.zeros([BT], dtype=tl.float32)
+    # A fixed trip count: the last slice's chunks past C are masked out.
+    for ci in tl.range(0, CS // BC):
+        c = s * CS + ci * BC + cc
+        cm = c < C
+        m2 = tm[:, None] & cm[None, :]
+        if UPDATE:
+            y = _load_rows(y_ptr, tt, c, m2, syt, syc)
+            xs = ()
+            for j in tl.static_range(N):
+                xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc),)
+        for i in tl.static_range(N):
+            if UPDATE:
+                v = _mixed_stream(y, xs, hp_ptr, hr_ptr, tt, tm, i, N)
+                # The read sees the rounded streams, as the reference does.
+                v = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, EXACT_CASTS)
+            else:
+                v = _load_rows(x_ptr + i * sxn, tt, c, m2, sxt, sxc)
+            ssq += tl.sum(v * v, axis=1)
+            phi = tl.load(phi_ptr + (i * C + c)[:, None] * K + kk[None, :], mask=cm[:, None] & km[None, :], other=0.0)
+            acc = _project(v, phi, acc, SPLIT_A)
+    # Column K (never a coefficient) carries the sum of squares.
+    acc = tl.where(kk[None, :] == K, ssq[:, None], acc)
+    dst = part_ptr + (row0 + tt)[:, None] * (S * KP) + s * KP + kk[None, :]
+    tl.store(dst, acc, mask=tm[:, None])
+
+
+@triton.jit
+def _sinkhorn(logits, valid, im, ITERS: tl.constexpr):
+    """``[TB, NP, NP]`` logits -> doubly-stochastic matrices (padding rows and columns stay 0):
+    exp after subtracting the maximum, floored at the smallest normal float, then ``ITERS`` times
+    columns then rows, as ``coefficients.sinkhorn``."""
+    lg = tl.where(valid[None, :, :], logits, float("-inf"))
+    top = tl.max(tl.max(lg, axis=2), axis=1)
+    m = tl.exp(lg - top[:, None, None])
+    m = tl.where(valid[None, :, :], tl.maximum(m, _TINY), 0.0)
+    for _ in range(ITERS):
+        col = tl.where(im[None, :], tl.sum(m, axis=1), 1.0)
+        m = m / col[:, None, :]
+        row = tl.where(im[None, :], tl.sum(m, axis=2), 1.0)
+        m = m / row[:, :, None]
+    return m
+
+
+@triton.jit
+def _pick(v, kk, col):
+    # v[..., col] along the last axis, exactly (a sum of one value and zeros).
+    return tl.sum(tl.where(kk == col, v, 0.0), axis=-1)
+
+
+@triton.jit
+def _finish(
+    x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
+    out_ptr, hpo_ptr, hro_ptr, part_ptr, b, q, T,
+    sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
+    N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
+    CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr, TB: tl.constexpr,
+    ITERS: tl.constexpr, UPDATE: tl.constexpr, CHUNKED: tl.constexpr, EXACT_CASTS: tl.constexpr,
+):
+    row0 = b.to(tl.int64) * BT + q * TB
+    tt = tl.arange(0, TB)
+    tm = row0 + tt < T
+    kk = tl.arange(0, KP)
+    # Sum the slices' partials, SB slices a load, in a fixed order (replays are bitwise). .cg: the
+    # workspace and x' were written by other programs of this launch; read them from L2.
+    sb = tl.arange(0, SB)
+    tot = tl.zeros([TB, KP], dtype=tl.float32)
+    for s0 in tl.range(0, S, SB):
+        sl = s0 + sb
+        src = part_ptr + (row0 + tt)[:, None, None] * (S * KP) + sl[None, :, None] * KP + kk[None, None, :]
+        tot += tl.sum(tl.load(src, mask=tm[:, None, None] & (sl < S)[None, :, None], other=0.0,
+                              cache_modifier=".cg"), axis=1)
+    rstd = tl.rsqrt(_pick(tot, kk[None, :], K) / (N * C) + eps)
+    v = tot * rstd[:, None]
+    i = tl.arange(0, NP)
+    im = i < N
+    k3 = kk[None, None, :]
+    v3 = v[:, None, :]
+    a_pre = tl.load(alpha_ptr)
+    a_post = tl.load(alpha_ptr + 1)
+    a_res = tl.load(alpha_ptr + 2)
+    b_pre = tl.load(bpre_ptr + i, mask=im, other=0.0)
+    b_post = tl.load(bpost_ptr + i, mask=im, other=0.0)
+    h_pre = tl.sigmoid(a_pre * _pick(v3, k3, i[None, :, None]) + b_pre[None, :])  # [TB, NP]
+    h_post = 2.0 * tl.sigmoid(a_post * _pick(v3, k3, N + i[None, :, None]) + b_post[None, :])
+    valid = im[:, None] & im[None, :]
+    col = 2 * N + i[:, None] * N + i[None, :]  # [NP, NP]: the row-major res block
+    b_res = tl.load(bres_ptr + i[:, None] * N + i[None, :], mask=valid, other=0.0)
+    res = _pick(v[:, None, None, :], kk[None, None, None, :], col[None, :, :, None])  # [TB, NP, NP]
+    h_res = _sinkhorn(a_res * res + b_res[None, :, :], valid, im, ITERS)
+    t64 = row0 + tt
+    tl.store(hpo_ptr + t64[:, None] * N + i[None, :], h_post, mask=tm[:, None] & im[None, :])
+    tl.store(hro_ptr + t64[:, None, None] * (N * N) + i[None, :, None] * N + i[None, None, :], h_res,
+             mask=tm[:, None, None] & valid[None, :, :])
+
+    # input = RMSNorm(sum_j H_pre[j] x_j), token by token over the whole row.
+    if UPDATE:
+        src = xo_ptr
+        st = sot
+        sn = son
+        sc = soc
+    else:
+        src = x_ptr
+        st = sxt
+        sn = sxn
+        sc = sxc
+    c = tl.arange(0, CP)
+    if not CHUNKED:
+        w = tl.load(w_ptr + c * sw, mask=c < C, other=0.0).to(tl.float32) + offset
+    for p in tl.static_range(TB):
+        row = row0 + p
+        live = row < T
+        hp = tl.sum(tl.where(tt[:, None] == p, h_pre, 0.0), axis=0)  # [NP]
+        base = src + row * st
+        if not CHUNKED:
+            cm = (c < C) & live
+            acc = tl.zeros([CP], dtype=tl.float32)
+            for j in tl.static_range(N):
+                xj = tl.load(base + j * sn + c * sc, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+                acc += _pick(hp, i, j) * xj
+            r2 = tl.rsqrt(tl.sum(acc * acc, axis=0) / C + norm_eps)
+            _store_cast(out_ptr + row * sit + c * sic, acc * r2 * w, cm, EXACT_CASTS)
+        else:
+            sq = tl.zeros([CP], dtype=tl.float32)
+            for c0 in tl.range(0, C, CP):
+                cm = (c0 + c < C) & live
+                acc = tl.zeros([CP], dtype=tl.float32)
+                for j in tl.static_range(N):
+                    xj = tl.load(base + j * sn + (c0 + c) * sc, mask=cm, other=0.0,
+                                 cache_modifier=".cg").to(tl.float32)
+                    acc += _pick(hp, i, j) * xj
+                sq += acc * acc
+            r2 = tl.rsqrt(tl.sum(sq, axis=0) / C + norm_eps)
+            for c0 in tl.range(0, C, CP):
+                cm = (c0 + c < C) & live
+                acc = tl.zeros([CP], dtype=tl.float32)
+                for j in tl.static_range(N):
+                    xj = tl.load(base + j * sn + (c0 + c) * sc, mask=cm, other=0.0,
+                                 cache_modifier=".cg").to(tl.float32)
+                    acc += _pick(hp, i, j) * xj
+                wc = tl.load(w_ptr + (c0 + c) * sw, mask=cm, other=0.0).to(tl.float32) + offset
+                _store_cast(out_ptr + row * sit + (c0 + c) * sic, acc * r2 * wc, cm, EXACT_CASTS)
+
+
+@triton.jit
+def mhc_boundary_kernel(
+    x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
+    out_ptr, hpo_ptr, hro_ptr, part_ptr, cnt_ptr,
+    T, NB, LAG,
+    sxt, sxn, sxc, syt, syc, sot, son, soc, sw, sit, sic,
+    eps, norm_eps, offset,
+    N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
+    CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr,
+    BC: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr, UPDATE: tl.constexpr,
+    SPLIT_A: tl.constexpr, CHUNKED: tl.constexpr, MODE: tl.constexpr, EXACT_CASTS: tl.constexpr,
+):
+    if MODE == 0:
+        ticket = tl.atomic_add(cnt_ptr, 1)
+        r = ticket // (S + RB)
+        k = ticket % (S + RB)
+        if k < S:
+            if r < NB:
+                _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, r, k, T,
+                             sxt, sxn, sxc, syt, syc, sot, son, soc,
+                             N, K, KP, C, S, CS, BT, BC, UPDATE, SPLIT_A, EXACT_CASTS)
+                # Every thread's stores, then one release: what the finish acquires.
+                tl.debug_barrier()
+                tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
+        else:
+            if r >= LAG:
+                blk = r - LAG
+                while tl.atomic_add(cnt_ptr + 1 + blk, 0, sem="acquire", scope="gpu") < S:
+                    pass
+                _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
+                        out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, k - S, T,
+                        sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
+                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, EXACT_CASTS)
+    elif MODE == 1:
+        pid = tl.program_id(0)
+        _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, pid // S, pid % S, T,
+                     sxt, sxn, sxc, syt, syc, sot, son, soc,
+                     N, K, KP, C, S, CS, BT, BC, UPDATE, SPLIT_A, EXACT_CASTS)
+    else:
+        pid = tl.program_id(0)
+        _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
+                out_ptr, hpo_ptr, hro_ptr, part_ptr, pid // RB, pid % RB, T,
+                sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
+                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, EXACT_CASTS)
+
+
+@triton.jit
+def mhc_update_kernel(
+    x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, T,
+    sxt, sxn, sxc, syt, syc, sot, son, soc,
+    N: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, EXACT_CASTS: tl.constexpr,
+):
+    """``x' = H_res x + H_post^T y`` on a [BT tokens, BC columns] tile, rounded once."""
+    row0 = tl.program_id(0).to(tl.int64) * BT
+    tt = tl.arange(0, BT)
+    tm = row0 + tt < T
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m2 = tm[:, None] & (c < C)[None, :]
+    x_ptr += row0 * sxt
+    y = _load_rows(y_ptr + row0 * syt, tt, c, m2, syt, syc)
+    xs = ()
+    for j in tl.static_range(N):
+        xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc),)
+    for i in tl.static_range(N):
+        v = _mixed_stream(y, xs, hp_ptr + row0 * N, hr_ptr + row0 * (N * N), tt, tm, i, N)
+        _store_cast(xo_ptr + row0 * sot + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, EXACT_CASTS)
+
+
+# Decided when this module is imported: Triton 3.6 picks the interpreter in @triton.jit.
+INTERPRETED = not isinstance(mhc_boundary_kernel, JITFunction)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryConfig:
+    """Launch shape of ``mhc_boundary_kernel`` for one (token bucket, n, C, element size).
+
+    ``block_tokens`` (BT) tokens a block, ``block_cols`` (BC) columns a chunk, ``slices`` (S) of
+    ``slice_cols`` (CS) columns each, ``finish_tokens`` (TB) a finish, ``finishers`` (RB = BT / TB)
+    finishes a block, ``lag`` rounds between a block's stream passes and its finishes,
+    ``row_tile`` (CP) the finish's row tile, ``chunked`` when the row is wider than MAX_TILE.
+    """
+
+    block_tokens: int
+    block_cols: int
+    slices: int
+    slice_cols: int
+    finish_tokens: int
+    finishers: int
+    lag: int
+    row_tile: int
+    chunked: bool
+    num_warps: int
+
+    def slice_batch(self, padded_columns: int) -> int:
+        """Slices a finish sums per load: a [TB, SB, KP] tile of at most 4K values."""
+        return max(1, min(triton.next_power_of_2(self.slices), 4096 // (self.finish_tokens * padded_columns)))
+
+    def blocks(self, tokens: int) -> int:
+        return triton.cdiv(tokens, self.block_tokens)
+
+    def lag_for(self, tokens: int) -> int:
+        return min(self.lag, self.blocks(tokens))
+
+    def grid(self, tokens: int, mode: int) -> int:
+        nb = self.blocks(tokens)
+        if mode == COOPERATIVE:
+            return (nb + self.lag_for(tokens)) * (self.slices + self.finishers)
+        return nb * (self.slices if mode == STREAM_PASS else self.finishers)
+
+
+# Token counts up to DECODE_TOKENS take one block of BLOCK_TOKENS[0] tokens and narrow slices
+# (many programs share the read of phi, which dominates a decode step); up to MID_TOKENS blocks of
+# BLOCK_TOKENS[1], past it BLOCK_TOKENS[2] (phi is read from L2 once a block: 24 KiB a token at
+# 64, n = 4). Module-level so that tests and the benchmark can try others (clear _CONFIGS).
+DECODE_TOKENS = 16
+MID_TOKENS = 1024
+BLOCK_TOKENS = (16, 32, 64)
+# Columns a stream pass covers: a pass then writes 64 KiB of bf16 x' (BT = 64, n = 4), so the x'
+# waiting in L2 for its finish stays a small part of the cache.
+SLICE_COLS = 128
+FINISH_TOKENS = 4
+# Rounds between a block's stream passes and its finishes: with one 8-warp program resident per
+# SM (the stream pass uses most of the registers), about 132 + 4 * 48 tickets are issued between
+# the two at n = 4, C = 4096, so the stream passes have finished and a finish rarely waits, while
+# the x' in between (about 7 blocks of 64 tokens, 14 MiB) still fits in L2.
+LAG = 4
+_CONFIGS: dict[tuple[int, int, int, int], BoundaryConfig] = {}
+
+
+def boundary_config(tokens: int, n: int, hidden: int, itemsize: int) -> BoundaryConfig:
+    """The cached launch shape for ``tokens`` rows of ``n`` streams of ``hidden`` columns."""
+    bucket = 0 if tokens <= DECODE_TOKENS else 1 if tokens <= MID_TOKENS else 2
+    key = (bucket, n, hidden, itemsize)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        bt = BLOCK_TOKENS[bucket]
+        bc = 32
+        cs = max(SLICE_COLS // bc, 1) * bc
+        slices = triton.cdiv(hidden, cs)
+        tb = min(FINISH_TOKENS, bt)
+        cp = triton.next_power_of_2(hidden)
+        chunked = cp > MAX_TILE
+        cfg = _CONFIGS[key] = BoundaryConfig(
+            block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
+            lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=8,
+        )
+    return cfg
+
+
+_UPDATE_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+
+
+def update_config(n: int, hidden: int, itemsize: int) -> tuple[int, int, int]:
+    """``(BT, BC, num_warps)`` of ``mhc_update_kernel``: 8K values a tile, 16 bytes a thread a
+    load along a row."""
+    key = (n, hidden, itemsize)
+    cfg = _UPDATE_CONFIGS.get(key)
+    if cfg is None:
+        bc = min(triton.next_power_of_2(hidden), 512)
+        np_ = triton.next_power_of_2(n)
+        bt = max(1, min(16, 8192 // (np_ * bc)))
+        warps = max(1, min(8, bt * bc * itemsize // 512))
+        cfg = _UPDATE_CONFIGS[key] = (bt, bc, warps)
+    return cfg
+
+
+def coefficient_columns(n: int) -> tuple[int, int]:
+    """``(K, KP)``: the n^2 + 2n coefficient columns and their padded width, with one spare
+    column for the sum of squares (at least 16: the smallest tensor-core tile)."""
+    k = n * n + 2 * n
+    return k, max(16, triton.next_power_of_2(k + 1))

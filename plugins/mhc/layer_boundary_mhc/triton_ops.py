@@ -1,0 +1,317 @@
+"""The MHC Triton kernels as callables with the references' signatures, and the ``torch.library``
+operators that carry them through ``torch.compile``.
+
+| callable                    | reference               | returns                          |
+| --------------------------- | ----------------------- | -------------------------------- |
+| ``mhc_read_triton``         | ``mhc_read_ref``        | (input, H_post, H_res)           |
+| ``mhc_update_triton``       | ``mhc_update_ref``      | x'                               |
+| ``mhc_update_read_triton``  | ``mhc_update_read_ref`` | (x', input, H_post', H_res')     |
+
+Streams ``x [T, n, C]`` (any strides; a column stride of 1 is the fast path) and the stage
+output ``y [T, C]`` are bf16, fp16 or fp32 of one dtype, ``n <= 8``; coefficients are FP32
+``[T, n]`` and ``[T, n, n]``; the norm is an RMSNorm given as ``(weight, eps, offset)``.
+Destinations (``out=``, ...) are written and returned; missing ones are allocated contiguous.
+
+Eager calls launch the kernels directly (the dispatcher costs more than a decode-sized kernel);
+under ``torch.compile`` they call ``layer_boundary_mhc::boundary`` / ``::update``, whose schemas
+declare the destinations they write. Each call allocates its workspace (FP32 partial sums, and
+for the cooperative launch a zeroed counter per token block) from the caching allocator, which a
+CUDA graph captures like any other allocation, and never synchronizes with the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+from .coefficients import SINKHORN_ITERS
+from .triton_mhc import (
+    COOPERATIVE,
+    FINISH,
+    INTERPRETED,
+    MAX_STREAMS,
+    STREAM_PASS,
+    boundary_config,
+    coefficient_columns,
+    mhc_boundary_kernel,
+    mhc_update_kernel,
+    update_config,
+)
+
+__all__ = [
+    "mhc_read_triton",
+    "mhc_update_triton",
+    "mhc_update_read_triton",
+    "SUPPORTED_DTYPES",
+    "TOLERANCE",
+]
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# (atol, rtol) of each output against the torch reference, per stream dtype.
+TOLERANCE: dict[torch.dtype, dict[str, tuple[float, float]]] = {
+    torch.float32: {
+        # x': n + 1 FP32 products summed in another order.
+        "streams": (1e-5, 1e-5),
+        # FP32 statistics reduced in another order; the projection as three TF32 products
+        # (2^-22 of each term) over n*C terms; 20 Sinkhorn iterations with approximate division.
+        "coefficients": (2e-5, 2e-5),
+        # the same coefficients, an FP32 norm with an approximate rsqrt.
+        "input": (2e-5, 2e-5),
+    },
+    torch.bfloat16: {
+        # one rounding of an FP32 value that differs by a few ulps: at most one bf16 ulp (2^-7
+        # of the value); the atol covers sums that cancel to nearly zero.
+        "streams": (1e-5, 2.0**-7),
+        "coefficients": (2e-5, 2e-5),  # FP32 math from the same (rounded) streams
+        # one rounding to bf16 that may land on the neighbouring value.
+        "input": (1.6e-2, 1.6e-2),
+    },
+    torch.float16: {
+        "streams": (1e-5, 2.0**-10),
+        "coefficients": (2e-5, 2e-5),
+        "input": (2e-3, 2e-3),
+    },
+}
+
+
+# -- launches (shared by the eager path and the operators) -----------------------------------------
+
+def _launch_boundary(
+    kernel: Any, x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor],
+    h_res: Optional[torch.Tensor], streams_out: Optional[torch.Tensor], phi: torch.Tensor, alpha: torch.Tensor,
+    b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor, norm_weight: torch.Tensor,
+    out: torch.Tensor, h_post_out: torch.Tensor, h_res_out: torch.Tensor,
+    eps: float, norm_eps: float, norm_offset: float, iters: int, cooperative: bool,
+) -> None:
+    tokens, n, hidden = x.shape
+    if tokens == 0:
+        return  # an empty grid is not a valid launch
+    hidden = int(hidden)  # constexpr: pins the width (the parameters fix it anyway)
+    cfg = boundary_config(tokens, n, hidden, x.element_size())
+    k, kp = coefficient_columns(n)
+    blocks = cfg.blocks(tokens)
+    part = torch.empty((blocks * cfg.block_tokens, cfg.slices, kp), dtype=torch.float32, device=x.device)
+    update = y is not None
+    if not update:  # placeholders the kernel never touches
+        y, h_post, h_res, streams_out = x[:, 0], part, part, x
+    counters = torch.zeros(blocks + 1, dtype=torch.int32, device=x.device) if cooperative else part
+    args = (
+        x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res, norm_weight,
+        out, h_post_out, h_res_out, part, counters,
+        tokens, blocks, cfg.lag_for(tokens),
+        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
+        streams_out.stride(0), streams_out.stride(1), streams_out.stride(2),
+        norm_weight.stride(0), out.stride(0), out.stride(1),
+        eps, norm_eps, norm_offset,
+    )
+    meta = dict(
+        N=n, NP=max(2, _pow2(n)), K=k, KP=kp, C=hidden, CP=cfg.row_tile, S=cfg.slices, SB=cfg.slice_batch(kp),
+        CS=cfg.slice_cols, BT=cfg.block_tokens, BC=cfg.block_cols, TB=cfg.finish_tokens, RB=cfg.finishers,
+        ITERS=int(iters), UPDATE=update, SPLIT_A=x.dtype == torch.float32, CHUNKED=cfg.chunked,
+        EXACT_CASTS=INTERPRETED,
+        num_warps=cfg.num_warps,
+    )
+    if cooperative:
+        kernel[(cfg.grid(tokens, COOPERATIVE),)](*args, MODE=COOPERATIVE, **meta)
+    else:
+        kernel[(cfg.grid(tokens, STREAM_PASS),)](*args, MODE=STREAM_PASS, **meta)
+        kernel[(cfg.grid(tokens, FINISH),)](*args, MODE=FINISH, **meta)
+
+
+def _launch_update(kernel: Any, x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
+                   out: torch.Tensor) -> None:
+    tokens, n, hidden = x.shape
+    if tokens == 0:
+        return
+    hidden = int(hidden)
+    bt, bc, warps = update_config(n, hidden, x.element_size())
+    grid = ((tokens + bt - 1) // bt, (hidden + bc - 1) // bc)
+    kernel[grid](
+        x, y, h_post, h_res, out, tokens,
+        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        N=n, C=hidden, BT=bt, BC=bc, EXACT_CASTS=INTERPRETED, num_warps=warps,
+    )
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+# -- the operators ----------------------------------------------------------------------------------
+
+def _boundary_body(
+    x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
+    phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float, norm_eps: float, norm_offset: float, iters: int, cooperative: bool,
+    streams_out: Optional[torch.Tensor], out: torch.Tensor, h_post_out: torch.Tensor, h_res_out: torch.Tensor,
+) -> None:
+    kernel = mhc_boundary_kernel if INTERPRETED else wrap_triton(mhc_boundary_kernel)
+    _launch_boundary(kernel, x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res, norm_weight,
+                     out, h_post_out, h_res_out, eps, norm_eps, norm_offset, iters, cooperative)
+
+
+def _update_body(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
+                 out: torch.Tensor) -> None:
+    kernel = mhc_update_kernel if INTERPRETED else wrap_triton(mhc_update_kernel)
+    _launch_update(kernel, x, y, h_post, h_res, out)
+
+
+def _writes_only(*args: object) -> None:
+    return None
+
+
+def _define(name: str, body: object, writes: set[str]) -> None:
+    if not INTERPRETED:
+        # triton_op traces the body (wrap_triton) into the graph, so Inductor sees the kernels.
+        triton_op(name, body, mutates_args=writes)
+        return
+    # The interpreter's kernels run on CPU tensors, which wrap_triton cannot trace: a plain custom
+    # operator with the same schema keeps the compiled path testable on a CPU.
+    op = torch.library.custom_op(name, body, mutates_args=writes)
+    op.register_fake(_writes_only)
+
+
+_define("layer_boundary_mhc::boundary", _boundary_body, {"streams_out", "out", "h_post_out", "h_res_out"})
+_define("layer_boundary_mhc::update", _update_body, {"out"})
+
+
+# -- checks (a few attribute reads a call) ------------------------------------------------------------
+
+def _check_streams(x: torch.Tensor) -> tuple[int, int, int]:
+    if x.dim() != 3:
+        raise ValueError(f"the MHC kernels take streams [tokens, n, hidden], got shape {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"the MHC Triton kernels take bf16, fp16 or fp32 streams, got {x.dtype}; FP64 would be "
+            "rounded by their FP32 accumulation: use layer_boundary_mhc.reference for it"
+        )
+    t, n, c = x.shape
+    if n > MAX_STREAMS:
+        raise ValueError(f"the MHC Triton kernels take at most {MAX_STREAMS} streams, got n={n}; use the torch "
+                         "reference (MhcSemantics(kernels='torch'))")
+    return t, n, c
+
+
+def _check_shape(t: Optional[torch.Tensor], shape: tuple[int, ...], what: str,
+                 dtype: Optional[torch.dtype] = None) -> None:
+    if t is None:
+        return
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{what} has shape {tuple(t.shape)}; expected {shape}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{what} has dtype {t.dtype}; expected {dtype}")
+
+
+def _check_update(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> None:
+    t, n, c = x.shape
+    _check_shape(y, (t, c), "the stage output y", x.dtype)
+    _check_shape(h_post, (t, n), "H_post", torch.float32)
+    _check_shape(h_res, (t, n, n), "H_res", torch.float32)
+
+
+def _param_tensors(params: Any, n: int, c: int) -> tuple[torch.Tensor, ...]:
+    k, _ = coefficient_columns(n)
+    if params.n != n or params.hidden_size != c:
+        raise ValueError(f"the MHC parameters are for n={params.n}, hidden={params.hidden_size}; the streams "
+                         f"have n={n}, hidden={c}")
+    if params.phi.dtype != torch.float32:
+        raise TypeError(f"the MHC Triton kernels take FP32 parameters, got {params.phi.dtype}")
+    _check_shape(params.phi, (n * c, k), "phi")
+    # Indexed as contiguous by the kernels (a no-op for the usual parameters): phi's row stride is
+    # then the constant K, which lets its rows load as 16-byte vectors.
+    return (params.phi.contiguous(), params.alpha.contiguous(), params.b_pre.contiguous(), params.b_post.contiguous(),
+            params.b_res.contiguous())
+
+
+def _dest(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor,
+          what: str) -> torch.Tensor:
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    _check_shape(t, shape, what, dtype)
+    return t
+
+
+def _coefficient_dest(t: Optional[torch.Tensor], shape: tuple[int, ...], like: torch.Tensor,
+                      what: str) -> torch.Tensor:
+    # The kernels write coefficients as contiguous rows.
+    t = _dest(t, shape, torch.float32, like, what)
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")
+    return t
+
+
+def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor],
+              h_res: Optional[torch.Tensor], params: Any, norm_weight: torch.Tensor, norm_eps: float,
+              norm_offset: float, iters: int, cooperative: bool, streams_out: Optional[torch.Tensor],
+              out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor],
+              h_res_out: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    t, n, c = _check_streams(x)
+    phi, alpha, b_pre, b_post, b_res = _param_tensors(params, n, c)
+    _check_shape(norm_weight, (c,), "the norm weight")
+    if y is not None:
+        _check_update(x, y, h_post, h_res)
+        h_post, h_res = h_post.contiguous(), h_res.contiguous()
+        streams_out = _dest(streams_out, (t, n, c), x.dtype, x, "streams_out")
+    out = _dest(out, (t, c), x.dtype, x, "out")
+    h_post_out = _coefficient_dest(h_post_out, (t, n), x, "h_post")
+    h_res_out = _coefficient_dest(h_res_out, (t, n, n), x, "h_res")
+    eps = float(params.eps)
+    # Dynamo sees is_compiling() as True: the compiled graph gets the operator; eager bypasses it.
+    if torch.compiler.is_compiling():
+        torch.ops.layer_boundary_mhc.boundary(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_weight,
+                                              eps, float(norm_eps), float(norm_offset), int(iters), cooperative,
+                                              streams_out, out, h_post_out, h_res_out)
+    else:
+        _launch_boundary(mhc_boundary_kernel, x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res,
+                         norm_weight, out, h_post_out, h_res_out, eps, float(norm_eps), float(norm_offset),
+                         int(iters), cooperative)
+    return streams_out, out, h_post_out, h_res_out
+
+
+# -- public callables: the references' signatures ----------------------------------------------------
+
+def mhc_read_triton(
+    x: torch.Tensor, params: Any, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
+    iters: int = SINKHORN_ITERS, out: Optional[torch.Tensor] = None, h_post: Optional[torch.Tensor] = None,
+    h_res: Optional[torch.Tensor] = None, cooperative: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input [T, C], H_post [T, n], H_res [T, n, n])`` of streams ``x`` (``mhc_read_ref``).
+    ``cooperative=False`` runs the stream passes and the finishes as two launches."""
+    _, inp, hp, hr = _boundary(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters,
+                               cooperative, None, out, h_post, h_res)
+    return inp, hp, hr
+
+
+def mhc_update_read_triton(
+    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: Any,
+    norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS,
+    streams_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+    h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,
+    cooperative: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x', input, H_post', H_res')``: the producer's update ``x' = H_res x + H_post^T y`` and this
+    stage's read of the rounded ``x'``, in one launch (``mhc_update_read_ref``)."""
+    streams, inp, hp, hr = _boundary(x, y, h_post, h_res, params, norm_weight, norm_eps, norm_offset, iters,
+                                     cooperative, streams_out, out, h_post_out, h_res_out)
+    assert streams is not None
+    return streams, inp, hp, hr
+
+
+def mhc_update_triton(
+    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``x' = H_res x + H_post^T y`` in FP32, rounded once to the streams' dtype (``mhc_update_ref``
+    with streams)."""
+    t, n, c = _check_streams(x)
+    _check_update(x, y, h_post, h_res)
+    h_post, h_res = h_post.contiguous(), h_res.contiguous()
+    out = _dest(out, (t, n, c), x.dtype, x, "out")
+    if torch.compiler.is_compiling():
+        torch.ops.layer_boundary_mhc.update(x, y, h_post, h_res, out)
+    else:
+        _launch_update(mhc_update_kernel, x, y, h_post, h_res, out)
+    return out
