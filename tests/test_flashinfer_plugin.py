@@ -41,6 +41,20 @@ PLUGIN_SRC = pathlib.Path(fi_hooks.__file__).parent
 EPS = 1e-6
 
 
+@pytest.fixture(autouse=True)
+def fusion_opted_in(monkeypatch):
+    """The fused candidate is opt-in until verified on GPUs; these tests exercise it."""
+    monkeypatch.setenv(fi_fusion.FUSION_ENV, "1")
+
+
+def test_the_fused_candidate_is_off_unless_opted_in(monkeypatch, fi):
+    monkeypatch.delenv(fi_fusion.FUSION_ENV)
+    assert FlashInferAllReduceNorm().local_refusal(_fused()) == fi_fusion.UNVERIFIED
+    assert FlashInferAllReduceNorm(enabled=True).local_refusal(_fused()) != fi_fusion.UNVERIFIED
+    monkeypatch.setenv(fi_fusion.FUSION_ENV, "yes")
+    assert FlashInferAllReduceNorm().enabled
+
+
 @pytest.fixture
 def fi(monkeypatch):
     """The FlashInfer test double in ``sys.modules`` for this test."""
@@ -409,7 +423,9 @@ TOL = {"bfloat16": 1.6e-2, "float16": 2e-3, "float32": 1e-5}
 
 @pytest.fixture(scope="module")
 def gloo2() -> list[dict]:
-    return spawn(flashinfer_cases.gloo_cases, 2, args=(GLOO_CASES,), timeout_s=240)
+    with pytest.MonkeyPatch.context() as mp:  # the spawned ranks inherit the opt-in
+        mp.setenv(fi_fusion.FUSION_ENV, "1")
+        return spawn(flashinfer_cases.gloo_cases, 2, args=(GLOO_CASES,), timeout_s=240)
 
 
 def test_model_fuses_every_owed_sum_and_gives_the_unfused_logits(gloo2):
