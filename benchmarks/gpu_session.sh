@@ -44,6 +44,9 @@ from flashinfer.jit.comm import gen_trtllm_comm_module; gen_trtllm_comm_module()
   tail -3 "$OUT"/stage1-*.log; tail -5 "$OUT/bench-norm.log"; tail -3 /tmp/fi_jit.log
   ;;
 2)
+  # FlashInfer's fused candidate is opt-in until verified; spawned ranks dump their stacks if a
+  # run stops making progress (the first attempt, 2026-11-30, stopped without a trace).
+  export LAYER_BOUNDARY_FLASHINFER_FUSION=1 LAYER_BOUNDARY_HANG_DUMP_S=120
   for _ in $(seq 200); do [ -f /tmp/fi_comm_done ] && break; sleep 2; done
   tail -3 /tmp/fi_jit.log
   pt 300 -m gpu tests/test_flashinfer_plugin.py tests/test_vendor_conformance.py > "$OUT/stage2-flashinfer.log" 2>&1

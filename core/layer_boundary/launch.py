@@ -52,6 +52,13 @@ def _worker(rank: int, world_size: int, backend: str, store_path: str, timeout_s
             fn: Callable[..., Any], args: Sequence[Any], results: Any) -> None:
     try:
         torch.set_num_threads(1)  # N ranks share the host's cores
+        hang_dump = os.environ.get("LAYER_BOUNDARY_HANG_DUMP_S")
+        if hang_dump:
+            # Diagnosing a rank that stops making progress: its stacks go to stderr after that
+            # many seconds (and every as many again), where a parent's timeout would leave nothing.
+            import faulthandler
+
+            faulthandler.dump_traceback_later(float(hang_dump), repeat=True)
         init_rank(rank, world_size, backend, store_path, timeout_s)
         out = fn(rank, world_size, *args)
         try:
