@@ -83,6 +83,8 @@ class KernelSelection:
         if dtype not in _DTYPES:
             return (f"{str(dtype).replace('torch.', '')} streams are not supported (bf16, fp16, fp32): "
                     "FP32 accumulation would round them")
+        if self.ops is None:
+            return "no CUDA device was visible when the model was built, so the Triton kernels were not loaded"
         return None
 
     def reason(self, device_type: str, dtype: torch.dtype) -> str:
@@ -99,7 +101,8 @@ class KernelSelection:
                 f"{self.why_not(x.device.type, x.dtype)}; use kernels='auto' to fall back to the torch reference")
 
     def __repr__(self) -> str:
-        state = "unavailable: " + self.refused if self.refused else f"triton on {self.device_type}"
+        state = ("unavailable: " + self.refused if self.refused else
+                 f"triton on {self.device_type}" if self.ops is not None else "triton not loaded")
         return f"KernelSelection({self.mode}, {state})"
 
 

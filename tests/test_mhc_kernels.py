@@ -1,0 +1,361 @@
+"""The MHC plugin's Triton kernels (``layer_boundary_mhc.triton_ops``): selection and its reasons
+on every machine, the kernel logic under Triton's interpreter on CPU (a subprocess, see
+mhc_interpreter_cases.py), a compile for sm_90 without a GPU (mhc_sm90.py: compile errors,
+16-byte accesses, tensor-core projection, no spills), and on a GPU: eager against the torch
+reference, cooperative against two launches, CUDA-graph replay, ``torch.compile`` and a model.
+
+Tolerances are ``triton_ops.TOLERANCE``, per stream dtype and output:
+
+| output        | float32    | bfloat16              | float16                | why |
+| ------------- | ---------- | --------------------- | ---------------------- | --- |
+| streams x'    | 1e-5       | rtol 2^-7, atol 1e-5  | rtol 2^-10, atol 1e-5  | one rounding of an FP32 sum taken in another order: one ulp |
+| coefficients  | 2e-5       | 2e-5                  | 2e-5                   | FP32 statistics; projection as two TF32 products; approximate division in 20 Sinkhorn steps |
+| input         | 2e-5       | 1.6e-2                | 2e-3                   | the final rounding may land on the neighbouring value |
+
+The read is compared against the reference read of the kernel's own streams (a stream value
+rounded the other way would blur the comparison), and end to end against the whole reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+mhc = pytest.importorskip("layer_boundary_mhc", reason="the MHC plugin is not installed (pip install -e plugins/mhc)")
+
+from helpers import make_norm  # noqa: E402
+
+from layer_boundary_mhc import MhcSemantics, MhcStageParams  # noqa: E402
+from layer_boundary_mhc.read import MhcReadSpec  # noqa: E402
+from layer_boundary_mhc.reference import mhc_read_ref, mhc_update_read_ref, mhc_update_ref  # noqa: E402
+from layer_boundary_mhc.selection import select_kernels  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+EPS = 1e-6
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+
+
+# -- every machine: selection and its reasons --------------------------------------------------------
+
+
+def _read(kernels: str = "auto", n: int = 4, norm=None):
+    return MhcReadSpec(MhcStageParams(n, 16), 20, kernels).bind(norm if norm is not None else make_norm(16, BF16))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reasons given where no GPU is visible")
+def test_without_a_gpu_the_torch_reference_runs_and_says_why():
+    read = _read()
+    assert not read.kernels.serves(torch.zeros(2, 4, 16, dtype=BF16))
+    assert read.kernels.reason("cpu", BF16) == "torch reference: the Triton kernels run on cuda devices only, not cpu"
+    if HAS_TRITON:
+        assert read.kernels.reason("cuda", BF16) == (
+            "torch reference: no CUDA device was visible when the model was built, so the Triton kernels were "
+            "not loaded")
+    with pytest.raises(ValueError, match="kernels='triton'.*needs a CUDA device|triton is not installed"):
+        _read("triton")
+
+
+def test_refusals_that_hold_on_every_device():
+    assert _read("torch").kernels.reason("cuda", BF16) == "torch reference: kernels='torch' asks for the torch reference"
+    assert _read(n=9).kernels.reason("cuda", BF16) == "torch reference: the Triton kernels take at most 8 streams, not 9"
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    assert _read(norm=Scale()).kernels.reason("cuda", BF16) == (
+        "torch reference: the stage norm Scale is not an RMSNorm (weight, eps): the fused read applies the "
+        "norm itself")
+    with pytest.raises(ValueError, match="at most 8 streams"):
+        _read("triton", n=9)
+    with pytest.raises(ValueError, match=r"kernels='bogus'\): choose one of \('auto', 'triton', 'torch'\)"):
+        MhcSemantics(kernels="bogus")
+    with pytest.raises(ValueError, match="choose one of"):
+        select_kernels("bogus", 4, "rmsnorm")
+
+
+def test_float64_streams_stay_on_the_reference():
+    sel = select_kernels("auto", 4, "rmsnorm")
+    assert not sel.serves(torch.zeros(1, 4, 8, dtype=torch.float64))
+    why = sel.why_not(sel.device_type, torch.float64)
+    assert why == "float64 streams are not supported (bf16, fp16, fp32): FP32 accumulation would round them"
+
+
+def test_describe_names_the_kernels():
+    text = MhcSemantics().describe()
+    assert text.startswith("mhc: 4 streams, Sinkhorn 20 iterations, exit mean, FP32 coefficients, kernels auto")
+    assert "Triton on CUDA" in text or "triton is not installed" in text
+    assert MhcSemantics(kernels="torch").describe().endswith("kernels torch (the reference)")
+
+
+def test_the_torch_path_is_the_reference():
+    """On the reference the read and the update are the functional references (one definition)."""
+    p = MhcStageParams(4, 16)
+    p.init_random(torch.Generator().manual_seed(0))
+    norm = make_norm(16, BF16)
+    read = MhcReadSpec(p, 20, "torch").bind(norm)
+    x = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(1)).to(BF16)
+    inp, up = read.read(x)
+    want = mhc_read_ref(x, p, norm.weight, norm.eps)
+    assert torch.equal(inp, want[0]) and torch.equal(up.h_post, want[1]) and torch.equal(up.h_res, want[2])
+    y = torch.randn(3, 16).to(BF16)
+    assert torch.equal(up.apply(x, y), mhc_update_ref(x, y, up.h_post, up.h_res))
+
+
+@needs_triton
+def test_launch_shapes_are_cached_and_cover_the_row():
+    from layer_boundary_mhc import triton_mhc as tm
+
+    for tokens, bt in ((1, 16), (16, 16), (17, 32), (1024, 32), (1025, 64), (32768, 64)):
+        cfg = tm.boundary_config(tokens, 4, 4096, 2)
+        assert cfg.block_tokens == bt and cfg is tm.boundary_config(tokens, 4, 4096, 2)
+        assert cfg.slices * cfg.slice_cols >= 4096 > (cfg.slices - 1) * cfg.slice_cols
+        assert cfg.finishers * cfg.finish_tokens == bt and cfg.slice_cols % cfg.block_cols == 0
+    cfg = tm.boundary_config(1, 4, 4096, 2)
+    assert cfg.grid(1, tm.COOPERATIVE) == 2 * (cfg.slices + cfg.finishers)  # one block, lag 1
+    big = tm.boundary_config(8192, 4, 4096, 2)
+    assert big.grid(8192, tm.COOPERATIVE) == (128 + big.lag) * (big.slices + big.finishers)
+    assert big.grid(8192, tm.STREAM_PASS) == 128 * big.slices and big.grid(8192, tm.FINISH) == 128 * big.finishers
+    assert not big.chunked and tm.boundary_config(8192, 4, 20000, 2).chunked
+    assert tm.coefficient_columns(4) == (24, 32) and tm.coefficient_columns(2) == (8, 16)
+    assert tm.coefficient_columns(8) == (80, 128)
+
+
+@needs_triton
+def test_kernels_under_the_triton_interpreter():
+    """The kernel logic on CPU tensors. TRITON_INTERPRET must be set before the kernels are
+    defined, and this session's GPU tests need them compiled: hence a subprocess."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "mhc_interpreter_cases.py")]
+    proc = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"interpreter cases failed:\n{out[-8000:]}"
+    assert " passed" in out and "skipped" not in out.splitlines()[-1], out[-2000:]
+
+
+# -- sm_90 compile, no GPU needed ---------------------------------------------------------------------
+
+
+def _record(t: int, update: bool, cooperative: bool = True, n: int = 4, c: int = 4096, dtype=BF16):
+    from layer_boundary_mhc import triton_mhc as tm
+    from layer_boundary_mhc import triton_ops as ops
+    from mhc_sm90 import Recorder
+
+    p = MhcStageParams(n, c).requires_grad_(False)
+    x, y, w = torch.empty(t, n, c, dtype=dtype), torch.empty(t, c, dtype=dtype), torch.empty(c, dtype=dtype)
+    h_post, h_res = torch.empty(t, n), torch.empty(t, n, n)
+    rec = Recorder(tm.mhc_boundary_kernel)
+    ops._launch_boundary(rec, x, y if update else None, h_post if update else None, h_res if update else None,
+                         torch.empty_like(x) if update else None, p.phi, p.alpha, p.b_pre, p.b_post, p.b_res, w,
+                         torch.empty(t, c, dtype=dtype), torch.empty(t, n), torch.empty(t, n, n), EPS, EPS, 0.0, 20,
+                         cooperative)
+    return rec
+
+
+@needs_triton
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_with_wide_accesses_and_no_spills():
+    """The cooperative kernel at a decode and a prefill size, and the update alone, compiled for
+    Hopper: loads of streams, outputs and phi are 16-byte vectors (ld.global.v4 or cp.async of
+    16 bytes), stores of x' and of the input too; the prefill projection runs on wgmma; the
+    finish acquires what the stream passes release; nothing spills at the prefill size."""
+    pytest.importorskip("triton.compiler")
+    from layer_boundary_mhc import triton_mhc as tm
+    from layer_boundary_mhc import triton_ops as ops
+    from mhc_sm90 import Recorder, compile_launches
+
+    if tm.INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1 is set: the kernels are interpreted, not compiled")
+    try:
+        decode, prefill = (compile_launches(_record(t, update=True))[0] for t in (1, 8192))
+    except AttributeError as e:  # the binder and _pack_args are Triton internals
+        pytest.skip(f"this Triton's JIT internals differ ({e}); the GPU tests compile the kernels")
+    wide_load = r"ld\.global(?:\.cg)?\.v4|cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10"
+    for k in (decode, prefill):
+        assert k.count(wide_load) >= 5, "streams and phi are not loaded as 16-byte vectors"
+        assert k.count(r"st\.global\.v4\.b32") >= 2, "x' and the input are not stored as 16-byte vectors"
+        assert k.count(r"atom\.global\.gpu\.release") == 1 and k.count(r"ld\.global\.gpu\.acquire") == 1
+        assert k.count(r"atom\.global\.gpu\.acq_rel\.add") == 1  # the ticket
+    assert prefill.count(r"wgmma\.mma_async") > 0, "the projection is not on Hopper tensor cores"
+    assert decode.count(r"\bmma\.sync") > 0
+    assert prefill.spill_bytes == 0, f"{prefill.spill_bytes} bytes of register spills"
+    assert prefill.shared <= 200 * 1024
+    rec = Recorder(tm.mhc_update_kernel)
+    t, n, c = 64, 4, 4096
+    x = torch.empty(t, n, c, dtype=BF16)
+    ops._launch_update(rec, x, torch.empty(t, c, dtype=BF16), torch.empty(t, n), torch.empty(t, n, n),
+                       torch.empty_like(x))
+    (update,) = compile_launches(rec)
+    assert update.count(r"ld\.global\.v4\.b32") >= 5 and update.count(r"st\.global\.v4\.b32") >= 4
+    assert update.spill_bytes == 0
+
+
+# -- GPU ----------------------------------------------------------------------------------------------
+
+
+def _ops():
+    from layer_boundary_mhc import triton_ops
+
+    return triton_ops
+
+
+def _params(n: int, c: int, seed: int = 0) -> MhcStageParams:
+    p = MhcStageParams(n, c)
+    p.init_random(torch.Generator().manual_seed(seed))
+    return p.requires_grad_(False).cuda()
+
+
+def _inputs(t: int, n: int, c: int, dtype, seed: int = 1, stride: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, n, c + stride, generator=g) * 2).to(dtype).cuda()[:, :, :c]
+    y = torch.randn(t, c, generator=g).to(dtype).cuda()
+    w = (torch.rand(c, generator=g) + 0.5).to(dtype).cuda()
+    h_post = (2 * torch.rand(t, n, generator=g)).cuda()
+    h_res = torch.softmax(2 * torch.randn(t, n, n, generator=g), dim=-1).cuda()
+    return x, y, w, h_post, h_res
+
+
+def _close(got, want, dtype, what, where=""):
+    atol, rtol = _ops().TOLERANCE[dtype][what]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{where} {what}: {m}")
+
+
+GPU_CASES = [(t, 4, c, BF16) for t in (1, 3, 17, 128, 1024) for c in (1000, 4096, 7168)]
+GPU_CASES += [(t, n, c, d) for d in (FP16, FP32) for (t, n, c) in ((1, 4, 4096), (33, 4, 4097), (200, 2, 129),
+                                                                    (64, 8, 512), (5, 1, 7), (300, 3, 20000))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,n,c,dtype", GPU_CASES, ids=str)
+def test_gpu_eager_matches_the_reference(t, n, c, dtype):
+    ops = _ops()
+    x, y, w, hp, hr = _inputs(t, n, c, dtype, stride=3 if t == 17 else 0)
+    p = _params(n, c)
+    where = f"T={t} n={n} C={c} {dtype}"
+    offset = float(t % 2)
+    got = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, norm_offset=offset)
+    _close(got[0], mhc_update_ref(x, y, hp, hr), dtype, "streams", where)
+    want = mhc_read_ref(got[0], p, w, EPS, norm_offset=offset)
+    _close(got[1], want[0], dtype, "input", where)
+    _close(got[2], want[1], dtype, "coefficients", where)
+    _close(got[3], want[2], dtype, "coefficients", where)
+    ref = mhc_update_read_ref(x, y, hp, hr, p, w, EPS, norm_offset=offset)
+    _close(got[1], ref[1], dtype, "input", where + " end to end")
+    two = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, norm_offset=offset, cooperative=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, two)), f"{where}: cooperative != two launches"
+    read = ops.mhc_read_triton(x, p, w, EPS, norm_offset=offset)
+    want = mhc_read_ref(x, p, w, EPS, norm_offset=offset)
+    for g, e, what in zip(read, want, ("input", "coefficients", "coefficients")):
+        _close(g, e, dtype, what, where + " read")
+    _close(ops.mhc_update_triton(x, y, hp, hr), mhc_update_ref(x, y, hp, hr), dtype, "streams", where + " update")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,c", [(8192, 4096), (32768, 4096), (8192, 7168)], ids=str)
+def test_gpu_prefill_sizes_match_the_reference(t, c):
+    ops = _ops()
+    x, y, w, hp, hr = _inputs(t, 4, c, BF16, seed=t)
+    p = _params(4, c, seed=2)
+    got = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS)
+    _close(got[0], mhc_update_ref(x, y, hp, hr), BF16, "streams", f"T={t}")
+    want = mhc_read_ref(got[0], p, w, EPS)
+    for g, e, what in zip(got[1:], want, ("input", "coefficients", "coefficients")):
+        _close(g, e, BF16, what, f"T={t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lag,slice_cols", [(1, 32), (8, 128), (64, 64)], ids=str)
+def test_gpu_cooperative_ordering_under_pressure(monkeypatch, lag, slice_cols):
+    """Many narrow slices and short or long lags: finishes that wait on their stream passes, and
+    x' that has left L2, give the two-launch result bitwise."""
+    from layer_boundary_mhc import triton_mhc as tm
+
+    monkeypatch.setattr(tm, "LAG", lag)
+    monkeypatch.setattr(tm, "SLICE_COLS", slice_cols)
+    monkeypatch.setattr(tm, "_CONFIGS", {})
+    ops = _ops()
+    x, y, w, hp, hr = _inputs(4099, 4, 2048, BF16, seed=lag)
+    p = _params(4, 2048, seed=3)
+    for _ in range(3):
+        coop = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS)
+        two = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
+        assert all(torch.equal(a, b) for a, b in zip(coop, two))
+
+
+def _step(x, y, hp, hr, p, w):
+    ops = _ops()
+    streams, inp, h_post, h_res = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS)
+    inp2, h_post2, h_res2 = ops.mhc_read_triton(streams, p, w, EPS, norm_offset=1.0)
+    return streams, inp, inp2, ops.mhc_update_triton(streams, inp2, h_post2, h_res2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [16, 2048])
+def test_gpu_cuda_graph_replay_equals_eager(t):
+    """Captured (the workspace and the zeroed ticket counters are graph allocations and memsets),
+    outputs poisoned, replayed: bitwise the eager result."""
+    x, y, w, hp, hr = _inputs(t, 4, 4096, BF16, seed=7)
+    p = _params(4, 4096, seed=8)
+    want = _step(x, y, hp, hr, p, w)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _step(x, y, hp, hr, p, w)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = _step(x, y, hp, hr, p, w)
+    for _ in range(2):
+        for o in outs:
+            o.view(torch.uint8).fill_(0xFF)  # NaN in bf16
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(g, e) for g, e in zip(outs, want))
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_fullgraph_matches_eager():
+    """Dynamo sends the wrappers to the layer_boundary_mhc operators and Inductor inlines the
+    kernels; two token counts (the second recompiles with a dynamic T)."""
+    torch._dynamo.reset()
+    p = _params(4, 4096, seed=9)
+    compiled = torch.compile(lambda x, y, hp, hr, w: _step(x, y, hp, hr, p, w), fullgraph=True)
+    for t in (64, 200):
+        x, y, w, hp, hr = _inputs(t, 4, 4096, BF16, seed=t)
+        want = _step(x, y, hp, hr, p, w)
+        got = compiled(x, y, hp, hr, w)
+        for g, e, what in zip(got, want, ("streams", "input", "input", "streams")):
+            _close(g, e, BF16, what, f"compiled T={t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_gpu_model_selects_triton_and_matches_the_torch_reference(dtype):
+    from layer_boundary import ForwardBatch
+    from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+
+    def model(kernels: str) -> Qwen3ForCausalLM:
+        m = Qwen3ForCausalLM(small_random_config(), dtype=dtype, residual=MhcSemantics(kernels=kernels, seed=3))
+        init_random_weights(m, seed=0)
+        return m.eval().requires_grad_(False).cuda()
+
+    fast, ref = model("triton"), model("torch")
+    read = fast.model.layers[0].attn_boundary.plan.read
+    assert read.kernels.reason("cuda", dtype).startswith("triton: ")
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3]).cuda()
+    pos = torch.arange(10).cuda()
+    with torch.inference_mode():
+        got = fast(ids, pos, ForwardBatch(num_tokens=10, positions=pos))
+        want = ref(ids, pos, ForwardBatch(num_tokens=10, positions=pos))
+    tol = dict(atol=1e-3, rtol=1e-3) if dtype == FP32 else dict(atol=0.25, rtol=0.05)  # logits ~10
+    torch.testing.assert_close(got, want, **tol)
+    with pytest.raises(ValueError, match=r"kernels='triton'\) cannot run the Triton kernels on these streams"):
+        read.read(torch.zeros(2, 4, read.params.hidden_size, dtype=dtype))  # CPU streams
