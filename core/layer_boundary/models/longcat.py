@@ -39,11 +39,10 @@ from torch import nn
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
 from layer_boundary.adapters.branch import branch_output, merge_branch
 from layer_boundary.models.config import Qwen3Config, small_random_config
-from layer_boundary.models.layers import ParallelLMHead, RotaryEmbedding, VocabParallelEmbedding
+from layer_boundary.models.layers import RotaryEmbedding
 from layer_boundary.models.moe import SparseMoeBlock
-from layer_boundary.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model, pp_layer_range
+from layer_boundary.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 from layer_boundary.norms import RMSNorm
-from layer_boundary.residual import batch as residual_batch
 from layer_boundary.topology import Topology
 
 __all__ = [
@@ -172,28 +171,14 @@ class LongcatModel(Qwen3Model):
     """Embedding, LongCat-style layers, final norm; the forward (pipeline stages included) is
     :class:`Qwen3Model`'s. No two-batch-overlap schedule."""
 
+    tbo_overlap = None
+
     def __init__(self, config: LongcatConfig, context: BoundaryContext, *,
                  dtype: Optional[torch.dtype] = None, fusions: Any = None) -> None:
         nn.Module.__init__(self)  # the layers differ; the rest is built as Qwen3Model does
-        self.config = config
-        topology = self.topology = context.topology
-        pp = topology.pp
-        self.pp_first, self.pp_last = pp.rank == 0, pp.rank == pp.size - 1
-        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.size)
-        self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
-            if self.pp_first else None
-        )
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleList(
-            LongcatDecoderLayer(config, i, context, rotary_emb=self.rotary_emb, dtype=dtype, fusions=fusions)
-            for i in range(self.start_layer, self.end_layer)
-        )
-        self.norm = None
-        if self.pp_last:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-            residual_batch.bind_final_norm(self.norm, context=context)
-        self.tbo_plan = None
+        self._build(config, context, context.semantics("plain"), dtype,
+                    lambda i, rotary_emb: LongcatDecoderLayer(config, i, context, rotary_emb=rotary_emb,
+                                                              dtype=dtype, fusions=fusions))
 
 
 class LongcatForCausalLM(Qwen3ForCausalLM):
@@ -227,25 +212,8 @@ class LongcatForCausalLM(Qwen3ForCausalLM):
         if getattr(residual, "name", residual) != "plain":
             raise ValueError(f"the LongCat-style model has the plain residual only, not {residual!r}: "
                              "its two branches meet by addition")
-        owns_context = context is None
-        if context is None:
-            context = BoundaryContext(topology, architecture=config.model_type)
-        elif topology is not None and topology is not context.topology:
-            raise ValueError("give either topology= or context= (which has its own topology), not both")
-        self.config = config
-        self.topology = context.topology
-        self.context = context
-        self.residual = context.semantics("plain")
-        self.model = LongcatModel(config, context, dtype=dtype, fusions=fusions)
-        self.lm_head = (
-            ParallelLMHead(config.vocab_size, config.hidden_size, self.topology.attn_heads, dtype=dtype)
-            if self.model.pp_last else None
-        )
-        if config.tie_word_embeddings and self.model.pp_first and self.model.pp_last:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self._residual_prefixes = ()
-        if owns_context:
-            context.freeze()
+        self._build(config, topology, context, "plain", dtype=dtype, architecture=config.model_type,
+                    make_model=lambda context, _: LongcatModel(config, context, dtype=dtype, fusions=fusions))
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> "LongcatForCausalLM":  # type: ignore[override]

@@ -20,7 +20,7 @@ without them still load, and the scheme's own init fills them.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -197,14 +197,30 @@ class Qwen3DecoderLayer(nn.Module):
         residual: Optional[ResidualSemantics] = None,
     ) -> None:
         super().__init__()
+        self._build(config, layer_id, context, rotary_emb=rotary_emb, dtype=dtype, residual=residual)
+
+    def _build(
+        self,
+        config: Qwen3Config,
+        layer_id: int,
+        context: BoundaryContext,
+        *,
+        rotary_emb: Optional[RotaryEmbedding],
+        dtype: Optional[torch.dtype],
+        residual: Optional[ResidualSemantics],
+        options: Optional[dict[str, Any]] = None,
+    ) -> None:
+        """The layer's modules and stages; a subclass (the MoE layer) swaps only the FFN block
+        (``_make_ffn``) and its declaration (``_ffn_declaration``). ``options``: given to both stages."""
         self.layer_id = layer_id
         if residual is None:
             residual = context.semantics("plain")
         if rotary_emb is None:
             rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        options = options or {}
         topology = context.topology
         self.self_attn = Qwen3Attention(config, topology.attn_heads, rotary_emb, dtype=dtype)
-        self.mlp = Qwen3MLP(config, topology.tp, dtype=dtype)
+        self.mlp = self._make_ffn(config, layer_id, topology, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         attn_res = residual.stage(config.hidden_size, dtype=dtype)
@@ -214,13 +230,23 @@ class Qwen3DecoderLayer(nn.Module):
         if ffn_res.params is not None:
             self.ffn_residual = ffn_res.params
         self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(update=attn_res.update, read=attn_res.read), self.input_layernorm),
-            (declare_ffn(update=ffn_res.update, read=ffn_res.read), self.post_attention_layernorm),
-            # The previous layer's FFN is declared like this layer's: same scheme, same update.
-            previous=declare_ffn(update=ffn_res.update) if layer_id != 0 else None,
+            (declare_attn(update=attn_res.update, read=attn_res.read), self.input_layernorm, options),
+            (self._ffn_declaration(config, layer_id, ffn_res.update, ffn_res.read),
+             self.post_attention_layernorm, options),
+            # The previous layer's FFN is declared as that layer declares it (same scheme, same
+            # update, same sparsity), so both neighbours describe the same edge.
+            previous=self._ffn_declaration(config, layer_id - 1, ffn_res.update) if layer_id != 0 else None,
             terminal=layer_id == config.num_hidden_layers - 1,
             context=context,
         )
+
+    def _make_ffn(self, config: Qwen3Config, layer_id: int, topology: Topology,
+                  dtype: Optional[torch.dtype]) -> nn.Module:
+        return Qwen3MLP(config, topology.tp, dtype=dtype)
+
+    @staticmethod
+    def _ffn_declaration(config: Qwen3Config, layer_id: int, update: Any = None, read: Any = None) -> Any:
+        return declare_ffn(update=update, read=read)
 
     def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
         hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
@@ -266,7 +292,7 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     # Layers that run as two microbatches under two-batch overlap: every layer of a dense stack
     # (see layer_boundary.adapters.tbo.plan_overlap).
-    tbo_overlap = "all"
+    tbo_overlap: Optional[str] = "all"
 
     def __init__(
         self,
@@ -277,9 +303,23 @@ class Qwen3Model(nn.Module):
         residual: Optional[ResidualSemantics] = None,
     ) -> None:
         super().__init__()
-        self.config = config
         if residual is None:
             residual = context.semantics("plain")
+        self._build(config, context, residual, dtype, lambda i, rotary_emb: Qwen3DecoderLayer(
+            config, i, context, rotary_emb=rotary_emb, dtype=dtype, residual=residual))
+
+    def _build(
+        self,
+        config: Qwen3Config,
+        context: BoundaryContext,
+        residual: ResidualSemantics,
+        dtype: Optional[torch.dtype],
+        make_layer: Callable[[int, RotaryEmbedding], nn.Module],
+    ) -> None:
+        """Everything but the layers, which ``make_layer(layer_id, rotary_emb)`` builds: the
+        decoders that differ only in their layers (MoE, LongCat) share the rest and the forward.
+        ``tbo_overlap = None``: layers without a two-batch-overlap schedule (no plan)."""
+        self.config = config
         topology = self.topology = context.topology
         pp = topology.pp
         # A pipeline stage holds layers [start_layer, end_layer) (local indices from 0), the
@@ -293,8 +333,7 @@ class Qwen3Model(nn.Module):
         # One cos/sin table shared by every layer.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, context, rotary_emb=self.rotary_emb, dtype=dtype, residual=residual)
-            for i in range(self.start_layer, self.end_layer)
+            make_layer(i, self.rotary_emb) for i in range(self.start_layer, self.end_layer)
         )
         self.norm = None
         if self.pp_last:
@@ -303,7 +342,7 @@ class Qwen3Model(nn.Module):
             if final.params is not None:
                 self.final_residual = final.params
             residual_batch.bind_final_norm(self.norm, context=context, read=final.read)
-        self.tbo_plan = plan_overlap(self.layers, overlap=self.tbo_overlap)
+        self.tbo_plan = plan_overlap(self.layers, overlap=self.tbo_overlap) if self.tbo_overlap else None
 
     def forward(
         self,
@@ -359,9 +398,27 @@ class Qwen3ForCausalLM(nn.Module):
         residual: Union[str, ResidualSemantics] = "plain",
     ) -> None:
         super().__init__()
+        self._build(config, topology, context, residual, dtype=dtype,
+                    make_model=lambda context, residual: Qwen3Model(config, context, dtype=dtype,
+                                                                    residual=residual))
+
+    def _build(
+        self,
+        config: Qwen3Config,
+        topology: Optional[Topology],
+        context: Optional[BoundaryContext],
+        residual: Union[str, ResidualSemantics],
+        *,
+        dtype: torch.dtype,
+        make_model: Callable[[BoundaryContext, ResidualSemantics], Qwen3Model],
+        architecture: Optional[str] = None,
+    ) -> None:
+        """The context, residual scheme, LM head and tied weights around the stack that
+        ``make_model(context, residual)`` builds (the part the MoE and LongCat decoders change).
+        ``architecture``: given to a context built here."""
         owns_context = context is None
         if context is None:
-            context = BoundaryContext(topology)
+            context = BoundaryContext(topology, architecture=architecture)
         elif topology is not None and topology is not context.topology:
             raise ValueError("give either topology= or context= (which has its own topology), not both")
         topology = context.topology
@@ -374,7 +431,7 @@ class Qwen3ForCausalLM(nn.Module):
                 f"residual scheme {getattr(self.residual, 'name', self.residual)!r} is not a plain "
                 "add; nonlinear updates are not supported across pipeline stages yet (use pp=1)"
             )
-        self.model = Qwen3Model(config, context, dtype=dtype, residual=self.residual)
+        self.model = make_model(context, self.residual)
         # The LM head lives on the last pipeline stage only.
         self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
                         if self.model.pp_last else None)

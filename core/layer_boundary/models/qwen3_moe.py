@@ -22,23 +22,12 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
-from layer_boundary.adapters.tbo import plan_overlap
-from layer_boundary.cp import context_parallel_split
+from layer_boundary import BoundaryContext, declare_ffn
 from layer_boundary.models.config import Qwen3MoeConfig
-from layer_boundary.models.layers import ParallelLMHead, RotaryEmbedding, VocabParallelEmbedding
+from layer_boundary.models.layers import RotaryEmbedding
 from layer_boundary.models.moe import SparseMoeBlock
-from layer_boundary.models.qwen3 import (
-    Qwen3Attention,
-    Qwen3DecoderLayer,
-    Qwen3ForCausalLM,
-    Qwen3MLP,
-    Qwen3Model,
-    pp_layer_range,
-)
-from layer_boundary.norms import RMSNorm
+from layer_boundary.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 from layer_boundary.providers import ResidualSemantics
-from layer_boundary.residual import batch as residual_batch
 from layer_boundary.topology import Topology
 
 __all__ = [
@@ -58,7 +47,10 @@ def ffn_declaration(config: Qwen3MoeConfig, layer_id: int, update: Any = None, r
                        update=update, read=read)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    """The dense layer (its forward included) with a sparse block on the layers
+    ``config.is_sparse`` names, declared ``sparse`` (see :func:`ffn_declaration`)."""
+
     def __init__(
         self,
         config: Qwen3MoeConfig,
@@ -70,58 +62,22 @@ class Qwen3MoeDecoderLayer(nn.Module):
         residual: Optional[ResidualSemantics] = None,
         fusions: Any = None,
     ) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        if residual is None:
-            residual = context.semantics("plain")
-        topology = context.topology
+        nn.Module.__init__(self)  # as Qwen3DecoderLayer, with the fusions given to its stages
         self.is_sparse = config.is_sparse(layer_id)
-        self.self_attn = Qwen3Attention(config, topology.attn_heads, rotary_emb, dtype=dtype)
-        self.mlp: nn.Module
-        if self.is_sparse:
-            self.mlp = SparseMoeBlock(
-                config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                config.moe_intermediate_size, topology.moe_out, renormalize=config.norm_topk_prob,
-                dtype=dtype,
-            )
-        else:
-            self.mlp = Qwen3MLP(config, topology.tp, dtype=dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        attn_res = residual.stage(config.hidden_size, dtype=dtype)
-        ffn_res = residual.stage(config.hidden_size, dtype=dtype)
-        if attn_res.params is not None:
-            self.attn_residual = attn_res.params
-        if ffn_res.params is not None:
-            self.ffn_residual = ffn_res.params
-        options = {"fusions": fusions} if fusions is not None else {}
-        self.attn_boundary, self.ffn_boundary = make_stages(
-            (declare_attn(update=attn_res.update, read=attn_res.read), self.input_layernorm, options),
-            (ffn_declaration(config, layer_id, ffn_res.update, ffn_res.read), self.post_attention_layernorm,
-             options),
-            previous=ffn_declaration(config, layer_id - 1, ffn_res.update) if layer_id != 0 else None,
-            terminal=layer_id == config.num_hidden_layers - 1,
-            context=context,
+        self._build(config, layer_id, context, rotary_emb=rotary_emb, dtype=dtype, residual=residual,
+                    options={"fusions": fusions} if fusions is not None else {})
+
+    def _make_ffn(self, config: Qwen3MoeConfig, layer_id: int, topology: Topology,  # type: ignore[override]
+                  dtype: Optional[torch.dtype]) -> nn.Module:
+        if not self.is_sparse:
+            return Qwen3MLP(config, topology.tp, dtype=dtype)
+        return SparseMoeBlock(
+            config.hidden_size, config.num_experts, config.num_experts_per_tok,
+            config.moe_intermediate_size, topology.moe_out, renormalize=config.norm_topk_prob,
+            dtype=dtype,
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
-        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
-        # A CP rank without tokens still joins the key/value gather of the others.
-        if hidden_states.shape[0] != 0 or context_parallel_split(forward_batch) is not None:
-            hidden_states = self.self_attn(
-                positions=positions,
-                hidden_states=hidden_states,
-                forward_batch=forward_batch,
-            )
-        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
-
-        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
-        with self.ffn_boundary.exit(forward_batch) as output:
-            hidden_states = self.mlp(hidden_states)
-        hidden_states = output.finish(hidden_states)
-        return hidden_states
-
-    forward_stages = Qwen3DecoderLayer.forward_stages
+    _ffn_declaration = staticmethod(ffn_declaration)
 
 
 class Qwen3MoeModel(Qwen3Model):
@@ -142,31 +98,10 @@ class Qwen3MoeModel(Qwen3Model):
         fusions: Any = None,
     ) -> None:
         nn.Module.__init__(self)  # the layers differ; everything else is built as Qwen3Model does
-        self.config = config
         if residual is None:
             residual = context.semantics("plain")
-        topology = self.topology = context.topology
-        pp = topology.pp
-        self.pp_first, self.pp_last = pp.rank == 0, pp.rank == pp.size - 1
-        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.size)
-        self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
-            if self.pp_first else None
-        )
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleList(
-            Qwen3MoeDecoderLayer(config, i, context, rotary_emb=self.rotary_emb, dtype=dtype,
-                                 residual=residual, fusions=fusions)
-            for i in range(self.start_layer, self.end_layer)
-        )
-        self.norm = None
-        if self.pp_last:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-            final = residual.exit(config.hidden_size, dtype=dtype)
-            if final.params is not None:
-                self.final_residual = final.params
-            residual_batch.bind_final_norm(self.norm, context=context, read=final.read)
-        self.tbo_plan = plan_overlap(self.layers, overlap=self.tbo_overlap)
+        self._build(config, context, residual, dtype, lambda i, rotary_emb: Qwen3MoeDecoderLayer(
+            config, i, context, rotary_emb=rotary_emb, dtype=dtype, residual=residual, fusions=fusions))
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -199,29 +134,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if not isinstance(config, Qwen3MoeConfig):
             raise TypeError(f"Qwen3MoeForCausalLM needs a Qwen3MoeConfig, got {type(config).__name__}; "
                             "a dense config builds Qwen3ForCausalLM")
-        owns_context = context is None
-        if context is None:
-            context = BoundaryContext(topology)
-        elif topology is not None and topology is not context.topology:
-            raise ValueError("give either topology= or context= (which has its own topology), not both")
-        topology = context.topology
-        self.config = config
-        self.topology = topology
-        self.context = context
-        self.residual = context.semantics(residual) if isinstance(residual, str) else residual
-        if topology.pp.size > 1 and getattr(self.residual, "name", None) != "plain":
-            raise ValueError(
-                f"residual scheme {getattr(self.residual, 'name', self.residual)!r} is not a plain "
-                "add; nonlinear updates are not supported across pipeline stages yet (use pp=1)"
-            )
-        self.model = Qwen3MoeModel(config, context, dtype=dtype, residual=self.residual, fusions=fusions)
-        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
-                        if self.model.pp_last else None)
-        if config.tie_word_embeddings and self.model.pp_first and self.model.pp_last:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self._residual_prefixes = tuple(name + "." for name, _ in self.residual_modules())
-        if owns_context:
-            context.freeze()
+        self._build(config, topology, context, residual, dtype=dtype,
+                    make_model=lambda context, residual: Qwen3MoeModel(config, context, dtype=dtype,
+                                                                       residual=residual, fusions=fusions))
 
     @classmethod
     def from_pretrained(  # type: ignore[override]
