@@ -275,8 +275,8 @@ def plain_forward(model: LongcatForCausalLM, input_ids: torch.Tensor, positions:
                   forward_batch: Any) -> torch.Tensor:
     """``logits [T, vocab]`` of ``model`` written out without boundaries (the layer formula in
     the module docstring, with the add+norm references); one pipeline stage, no attention DP."""
-    from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-    from layer_boundary.ops import all_reduce
+    from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
+    from layer_boundary.models.qwen3_plain import attention_half
 
     topo = model.topology
     if topo.attn_dp.size != 1 or topo.pp.size != 1:
@@ -288,17 +288,9 @@ def plain_forward(model: LongcatForCausalLM, input_ids: torch.Tensor, positions:
     for layer in m.layers:
         shortcut = None
         for j in range(2):
-            ln = layer.input_layernorm[j]
-            if residual is None:
-                residual = hidden_states
-                x = rmsnorm_ref(hidden_states, ln.weight, ln.eps)
-            else:
-                x, residual = fused_add_rmsnorm_ref(hidden_states, residual, ln.weight, ln.eps)
-            if x.shape[0] != 0:
-                x = layer.self_attn[j](positions, x, forward_batch)
-            hidden_states = all_reduce(x, topo.attn_heads)  # o_proj leaves its sum
-            ln = layer.post_attention_layernorm[j]
-            x, residual = fused_add_rmsnorm_ref(hidden_states, residual, ln.weight, ln.eps)
+            x, residual = attention_half(layer.self_attn[j], layer.input_layernorm[j],
+                                         layer.post_attention_layernorm[j], hidden_states, residual,
+                                         positions, forward_batch, topo.attn_heads)
             if j == 0:
                 shortcut = layer.mlp(x)  # no exit scope: the block sums its own output
             hidden_states = layer.mlps[j](x)

@@ -7,15 +7,34 @@ parallelism (rows that differ between TP ranks) needs the boundaries' row moveme
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
 from layer_boundary.models.qwen3 import Qwen3ForCausalLM
 from layer_boundary.ops import all_reduce
 
-__all__ = ["plain_forward"]
+__all__ = ["plain_forward", "attention_half"]
+
+
+def attention_half(
+    attn: nn.Module, input_norm: nn.Module, post_norm: nn.Module, hidden_states: torch.Tensor,
+    residual: Optional[torch.Tensor], positions: torch.Tensor, forward_batch: Any, group: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(post_norm(r'), r')`` with ``r = residual + hidden_states`` (``hidden_states`` at the
+    stack's entry) and ``r' = r + sum_group(attn(input_norm(r)))``: the input of the FFN after
+    ``attn``, and the residual it adds to."""
+    if residual is None:
+        residual = hidden_states
+        x = rmsnorm_ref(hidden_states, input_norm.weight, input_norm.eps)
+    else:
+        x, residual = fused_add_rmsnorm_ref(hidden_states, residual, input_norm.weight, input_norm.eps)
+    if x.shape[0] != 0:
+        x = attn(positions=positions, hidden_states=x, forward_batch=forward_batch)
+    hidden_states = all_reduce(x, group)  # o_proj leaves its sum (PARTIAL)
+    return fused_add_rmsnorm_ref(hidden_states, residual, post_norm.weight, post_norm.eps)
 
 
 def plain_forward(
@@ -37,17 +56,8 @@ def plain_forward(
     hidden_states = m.embed_tokens(input_ids)
     residual = None
     for layer in m.layers:
-        ln = layer.input_layernorm
-        if residual is None:
-            residual = hidden_states
-            x = rmsnorm_ref(hidden_states, ln.weight, ln.eps)
-        else:
-            x, residual = fused_add_rmsnorm_ref(hidden_states, residual, ln.weight, ln.eps)
-        if x.shape[0] != 0:
-            x = layer.self_attn(positions=positions, hidden_states=x, forward_batch=forward_batch)
-        hidden_states = all_reduce(x, attn_tp)  # o_proj leaves its sum (PARTIAL)
-        ln = layer.post_attention_layernorm
-        x, residual = fused_add_rmsnorm_ref(hidden_states, residual, ln.weight, ln.eps)
+        x, residual = attention_half(layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm,
+                                     hidden_states, residual, positions, forward_batch, attn_tp)
         hidden_states = layer.mlp(x)  # down_proj reduces: no exit scope publishes a skip
     if residual is None:
         x = rmsnorm_ref(hidden_states, m.norm.weight, m.norm.eps)
