@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from layer_boundary import (
+    ForwardBatch,
     GemmaRMSNorm,
     GroupInfo,
     HandoffOutput,
@@ -245,3 +246,56 @@ def two_layer(hidden: int, dtype: torch.dtype = torch.float64, *, topology: Any 
 def rand(*shape: int, seed: int = 0) -> torch.Tensor:
     """Seeded float64 normal data."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# --- tiny random transformers checkpoints (test_qwen3_transformers, test_moe_transformers) ----
+
+
+def randomize_hf(model: torch.nn.Module, seed: int) -> None:
+    """Unit-scale activations: weights ~ N(0, 1/fan_in) (fused 3-D expert tensors included;
+    router logits O(1), so tokens spread over the experts), the embedding ~ N(0, 1), biases
+    ~ N(0, 0.1^2); norm weights away from one, so a skipped weight shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def save_hf(folder: Any, config_cls: Any, model_cls: Any, kw: dict[str, Any], *, seed: int = 0,
+            rope_theta: float = 10_000.0, **save_kw: Any) -> Any:
+    """A tiny random transformers model (``model_cls(config_cls(**kw))``, SDPA attention)
+    saved to ``folder`` as safetensors; returns the transformers model."""
+    config = config_cls(**kw, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                        attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize_hf(model, seed)
+    model.save_pretrained(folder, safe_serialization=True, **save_kw)
+    return model
+
+
+def hf_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """A transformers model's FP32 logits ``[T, vocab]`` for one sequence ``ids [T]``."""
+    with torch.no_grad():
+        return model(ids[None]).logits[0].float()
+
+
+def our_logits(model: Any, ids: torch.Tensor, seq_lens: Any = None, *, forward: Any = None) -> torch.Tensor:
+    """Our model's logits for ``ids`` (one sequence, or packed ``seq_lens``);
+    ``forward(model, ids, positions, forward_batch)`` in place of ``model(...)`` (plain_forward)."""
+    if seq_lens is None:
+        positions = torch.arange(ids.shape[0])
+    else:
+        positions = torch.cat([torch.arange(n) for n in seq_lens])
+    fb = ForwardBatch(num_tokens=ids.shape[0], positions=positions, seq_lens=seq_lens)
+    with torch.no_grad():
+        if forward is not None:
+            return forward(model, ids, positions, fb)
+        return model(ids, positions, fb)

@@ -27,8 +27,9 @@ from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM  # noqa: E
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from helpers import hf_logits, our_logits, save_hf  # noqa: E402
+
 from layer_boundary.cli.main import main  # noqa: E402
-from layer_boundary.forward import ForwardBatch  # noqa: E402
 from layer_boundary.models.config import Qwen3MoeConfig, load_config  # noqa: E402
 from layer_boundary.models.loader import CheckpointMismatch  # noqa: E402
 from layer_boundary.models.moe import DeferFinalize  # noqa: E402
@@ -54,44 +55,9 @@ BASE = dict(
 )
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Unit-scale activations (weights ~ N(0, 1/fan_in), expert tensors included); norm weights
-    away from one; router logits O(1) so tokens spread over the experts."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            elif p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-
-
 def save_hf_moe(folder, seed: int = 0, **overrides) -> HFQwen3MoeForCausalLM:
     """A tiny random transformers Qwen3-MoE saved to ``folder``; returns the transformers model."""
-    kw = {**BASE, **overrides}
-    config = HFQwen3MoeConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-                              attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    model = HFQwen3MoeForCausalLM(config).eval()
-    _randomize(model, seed)
-    model.save_pretrained(folder, safe_serialization=True)
-    return model
-
-
-def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids[None]).logits[0].float()
-
-
-def _ours(model, ids: torch.Tensor, seq_lens=None) -> torch.Tensor:
-    positions = torch.arange(ids.shape[0]) if seq_lens is None else torch.cat([torch.arange(n) for n in seq_lens])
-    fb = ForwardBatch(num_tokens=ids.shape[0], positions=positions, seq_lens=seq_lens)
-    with torch.no_grad():
-        return model(ids, positions, fb)
+    return save_hf(folder, HFQwen3MoeConfig, HFQwen3MoeForCausalLM, {**BASE, **overrides}, seed=seed)
 
 
 def _ids(n: int, seed: int = 1) -> torch.Tensor:
@@ -127,7 +93,7 @@ def test_fp32_matches_transformers(tmp_path, overrides):
             assert layer.attn_boundary.declaration.previous.produces_like(ours.model.layers[i - 1].ffn_boundary.declaration)
     ids = _ids(11)
     ref = hf_logits(hf, ids)
-    got = _ours(ours, ids)
+    got = our_logits(ours, ids)
     assert got.shape == (11, BASE["vocab_size"]) and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=_bound(FP32_REL, ref), rtol=0)
 
@@ -151,9 +117,9 @@ def test_deferred_finalize_is_bitwise_the_same_and_runs_once_per_sparse_layer(tm
     monkeypatch.setattr(HandoffOutput, "__init__", counted_init)
     monkeypatch.setattr(HandoffOutput, "complete", counted_complete)
     ids = _ids(9)
-    want = _ours(plain, ids)
+    want = our_logits(plain, ids)
     assert made == []
-    got = _ours(deferring, ids)
+    got = our_logits(deferring, ids)
     # Layers 0 and 2 are sparse: each returned one handoff, completed exactly once (layer 0's by
     # layer 1's attention input, layer 2's, the terminal one, by the final norm).
     assert len(made) == 2 and completed == made
@@ -166,10 +132,10 @@ def test_packed_sequences_and_empty_batch(tmp_path):
     hf = save_hf_moe(tmp_path, norm_topk_prob=True)
     ours = Qwen3MoeForCausalLM.from_pretrained(tmp_path)
     a, b = _ids(6, seed=2), _ids(3, seed=3)
-    packed = _ours(ours, torch.cat([a, b]), seq_lens=(6, 3))
+    packed = our_logits(ours, torch.cat([a, b]), seq_lens=(6, 3))
     torch.testing.assert_close(packed[6:], hf_logits(hf, b), atol=_bound(FP32_REL, packed), rtol=0)
     torch.testing.assert_close(packed[:6], hf_logits(hf, a), atol=_bound(FP32_REL, packed), rtol=0)
-    empty = _ours(ours, torch.zeros(0, dtype=torch.long))
+    empty = our_logits(ours, torch.zeros(0, dtype=torch.long))
     assert empty.shape == (0, BASE["vocab_size"])
 
 
@@ -180,7 +146,7 @@ def test_bf16_close_to_transformers_bf16_and_fp32(tmp_path):
     hf16 = hf_logits(hf.to(torch.bfloat16), ids)
     ours = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
-    got = _ours(ours, ids)
+    got = our_logits(ours, ids)
     atol = BF16_REL * ref32.abs().max().item()
     torch.testing.assert_close(got, hf16, atol=atol, rtol=0)
     torch.testing.assert_close(got, ref32, atol=atol, rtol=0)

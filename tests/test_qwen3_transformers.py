@@ -32,6 +32,8 @@ from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM  # noqa: E402
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from helpers import hf_logits, our_logits, save_hf  # noqa: E402
+
 from layer_boundary.forward import ForwardBatch  # noqa: E402
 from layer_boundary.models import (  # noqa: E402
     CheckpointMismatch,
@@ -76,50 +78,15 @@ BASE = dict(
 )
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights at unit activation scale; norm weights away from one so a skipped weight shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
-            else:  # biases
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-
-
 def _save_hf(folder, seed: int = 0, max_shard_size=None, **overrides):
     kw = {**BASE, **overrides}
     theta = kw.pop("rope_theta", 10_000.0)
-    config = HFQwen3Config(
-        **kw, rope_parameters={"rope_type": "default", "rope_theta": theta}, attn_implementation="sdpa"
-    )
-    torch.manual_seed(seed)
-    model = HFQwen3ForCausalLM(config).eval()
-    _randomize(model, seed)
     extra = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(folder, safe_serialization=True, **extra)
-    return model
-
-
-def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids[None]).logits[0].float()
+    return save_hf(folder, HFQwen3Config, HFQwen3ForCausalLM, kw, seed=seed, rope_theta=theta, **extra)
 
 
 def _ours(model: Qwen3ForCausalLM, ids: torch.Tensor, seq_lens=None, plain: bool = False) -> torch.Tensor:
-    if seq_lens is None:
-        positions = torch.arange(ids.shape[0])
-    else:
-        positions = torch.cat([torch.arange(n) for n in seq_lens])
-    fb = ForwardBatch(num_tokens=ids.shape[0], positions=positions, seq_lens=seq_lens)
-    with torch.no_grad():
-        if plain:
-            return plain_forward(model, ids, positions, fb)
-        return model(ids, positions, fb)
+    return our_logits(model, ids, seq_lens, forward=plain_forward if plain else None)
 
 
 def _ids(n: int, seed: int = 1, vocab: int = BASE["vocab_size"]) -> torch.Tensor:
@@ -144,7 +111,7 @@ def test_fp32_matches_transformers(tmp_path, overrides):
     if ours.config.tie_word_embeddings:
         assert ours.lm_head.weight is ours.model.embed_tokens.weight
     ids = _ids(11)
-    ref = _hf_logits(hf, ids)
+    ref = hf_logits(hf, ids)
     got = _ours(ours, ids)
     assert got.shape == (11, BASE["vocab_size"]) and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=FP32_VS_HF, rtol=0)
@@ -157,7 +124,7 @@ def test_sharded_checkpoint(tmp_path):
     assert len(shards) > 3, "the checkpoint should really be sharded"
     ours = Qwen3ForCausalLM.from_pretrained(tmp_path)
     ids = _ids(6)
-    torch.testing.assert_close(_ours(ours, ids), _hf_logits(hf, ids), atol=FP32_VS_HF, rtol=0)
+    torch.testing.assert_close(_ours(ours, ids), hf_logits(hf, ids), atol=FP32_VS_HF, rtol=0)
 
 
 def test_packed_batch_equals_separate_sequences(tmp_path):
@@ -167,7 +134,7 @@ def test_packed_batch_equals_separate_sequences(tmp_path):
     packed = _ours(ours, torch.cat([a, b]), seq_lens=(7, 4))
     torch.testing.assert_close(packed[:7], _ours(ours, a), atol=PACKED_VS_SEPARATE, rtol=0)
     torch.testing.assert_close(packed[7:], _ours(ours, b), atol=PACKED_VS_SEPARATE, rtol=0)
-    torch.testing.assert_close(packed[7:], _hf_logits(hf, b), atol=FP32_VS_HF, rtol=0)
+    torch.testing.assert_close(packed[7:], hf_logits(hf, b), atol=FP32_VS_HF, rtol=0)
     # The mask really separates the sequences: the second one unmasked would see the first.
     unmasked = _ours(ours, torch.cat([a, b]), seq_lens=None)
     assert (unmasked[7:] - packed[7:]).abs().max() > 1e-2
@@ -179,7 +146,7 @@ def test_single_token(tmp_path):
     ids = _ids(1)
     got = _ours(ours, ids)
     assert got.shape == (1, BASE["vocab_size"])
-    torch.testing.assert_close(got, _hf_logits(hf, ids), atol=FP32_VS_HF, rtol=0)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=FP32_VS_HF, rtol=0)
 
 
 def test_empty_batch_still_runs_the_stack(tmp_path):
@@ -205,8 +172,8 @@ def test_plain_path_equals_boundary_path_bitwise(tmp_path, seq_lens):
 def test_bf16_close_to_transformers_bf16_and_fp32(tmp_path):
     hf = _save_hf(tmp_path, tie_word_embeddings=True)
     ids = _ids(13)
-    ref32 = _hf_logits(hf, ids)
-    hf16 = _hf_logits(hf.to(torch.bfloat16), ids)
+    ref32 = hf_logits(hf, ids)
+    hf16 = hf_logits(hf.to(torch.bfloat16), ids)
     ours = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
     got = _ours(ours, ids)
