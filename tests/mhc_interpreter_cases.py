@@ -253,3 +253,22 @@ def test_a_stack_on_mhc_runs_the_kernels_and_matches_the_torch_reference():
         got = fast(ids, torch.arange(7), ForwardBatch(num_tokens=7, positions=torch.arange(7)))
         want = ref(ids, torch.arange(7), ForwardBatch(num_tokens=7, positions=torch.arange(7)))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bench_methods_run_the_kernels_into_their_destinations():
+    """``bench mhc``'s Triton methods (checked once, then timed over destinations allocated once)
+    under the interpreter: the same numbers both ways, within tolerance of the reference."""
+    from layer_boundary.bench import mhc as bench
+    from layer_boundary_mhc import reference, triton_ops
+
+    inputs = bench._inputs(2, 4, 32, BF16, "cpu")
+    ref = {m.op: m for m in bench._reference_methods(reference, bench.OPS)}
+    methods = bench._triton_methods(triton_ops, bench.OPS, BF16)
+    assert [(m.op, m.name) for m in methods] == [
+        ("update+read", "triton"), ("update+read", "triton 2-launch"), ("read", "triton"),
+        ("read", "triton 2-launch"), ("update", "triton")]
+    for m in methods:
+        got = m.call(inputs)
+        assert bench._check(m, got, ref[m.op].call(inputs), BF16)[1] is True, m
+        again = bench._destinations(m, inputs)()
+        assert all(torch.equal(a, b) for a, b in zip(again, got)), m

@@ -141,6 +141,55 @@ def test_kernels_under_the_triton_interpreter():
     assert " passed" in out and "skipped" not in out.splitlines()[-1], out[-2000:]
 
 
+# -- layer-boundary bench mhc (the harness on CPU: the torch reference only) --------------------------
+
+
+def test_byte_model_is_80_kib_a_token_at_n4_h4096_bf16():
+    from layer_boundary.bench.mhc import bytes_moved
+
+    per_token = bytes_moved("update+read", 2, 4, 4096, 2) - bytes_moved("update+read", 1, 4, 4096, 2)
+    assert per_token == 80 * 1024 + 8 * 20  # streams and activations, plus FP32 coefficients in and out
+    assert bytes_moved("update+read", 0, 4, 4096, 2) == 4 * 4 * 4096 * 24 + 4096 * 2  # phi and the weight
+    assert bytes_moved("update", 1, 4, 4096, 2) == 9 * 4096 * 2 + 4 * 20
+
+
+def test_bench_mhc_on_cpu_end_to_end(tmp_path, capsys):
+    import json
+    import xml.etree.ElementTree as ET
+    from datetime import date
+
+    from layer_boundary.bench.mhc import bytes_moved
+    from layer_boundary.cli.main import main
+
+    out = tmp_path / "results"
+    assert main(["bench", "mhc", "--device", "cpu", "--tokens", "1", "3", "--hidden", "64", "--replays", "2",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "copy bandwidth" in text and "triton refuses cpu bfloat16 n=4: " in text
+    (json_file,) = out.glob(f"{date.today().isoformat()}-mhc-cpu-*.json")
+    doc = json.loads(json_file.read_text())
+    assert doc["bench"] == "mhc" and doc["streams"] == 4 and doc["copy"]["gbps"] > 0
+    assert {(r["op"], r["tokens"]) for r in doc["rows"]} == {(op, t) for op in ("update+read", "read", "update")
+                                                              for t in (1, 3)}
+    for r in doc["rows"]:
+        assert r["method"] == "torch reference" and r["check"] == "-" and r["speedup"] == 1.0
+        assert r["bytes"] == bytes_moved(r["op"], r["tokens"], 4, 64, 2)
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["us"] / 1e3) and r["pct_roofline"] > 0
+    assert doc["refused"][0]["method"] == "triton"
+    ET.parse(json_file.with_suffix(".svg"))
+
+
+def test_bench_mhc_says_when_the_plugin_is_missing_or_a_setting_is_wrong(monkeypatch, capsys, tmp_path):
+    from layer_boundary.bench import mhc as bench
+    from layer_boundary.cli.main import main
+
+    assert main(["bench", "mhc", "--device", "cpu", "--tune", "WARPS=4", "--out", str(tmp_path)]) == 2
+    assert "--tune 'WARPS=4': give NAME=VALUE with NAME one of BLOCK_TOKENS" in capsys.readouterr().err
+    monkeypatch.setattr(bench, "_plugin", lambda: None)
+    assert main(["bench", "mhc", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "needs the MHC plugin (distribution layer-boundary-mhc)" in capsys.readouterr().err
+
+
 # -- sm_90 compile, no GPU needed ---------------------------------------------------------------------
 
 

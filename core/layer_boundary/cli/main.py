@@ -181,6 +181,25 @@ def _add_gpu_benches(bsub: Any) -> None:
                      help="model width (default 4096; heads of 128, 4 query heads per kv head, FFN 3x)")
     dec.add_argument("--vocab", type=int, default=32768, help="vocabulary size (default 32768)")
 
+    mhc = bsub.add_parser(
+        "mhc", help="MHC residual kernels (layer-boundary-mhc): Triton vs the torch reference and the byte roofline",
+        description="The MHC plugin's kernels: the update fused with the next read, the read, and the update "
+        "alone, Triton against the plugin's torch reference; µs, GB/s from the byte model (n=4, H=4096, bf16: "
+        "80 KiB a token for update+read), % of the copy bandwidth measured in the same run, speedup over the "
+        "reference. Needs the plugin installed (exit 2 otherwise).",
+    )
+    _grid_options(mhc, tokens_help="token counts (default 1 16 128 1024 8192 32768)")
+    mhc.add_argument("--streams", type=int, default=4, metavar="N", help="residual streams n (default 4)")
+    mhc.add_argument("--ops", nargs="+", choices=("update+read", "read", "update"), default=None,
+                     help="which ops (default all three)")
+    mhc.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="cuda (CUDA-graph replay) or cpu (wall clock, the torch reference only; for testing)")
+    mhc.add_argument("--compile", action="store_true",
+                     help="also time torch.compile of the torch reference (one compile per op and width)")
+    mhc.add_argument("--tune", nargs="+", metavar="NAME=VALUE",
+                     help="launch-shape constants of layer_boundary_mhc.triton_mhc to try, e.g. LAG=8 "
+                     "SLICE_COLS=256 BLOCK_TOKENS=16,32,128")
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
@@ -211,6 +230,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..bench.decode import decode_command
 
         return decode_command(args)
+    if args.command == "bench" and args.bench == "mhc":
+        from ..bench.mhc import mhc_command
+
+        return mhc_command(args)
     raise AssertionError(args)
 
 

@@ -95,15 +95,17 @@ def _launch_boundary(
     blocks = cfg.blocks(tokens)
     part = torch.empty((blocks * cfg.block_tokens, cfg.slices, kp), dtype=torch.float32, device=x.device)
     update = y is not None
-    if not update:  # placeholders the kernel never touches
-        y, h_post, h_res, streams_out = x[:, 0], part, part, x
+    if update:
+        y_strides, so_strides = y.stride(), streams_out.stride()
+    else:  # placeholders the kernel never touches (an internal tensor: no caller's input aliases)
+        y, h_post, h_res, streams_out = part, part, part, part
+        y_strides, so_strides = (0, 0), (0, 0, 0)
     counters = torch.zeros(blocks + 1, dtype=torch.int32, device=x.device) if cooperative else part
     args = (
         x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res, norm_weight,
         out, h_post_out, h_res_out, part, counters,
         tokens, blocks, cfg.lag_for(tokens),
-        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
-        streams_out.stride(0), streams_out.stride(1), streams_out.stride(2),
+        x.stride(0), x.stride(1), x.stride(2), *y_strides, *so_strides,
         norm_weight.stride(0), out.stride(0), out.stride(1),
         eps, norm_eps, norm_offset,
     )

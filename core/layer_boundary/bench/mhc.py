@@ -1,0 +1,374 @@
+"""MHC residual kernels on one device: the MHC plugin's Triton kernels against its torch reference.
+
+Ops, for ``n`` streams ``x [T, n, C]``, a stage output ``y [T, C]`` and element size ``e``:
+
+=============  ======================================================================================
+``update+read`` the producer's update ``x' = H_res x + H_post^T y`` and the next stage's read of
+               ``x'`` (coefficients, Sinkhorn, combination and RMSNorm): post and pre fused, what a
+               boundary between two MHC stages runs
+``read``       the read alone (the stack entry, a written residual)
+``update``     the update alone (a stage whose streams are not read next)
+=============  ======================================================================================
+
+Bytes (the roofline's byte model): every stream and activation read or written once, the FP32
+coefficients in and out, and ``phi`` ([n C, n^2 + 2n] FP32) and the norm weight once a call::
+
+    update+read  T (2n + 2) C e + 8 T (n + n^2) + 4 n C (n^2 + 2n) + C e
+    read         T (n + 1) C e  + 4 T (n + n^2) + 4 n C (n^2 + 2n) + C e
+    update       T (2n + 1) C e + 4 T (n + n^2)
+
+At n = 4, C = 4096 in bf16 the first is 80 KiB a token (plus 1.5 MiB of ``phi`` a call). GB/s is
+that over the median time; ``% roof`` compares it with a large device-to-device copy measured in
+the same run (``timing.copy_bandwidth``), the bandwidth a memory-bound kernel reaches in
+practice; ``x ref`` is the speedup over the torch reference of the same op and shape.
+
+Methods: ``triton`` (the cooperative single launch), ``triton 2-launch`` (stream passes, then
+finishes: x' is re-read from HBM), ``torch reference`` (what the plugin runs off CUDA, and the
+meaning of the kernels) and, with ``--compile``, ``torch.compile`` of the reference. The MHC plugin
+is imported only here, when the benchmark runs: the core does not depend on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from . import report
+from .timing import TimingPlan, copy_bandwidth, cuda_unavailable, this_device, time_call
+
+__all__ = ["MHC_HIDDEN", "MHC_TOKENS", "OPS", "bytes_moved", "run_mhc", "mhc_command", "TUNABLE"]
+
+MHC_HIDDEN = (4096, 7168)
+MHC_TOKENS = (1, 16, 128, 1024, 8192, 32768)
+QUICK = {"cuda": ((1, 128, 8192), (4096,)), "cpu": ((1, 16), (256,))}
+OPS = ("update+read", "read", "update")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EPS = 1e-6
+COPY_BYTES = {"cuda": (1 << 30, 1 << 28), "cpu": (1 << 26, 1 << 24)}  # (full, quick)
+# Launch-shape constants of layer_boundary_mhc.triton_mhc that --tune may set.
+TUNABLE = ("BLOCK_TOKENS", "DECODE_TOKENS", "MID_TOKENS", "SLICE_COLS", "FINISH_TOKENS", "LAG")
+PLUGIN_MISSING = ("layer-boundary bench mhc needs the MHC plugin (distribution layer-boundary-mhc), which is not "
+                  "installed here: pip install -e plugins/mhc")
+
+# What each op returns, and the tolerance entry each output is checked with.
+OUTPUTS = {"update+read": ("streams", "input", "coefficients", "coefficients"),
+           "read": ("input", "coefficients", "coefficients"), "update": ("streams",)}
+
+
+def bytes_moved(op: str, tokens: int, n: int, hidden: int, itemsize: int) -> int:
+    """The byte model of the module docstring."""
+    coeff = 4 * tokens * (n + n * n)
+    fixed = 4 * n * hidden * (n * n + 2 * n) + hidden * itemsize
+    if op == "update+read":
+        return tokens * (2 * n + 2) * hidden * itemsize + 2 * coeff + fixed
+    if op == "read":
+        return tokens * (n + 1) * hidden * itemsize + coeff + fixed
+    return tokens * (2 * n + 1) * hidden * itemsize + coeff
+
+
+def _plugin() -> Optional[Any]:
+    try:
+        import layer_boundary_mhc  # noqa: F401
+        from layer_boundary_mhc import reference, selection
+    except ImportError:
+        return None
+    return reference, selection
+
+
+@dataclass
+class Inputs:
+    x: torch.Tensor
+    y: torch.Tensor
+    w: torch.Tensor
+    h_post: torch.Tensor
+    h_res: torch.Tensor
+    params: Any
+
+
+@dataclass(frozen=True)
+class MhcMethod:
+    """One way to run ``op``: ``call(inputs) -> outputs`` (``OUTPUTS[op]``). ``tolerance``: per
+    dtype and output kind, ``None`` for the reference itself."""
+
+    name: str
+    op: str
+    call: Callable[[Inputs], tuple[torch.Tensor, ...]]
+    tolerance: Optional[dict[str, tuple[float, float]]]
+
+
+def _inputs(tokens: int, n: int, hidden: int, dtype: torch.dtype, device: str) -> Inputs:
+    from layer_boundary_mhc import MhcStageParams
+
+    g = torch.Generator(device=device).manual_seed(tokens * 100003 + hidden)
+    x = torch.randn(tokens, n, hidden, generator=g, device=device).to(dtype)
+    y = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+    w = (1.0 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(dtype)
+    h_post = 2 * torch.rand(tokens, n, generator=g, device=device)
+    h_res = torch.softmax(torch.randn(tokens, n, n, generator=g, device=device), dim=-1)
+    params = MhcStageParams(n, hidden)
+    params.init_random(torch.Generator().manual_seed(hidden))
+    return Inputs(x, y, w, h_post, h_res, params.requires_grad_(False).to(device))
+
+
+def _reference_methods(reference: Any, ops: Sequence[str]) -> list[MhcMethod]:
+    calls = {
+        "update+read": lambda i: reference.mhc_update_read_ref(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS),
+        "read": lambda i: reference.mhc_read_ref(i.x, i.params, i.w, EPS),
+        "update": lambda i: (reference.mhc_update_ref(i.x, i.y, i.h_post, i.h_res),),
+    }
+    return [MhcMethod("torch reference", op, calls[op], None) for op in ops]
+
+
+def _compiled_methods(reference: Any, ops: Sequence[str], dtype: torch.dtype) -> list[MhcMethod]:
+    import torch._dynamo
+
+    from ..testing.tolerances import DEFAULT_TOLERANCE
+
+    tol = {k: DEFAULT_TOLERANCE[dtype] for k in ("streams", "input", "coefficients")}
+    # One compile per op and width; T is dynamic (the Sinkhorn loop unrolls into a large graph).
+    fns = {"update+read": torch.compile(reference.mhc_update_read_ref, dynamic=True),
+           "read": torch.compile(reference.mhc_read_ref, dynamic=True),
+           "update": torch.compile(reference.mhc_update_ref, dynamic=True)}
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    calls = {
+        "update+read": lambda i: fns["update+read"](i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS),
+        "read": lambda i: fns["read"](i.x, i.params, i.w, EPS),
+        "update": lambda i: (fns["update"](i.x, i.y, i.h_post, i.h_res),),
+    }
+    return [MhcMethod("torch.compile", op, calls[op], tol) for op in ops]
+
+
+def _triton_methods(ops_module: Any, ops: Sequence[str], dtype: torch.dtype) -> list[MhcMethod]:
+    tol = ops_module.TOLERANCE[dtype]
+    out: list[MhcMethod] = []
+    for op in ops:
+        if op == "update":
+            out.append(MhcMethod("triton", op, lambda i: (ops_module.mhc_update_triton(i.x, i.y, i.h_post, i.h_res),),
+                                 tol))
+            continue
+        for name, coop in (("triton", True), ("triton 2-launch", False)):
+            if op == "read":
+                def call(i: Inputs, coop: bool = coop) -> tuple[torch.Tensor, ...]:
+                    return ops_module.mhc_read_triton(i.x, i.params, i.w, EPS, cooperative=coop)
+            else:
+                def call(i: Inputs, coop: bool = coop) -> tuple[torch.Tensor, ...]:
+                    return ops_module.mhc_update_read_triton(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS,
+                                                             cooperative=coop)
+            out.append(MhcMethod(name, op, call, tol))
+    return out
+
+
+def _destinations(method: MhcMethod, i: Inputs) -> Callable[[], Any]:
+    """``method`` writing into destinations allocated once (no allocation a replay repeats beyond
+    the kernels' workspace) where it takes them; the reference allocates as it always does."""
+    if not method.name.startswith("triton"):
+        return lambda: method.call(i)
+    from layer_boundary_mhc import triton_ops as k
+
+    t, n, c = i.x.shape
+    streams = torch.empty_like(i.x)
+    out = i.x.new_empty((t, c))
+    h_post, h_res = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
+    coop = method.name == "triton"
+    if method.op == "update":
+        return lambda: (k.mhc_update_triton(i.x, i.y, i.h_post, i.h_res, out=streams),)
+    if method.op == "read":
+        return lambda: k.mhc_read_triton(i.x, i.params, i.w, EPS, out=out, h_post=h_post, h_res=h_res,
+                                         cooperative=coop)
+    return lambda: k.mhc_update_read_triton(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS, streams_out=streams,
+                                            out=out, h_post_out=h_post, h_res_out=h_res, cooperative=coop)
+
+
+def _check(method: MhcMethod, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor],
+           dtype: torch.dtype) -> tuple[float, Optional[bool]]:
+    err = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want)) if got[0].numel() else 0.0
+    if method.tolerance is None:
+        return err, None
+    ok = all(torch.allclose(g.float(), w.float(), atol=method.tolerance[kind][0], rtol=method.tolerance[kind][1])
+             for g, w, kind in zip(got, want, OUTPUTS[method.op]))
+    return err, ok
+
+
+def _config(method: MhcMethod, tokens: int, n: int, hidden: int, itemsize: int) -> Optional[str]:
+    if not method.name.startswith("triton") or method.op == "update":
+        return None
+    from layer_boundary_mhc import triton_mhc as tm
+
+    c = tm.boundary_config(tokens, n, hidden, itemsize)
+    return (f"BT={c.block_tokens} BC={c.block_cols} S={c.slices}x{c.slice_cols} TB={c.finish_tokens} "
+            f"lag={c.lag_for(tokens)} warps={c.num_warps}")
+
+
+COLUMNS = [
+    report.Column("op", "op", width=12),
+    report.Column("method", "method", width=16),
+    report.Column("H", "hidden", "d", 5),
+    report.Column("T", "tokens", "d", 6),
+    report.Column("µs", "us", report.sig, 9),
+    report.Column("GB/s", "gbps", report.sig, 7),
+    report.Column("% roof", "pct_roofline", ".1f", 7),
+    report.Column("x ref", "speedup", ".1f", 6),
+    report.Column("check", "check", width=6),
+]
+
+
+def measure(method: MhcMethod, inputs: Inputs, want: Sequence[torch.Tensor], plan: TimingPlan,
+            device: str, n: int) -> dict[str, Any]:
+    t, _, c = inputs.x.shape
+    dtype = inputs.x.dtype
+    row: dict[str, Any] = {"op": method.op, "method": method.name, "hidden": c, "tokens": t, "streams": n,
+                           "dtype": str(dtype).replace("torch.", "")}
+    try:
+        got = method.call(inputs)
+        row["max_err"], row["ok"] = _check(method, got, want, dtype)
+        del got
+        fn = _destinations(method, inputs)
+        m = time_call(fn, device, plan)
+    except Exception as e:  # one failing method must not end the run
+        row["error"] = f"{type(e).__name__}: {e}"
+        return row
+    moved = bytes_moved(method.op, t, n, c, inputs.x.element_size())
+    row.update(us=m.median_us, min_us=m.min_us, calls=m.calls, replays=m.replays, bytes=moved,
+               gbps=moved / m.median_us / 1e3, config=_config(method, t, n, c, inputs.x.element_size()))
+    return row
+
+
+def run_mhc(tokens: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, device: str, plan: TimingPlan, *,
+            n: int = 4, ops: Sequence[str] = OPS, compile: bool = False, copy_bytes: int,
+            out: Callable[[str], None] = print) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(copy bandwidth, rows, refusals)``; rows are printed as they are measured."""
+    reference, selection = _plugin()
+    copy = copy_bandwidth(device, copy_bytes, plan)
+    out(f"copy bandwidth: {copy['gbps']:.0f} GB/s ({copy['bytes'] / 2**20:.0f} MiB read + written "
+        f"in {copy['us']:.1f} µs)")
+    kernels = selection.select_kernels("auto", n, "rmsnorm")
+    device_type = torch.device(device).type
+    why = kernels.why_not(device_type, dtype)
+    refusals: list[dict[str, Any]] = []
+    methods = _reference_methods(reference, ops)
+    if why is None:
+        methods += _triton_methods(kernels.ops, ops, dtype)
+    else:
+        refusals.append({"method": "triton", "refused": why})
+        out(f"triton refuses {device_type} {str(dtype).replace('torch.', '')} n={n}: {why}")
+    if compile:
+        methods += _compiled_methods(reference, ops, dtype)
+    table = report.Table(COLUMNS, out)
+    rows: list[dict[str, Any]] = []
+    with torch.no_grad():
+        for c in hidden:
+            table.header()
+            for t in tokens:
+                inputs = _inputs(t, n, c, dtype, device)
+                for op in ops:
+                    want = next(m for m in methods if m.op == op and m.tolerance is None).call(inputs)
+                    ref_us = None
+                    for method in (m for m in methods if m.op == op):
+                        row = measure(method, inputs, want, plan, device, n)
+                        if "gbps" in row:
+                            row["pct_roofline"] = 100.0 * row["gbps"] / copy["gbps"]
+                            if method.tolerance is None:
+                                ref_us = row["us"]
+                            if ref_us is not None:
+                                row["speedup"] = ref_us / row["us"]
+                        row["check"] = ("error" if "error" in row else
+                                        {True: "ok", False: "FAIL", None: "-"}[row.get("ok")])
+                        rows.append(row)
+                        table.row(row)
+                        if "error" in row:
+                            out(f"  {method.name} {op}: {row['error']}")
+                    del want
+                del inputs
+    return copy, rows, refusals
+
+
+def mhc_panels(rows: Sequence[dict[str, Any]], copy_gbps: float) -> list[report.Panel]:
+    panels = []
+    for c in sorted({r["hidden"] for r in rows}):
+        for op in OPS:
+            mine = [r for r in rows if r["hidden"] == c and r["op"] == op and "gbps" in r]
+            if not mine:
+                continue
+            names = list(dict.fromkeys(r["method"] for r in mine))
+            series = [report.Series(name, tuple((r["tokens"], r["gbps"]) for r in mine if r["method"] == name))
+                      for name in names]
+            ts = [r["tokens"] for r in mine]
+            series.append(report.Series("copy bandwidth", ((min(ts), copy_gbps), (max(ts), copy_gbps)), dashed=True))
+            panels.append(report.Panel(f"{op}, H = {c}", "tokens", "GB/s", tuple(series)))
+    return panels
+
+
+def _apply_tuning(settings: Sequence[str]) -> dict[str, Any]:
+    """``NAME=VALUE`` settings of the launch-shape constants (``TUNABLE``); the cache is cleared."""
+    applied: dict[str, Any] = {}
+    for s in settings:
+        name, _, value = s.partition("=")
+        if name not in TUNABLE or not value:
+            raise ValueError(f"--tune {s!r}: give NAME=VALUE with NAME one of {', '.join(TUNABLE)}")
+        try:
+            parsed: Any = tuple(int(v) for v in value.split(",")) if name == "BLOCK_TOKENS" else int(value)
+        except ValueError:
+            raise ValueError(f"--tune {s!r}: the value must be an integer (BLOCK_TOKENS: three, e.g. 16,32,64)")
+        if name == "BLOCK_TOKENS" and len(parsed) != 3:
+            raise ValueError(f"--tune {s!r}: BLOCK_TOKENS takes three sizes (decode, mid, large), e.g. 16,32,64")
+        applied[name] = parsed
+    if applied:
+        from layer_boundary_mhc import triton_mhc as tm
+
+        for name, value in applied.items():
+            setattr(tm, name, value)
+        tm._CONFIGS.clear()
+    return applied
+
+
+def mhc_command(args: argparse.Namespace) -> int:
+    if _plugin() is None:
+        print(PLUGIN_MISSING, file=sys.stderr)
+        return 2
+    device = args.device
+    if device == "cuda":
+        why = cuda_unavailable("mhc")
+        if why:
+            print(why, file=sys.stderr)
+            return 2
+    try:
+        tuned = _apply_tuning(args.tune or ())
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    quick_tokens, quick_hidden = QUICK[device]
+    tokens = args.tokens or (quick_tokens if args.quick else MHC_TOKENS)
+    hidden = args.hidden or (quick_hidden if args.quick else MHC_HIDDEN)
+    ops = args.ops or OPS
+    plan = TimingPlan.for_run(args.quick, args.replays)
+    env = report.environment(device)
+    timing = "CUDA-graph replay" if device == "cuda" else "wall clock"
+    e = torch.empty((), dtype=dtype).element_size()
+    print(f"layer-boundary bench mhc: MHC update and read, n={args.streams}, {args.dtype}, "
+          f"{env['gpu'] or env['cpu']}, torch {env['torch']}, {env['date']}; median µs by {timing} over "
+          f"{plan.replays} replays; update+read bytes = T(2n+2)C·{e} + coefficients + phi"
+          + (f"; tuned {tuned}" if tuned else ""))
+    copy, rows, refusals = run_mhc(tokens, hidden, dtype, this_device(device), plan, n=args.streams, ops=ops,
+                                   compile=args.compile, copy_bytes=COPY_BYTES[device][1 if args.quick else 0])
+    json_path, svg_path = report.result_paths(args.out, "mhc", env)
+    report.write_json(json_path, "mhc", env, rows, copy=copy, refused=refusals, eps=EPS, streams=args.streams,
+                      bytes_per_call={"update+read": "T*(2n+2)*C*e + 8*T*(n+n^2) + 4*n*C*(n^2+2n) + C*e",
+                                      "read": "T*(n+1)*C*e + 4*T*(n+n^2) + 4*n*C*(n^2+2n) + C*e",
+                                      "update": "T*(2n+1)*C*e + 4*T*(n+n^2)"},
+                      tuned=tuned, timing=timing, replays=plan.replays,
+                      options={k: v for k, v in vars(args).items() if not callable(v)})
+    writer = report.write_plot(svg_path, f"MHC update and read, n = {args.streams}, {args.dtype}",
+                               mhc_panels(rows, copy["gbps"]),
+                               f"{env['gpu'] or env['cpu']}, torch {env['torch']}, {env['date']}")
+    print(f"\nwrote {json_path}\nwrote {svg_path} ({writer})")
+    failed = [r for r in rows if r.get("ok") is False or "error" in r]
+    if failed:
+        print(f"{len(failed)} measurement(s) failed their check or raised: "
+              + "; ".join(f"{r['method']} {r['op']} T={r['tokens']} H={r['hidden']}" for r in failed))
+        return 1
+    return 0
