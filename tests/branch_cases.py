@@ -27,10 +27,9 @@ from layer_boundary import BoundaryContext, ForwardBatch, Topology, declare_attn
 from layer_boundary.adapters.branch import branch_output, merge_branch
 from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary.models.moe import SparseMoeBlock
-from layer_boundary.residual import batch as residual_batch
 
 from moe_cases import count_handoffs
-from parallel_cases import count_collectives, dyadic, topology
+from parallel_cases import BoundaryStack, count_collectives, dyadic, topology
 
 H, F, E, K, I = 8, 16, 4, 2, 8
 SLOT_WEIGHTS = (0.75, 0.25)
@@ -203,27 +202,19 @@ class PLayer(nn.Module):
         return r + (self.attn(r) + self.ffn(r))
 
 
-class BranchStack(nn.Module):
+class BranchStack(BoundaryStack):
     """Layers from codes such as ``["La", "Pb"]``; ``defer``: every stage gets ``DeferBoth``."""
 
     def __init__(self, codes: list[str], ctx: BoundaryContext, defer: bool = False) -> None:
-        super().__init__()
-        self.provider = DeferBoth() if defer else None
-        options = {"fusions": self.provider} if defer else {}
+        provider = DeferBoth() if defer else None
+        options = {"fusions": provider} if defer else {}
         layers = []
         for i, code in enumerate(codes):
             cls = LLayer if code[0] == "L" else PLayer
             prev = _producer(codes[i - 1]) if i else None
             layers.append(cls(i, code[1], prev, i == len(codes) - 1, ctx, options))
-        self.layers = nn.ModuleList(layers)
-        self.norm = nn.Identity()
-
-    def forward(self, x: torch.Tensor, fb: Any) -> torch.Tensor:
-        residual_batch.start(fb)
-        h = x
-        for layer in self.layers:
-            h = layer(h, fb)
-        return residual_batch.norm(h, fb, self.norm, skip_empty=True)
+        super().__init__(layers)
+        self.provider = provider
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

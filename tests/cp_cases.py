@@ -23,10 +23,9 @@ from layer_boundary import ProducerReduction, declare_attn, declare_ffn
 from layer_boundary.cp import CpSplit, context_parallel_split
 from layer_boundary.launch import spawn
 from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
-from layer_boundary.residual import batch as residual_batch
 
 import parallel_cases
-from parallel_cases import H, F, count_collectives, dyadic, topology
+from parallel_cases import H, F, BoundaryStack, count_collectives, dyadic, topology
 
 F64 = torch.float64
 
@@ -104,17 +103,9 @@ class CpLinearLayer(nn.Module):
         return out.finish(y)
 
 
-class CpLinearStack(nn.Module):
+class CpLinearStack(BoundaryStack):
     def __init__(self, layers: int, ctx: BoundaryContext, tail: bool = False) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(CpLinearLayer(i, layers, ctx, tail) for i in range(layers))
-
-    def forward(self, x: torch.Tensor, fb: Any) -> torch.Tensor:
-        residual_batch.start(fb)
-        h: Any = x
-        for layer in self.layers:
-            h = layer(h, fb)
-        return residual_batch.norm(h, fb, nn.Identity(), skip_empty=True)
+        super().__init__(CpLinearLayer(i, layers, ctx, tail) for i in range(layers))
 
 
 def cp_linear(world: int, case: dict[str, Any]) -> dict[str, Any]:

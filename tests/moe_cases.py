@@ -23,9 +23,8 @@ from layer_boundary import BoundaryContext, ForwardBatch, Topology, declare_attn
 from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary.models.moe import DeferFinalize, SparseMoeBlock
 from layer_boundary.output import HandoffOutput
-from layer_boundary.residual import batch as residual_batch
 
-from parallel_cases import count_collectives, dyadic, topology
+from parallel_cases import BoundaryStack, count_collectives, dyadic, topology
 
 H, F, E, K, I, S = 8, 16, 4, 2, 8, 8  # hidden, dense FFN, experts, top-k, expert width, shared width
 SLOT_WEIGHTS = (0.75, 0.25)  # dyadic top-k weights: the weighted combine stays exact
@@ -102,21 +101,12 @@ class LinearMoeLayer(nn.Module):
         return out.finish(y)
 
 
-class LinearMoeStack(nn.Module):
+class LinearMoeStack(BoundaryStack):
     def __init__(self, kinds: str, ctx: BoundaryContext, *, shared: bool = False, defer: bool = False) -> None:
-        super().__init__()
-        self.provider = DeferFinalize() if defer else None
-        self.layers = nn.ModuleList(
-            LinearMoeLayer(i, kinds, ctx, shared=shared, fusions=self.provider) for i in range(len(kinds))
-        )
-        self.norm = nn.Identity()
-
-    def forward(self, x: torch.Tensor, fb: Any) -> torch.Tensor:
-        residual_batch.start(fb)
-        h = x
-        for layer in self.layers:
-            h = layer(h, fb)
-        return residual_batch.norm(h, fb, self.norm, skip_empty=True)
+        provider = DeferFinalize() if defer else None
+        super().__init__(LinearMoeLayer(i, kinds, ctx, shared=shared, fusions=provider)
+                         for i in range(len(kinds)))
+        self.provider = provider
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ real decoder within the float tolerance.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -96,18 +96,26 @@ class LinearLayer(nn.Module):
         return out.finish(y)
 
 
-class LinearStack(nn.Module):
-    def __init__(self, layers: int, ctx: BoundaryContext, tail: bool = False) -> None:
+class BoundaryStack(nn.Module):
+    """A synthetic stack as a model runs it: the stack's entry (a fresh residual stream), each
+    ``layer(h, fb)``, and the exit's read through an identity final norm."""
+
+    def __init__(self, layers: Iterable[nn.Module]) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(LinearLayer(i, layers, ctx, tail) for i in range(layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = nn.Identity()
 
     def forward(self, x: torch.Tensor, fb: Any) -> torch.Tensor:
         residual_batch.start(fb)
-        h = x
+        h: Any = x
         for layer in self.layers:
             h = layer(h, fb)
         return residual_batch.norm(h, fb, self.norm, skip_empty=True)
+
+
+class LinearStack(BoundaryStack):
+    def __init__(self, layers: int, ctx: BoundaryContext, tail: bool = False) -> None:
+        super().__init__(LinearLayer(i, layers, ctx, tail) for i in range(layers))
 
 
 @contextlib.contextmanager
@@ -174,6 +182,40 @@ def linear_matrix(rank: int, world: int, cases: list[dict[str, Any]], device: st
             "returns": [s.chosen for s in ctx.report.selections if s.what == "output return"][:1],
         })
     return results
+
+
+def expected_collectives(world: int, dp: int, layers: int, returns: list[str], *,
+                          scattered: bool = False) -> dict[str, int]:
+    """What ``count_collectives`` should see for a stack of attention + FFN layers: each owed sum
+    and each row move exactly once per layer. ``returns``: the stack's "output return" choices
+    (the first one decides the FFN output's return under attention DP)."""
+    attn_tp = world // dp
+    n: dict[str, int] = {}
+
+    def add(k: str, v: int = 1) -> None:
+        n[k] = n.get(k, 0) + v * layers
+
+    if scattered:
+        # Each layer: attention input gathered over attention TP; its partial sum reduce-scattered
+        # back to the slice; FFN input gathered over TP; FFN output reduce-scattered to the slice.
+        add("all_gather", 2)
+        add("reduce_scatter", 2)
+        n["all_gather"] += 1  # the final norm's output back to the group's rows
+        return n
+    if dp == 1:
+        add("all_reduce", 2)  # the attention sum at the FFN input, the FFN sum in compute
+        return n
+    add("all_reduce")  # joined: attention sum + residual add + DP gather in one all-reduce
+    ret = returns[0].split("/")[0]
+    if ret == "ar":
+        add("all_reduce")
+    elif ret == "rs":
+        add("reduce_scatter")
+        if attn_tp > 1:
+            add("all_gather")
+    else:
+        add("all_to_all")
+    return n
 
 
 @contextlib.contextmanager

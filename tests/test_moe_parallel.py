@@ -23,6 +23,7 @@ import torch
 from layer_boundary.launch import spawn
 
 import moe_cases
+from parallel_cases import expected_collectives
 
 pytestmark = pytest.mark.slow
 
@@ -91,37 +92,6 @@ def matrix(request, hf_folder):
     return world, spawn(moe_cases.matrix, world, args=(linear, qwen, str(hf_folder[0])), timeout_s=240)
 
 
-def _expected_collectives(world: int, case: dict, returns: str) -> dict[str, int]:
-    """Per layer: the attention sum at the FFN input and the FFN's sum (in compute, at the next
-    input, or at the final norm), each once; under DP and input scattering the row moves too."""
-    dp, layers = case["dp"], len(case["kinds"])
-    attn_tp = world // dp
-    n: dict[str, int] = {}
-
-    def add(k: str, v: int = 1) -> None:
-        n[k] = n.get(k, 0) + v * layers
-
-    if case.get("scattered"):
-        add("all_gather", 2)  # attention input over attention TP, FFN input over TP
-        add("reduce_scatter", 2)  # attention partial sum and FFN output back to the slice
-        n["all_gather"] += 1  # the final norm's output back to the group's rows
-        return n
-    if dp == 1:
-        add("all_reduce", 2)
-        return n
-    add("all_reduce")  # attention sum + residual add + DP gather in one all-reduce
-    ret = returns.split("/")[0]
-    if ret == "ar":
-        add("all_reduce")
-    elif ret == "rs":
-        add("reduce_scatter")
-        if attn_tp > 1:
-            add("all_gather")
-    else:
-        add("all_to_all")
-    return n
-
-
 def test_linear_moe_stack_is_bitwise_equal_and_sums_once(matrix):
     world, per_rank = matrix
     for rank, results in enumerate(per_rank):
@@ -130,7 +100,9 @@ def test_linear_moe_stack_is_bitwise_equal_and_sums_once(matrix):
             assert r["equal"], f"rank {rank} {case}: differs from the single-rank stack"
             d = rank // (world // case["dp"])
             assert r["rows"] == case["counts"][d]
-            want = _expected_collectives(world, case, r["returns"][0])
+            # Sparse or dense, each FFN owes one sum (routed and shared experts together).
+            want = expected_collectives(world, case["dp"], len(case["kinds"]), r["returns"],
+                                        scattered=case.get("scattered", False))
             assert r["collectives"] == want, (rank, case, r["collectives"])
 
 

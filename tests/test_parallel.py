@@ -59,38 +59,6 @@ LINEAR_4 = [
 ]
 
 
-def _expected_collectives(world: int, case: dict) -> dict[str, int]:
-    """Each owed sum and each row move exactly once per layer."""
-    dp, layers = case["dp"], case["layers"]
-    attn_tp = world // dp
-    n: dict[str, int] = {}
-
-    def add(k: str, v: int = 1) -> None:
-        n[k] = n.get(k, 0) + v * layers
-
-    if case.get("scattered"):
-        # Each layer: attention input gathered over attention TP; its partial sum reduce-scattered
-        # back to the slice; FFN input gathered over TP; FFN output reduce-scattered to the slice.
-        add("all_gather", 2)
-        add("reduce_scatter", 2)
-        n["all_gather"] += 1  # the final norm's output back to the group's rows
-        return n
-    if dp == 1:
-        add("all_reduce", 2)  # the attention sum at the FFN input, the FFN sum in compute
-        return n
-    add("all_reduce")  # joined: attention sum + residual add + DP gather in one all-reduce
-    ret = case["returns"][0].split("/")[0]
-    if ret == "ar":
-        add("all_reduce")
-    elif ret == "rs":
-        add("reduce_scatter")
-        if attn_tp > 1:
-            add("all_gather")
-    else:
-        add("all_to_all")
-    return n
-
-
 QWEN_2 = [
     dict(dp=1, policy="ar", sequences=[[1, 5, 9], [4]]),
     dict(dp=2, policy="rs+rsv", sequences=[[1, 5, 9, 2], [4, 8]]),
@@ -146,8 +114,9 @@ def test_linear_stack_is_bitwise_equal_on_every_path(matrix):
             assert r["equal"], f"rank {rank} {case}: differs from the single-rank stack"
             d = rank // (world // case["dp"])
             assert r["shape"][0] == case["counts"][d]
-            case = {**case, "returns": r["returns"]}
-            assert r["collectives"] == _expected_collectives(world, case), (rank, case, r["collectives"])
+            want = parallel_cases.expected_collectives(world, case["dp"], case["layers"], r["returns"],
+                                                       scattered=case.get("scattered", False))
+            assert r["collectives"] == want, (rank, case, r["returns"], r["collectives"])
 
 
 def test_policy_falls_back_and_reports_why(matrix):
