@@ -11,10 +11,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from layer_boundary import BoundaryContext, ForwardBatch, declare_attn, declare_ffn, make_stages
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
 from layer_boundary.layout import BatchVariant
 from layer_boundary.norms import GemmaRMSNorm, RMSNorm
 from layer_boundary.plugins import PluginRegistry, hookimpl
@@ -145,9 +143,7 @@ def _candidate_case(rank: int, world: int, double: Any, case: dict[str, Any]) ->
         if case.get("misaligned") and i % 2:
             x, r = _misaligned(x), _misaligned(r)
         x0, r_ptr = x.clone(), r.data_ptr()
-        total = x.clone()
-        dist.all_reduce(total)
-        want_y, want_r = fused_add_rmsnorm_ref(total, r.clone(), read.weight, read.eps, weight_offset=read.offset)
+        want_y, want_r = fused_cases.reference_sum(x, r, read)
         before = len(double.calls)
         got = cand(x, r, read, ForwardBatch(num_tokens=t))
         new = [info for n, info in double.calls[before:] if n == "allreduce_fusion"]
@@ -221,9 +217,7 @@ def nccl_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[
         for t in case["tokens"]:
             x, r = _inputs(t, hidden, dtype, rank, 100 + t, "cuda")
             x0, r_ptr = x.clone(), r.data_ptr()
-            total = x.clone()
-            dist.all_reduce(total)
-            want_y, want_r = fused_add_rmsnorm_ref(total, r.clone(), read.weight, read.eps, weight_offset=read.offset)
+            want_y, want_r = fused_cases.reference_sum(x, r, read)
             got = cand(x, r, read, ForwardBatch(num_tokens=t))
             if got is None:
                 declined.append(t)

@@ -74,6 +74,14 @@ def context_with(provider: Any, topology: Any, **kw: Any) -> BoundaryContext:
     return BoundaryContext(topology, registry=registry, **kw)
 
 
+def reference_sum(x: torch.Tensor, residual: torch.Tensor, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a candidate must return for this rank's contribution ``x``: the world's all-reduce,
+    then the torch add + RMSNorm reference (on copies: the candidate gets the originals)."""
+    total = x.clone()
+    dist.all_reduce(total)
+    return fused_add_rmsnorm_ref(total, residual.clone(), read.weight, read.eps, weight_offset=read.offset)
+
+
 def _qwen3(ctx: BoundaryContext, dtype: torch.dtype, device: str) -> Any:
     from layer_boundary.models.config import small_random_config
     from layer_boundary.models.qwen3 import Qwen3ForCausalLM
@@ -165,12 +173,8 @@ def symm_mem_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[d
         cand, read = cands[0], ffn.plan.read
         worst_y, res_equal, declined = 0.0, True, []
         for t in case["tokens"]:
-            gen = torch.Generator(device="cuda").manual_seed(100 + t)
-            x = torch.randn(t, hidden, generator=gen, device="cuda").to(dtype) * (rank + 1)
-            r = torch.randn(t, hidden, generator=gen, device="cuda").to(dtype)
-            total = x.clone()
-            dist.all_reduce(total)
-            want_y, want_r = fused_add_rmsnorm_ref(total, r.clone(), read.weight, read.eps, weight_offset=read.offset)
+            x, r = _inputs(t, hidden, dtype, rank, 100 + t)
+            want_y, want_r = reference_sum(x, r, read)
             got = cand(x, r, read, ForwardBatch(num_tokens=t))
             if got is None:
                 declined.append(t)
@@ -228,9 +232,7 @@ def _repeat_equal(cand: Any, read: Any, hidden: int, dtype: torch.dtype, rank: i
     for i in range(n):
         t = 1 + (i * 37) % 300
         x, r = _inputs(t, hidden, dtype, rank, 1000 + i)
-        total = x.clone()
-        dist.all_reduce(total)
-        wants.append(fused_add_rmsnorm_ref(total, r.clone(), read.weight, read.eps, weight_offset=read.offset)[1])
+        wants.append(reference_sum(x, r, read)[1])
         outs.append(cand(x, r, read, ForwardBatch(num_tokens=t))[1])
     torch.cuda.synchronize()
     return all(torch.equal(a, b) for a, b in zip(outs, wants))
