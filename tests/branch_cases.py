@@ -28,11 +28,10 @@ from layer_boundary.adapters.branch import branch_output, merge_branch
 from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary.models.moe import SparseMoeBlock
 
-from moe_cases import count_handoffs
+import moe_cases
+# The MoE stack's shapes, router and linear expert activation; only the weights' values differ.
+from moe_cases import E, F, H, I, K, DyadicRouter, _linear_act, count_handoffs
 from parallel_cases import BoundaryStack, count_collectives, dyadic, topology
-
-H, F, E, K, I = 8, 16, 4, 2, 8
-SLOT_WEIGHTS = (0.75, 0.25)
 
 
 def halves(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -42,26 +41,7 @@ def halves(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def _fill(lin: nn.Module, shape: tuple[int, int], seed: int, shard: Any = None) -> None:
-    if shard is None:
-        lin.weight_loader(lin.weight, halves(shape, seed))
-    else:
-        lin.weight_loader(lin.weight, halves(shape, seed), shard)
-
-
-class Router(nn.Module):
-    """Top-k experts by ``x Wr^T`` (exact for these values: every layout routes alike)."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        self.register_buffer("weight", halves((E, H), seed))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.topk(x @ self.weight.T, K, dim=-1).indices
-        return torch.tensor(SLOT_WEIGHTS, dtype=x.dtype).expand(x.shape[0], K), ids
-
-
-def _linear_act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return gate - up
+    moe_cases._fill(lin, shape, seed, shard, draw=halves)
 
 
 class Attn(nn.Module):
@@ -95,7 +75,7 @@ class Dense(nn.Module):
 
 def sparse(topo: Topology, seed: int) -> SparseMoeBlock:
     moe = SparseMoeBlock(H, E, K, I, topo.moe_out, renormalize=False, act=_linear_act,
-                         router=Router(seed), dtype=torch.float64)
+                         router=DyadicRouter(seed, draw=halves), dtype=torch.float64)
     for e, expert in enumerate(moe.experts):
         _fill(expert.gate_up_proj, (I, H), seed + 10 + 3 * e, 0)
         _fill(expert.gate_up_proj, (I, H), seed + 11 + 3 * e, 1)

@@ -14,7 +14,7 @@ Two kinds of cases run in one spawn per world size:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -32,11 +32,12 @@ SLOT_WEIGHTS = (0.75, 0.25)  # dyadic top-k weights: the weighted combine stays 
 
 class DyadicRouter(nn.Module):
     """Top-k experts by ``x Wr^T`` (exact for dyadic data, so every rank and the single-rank
-    model pick the same experts), weighted ``SLOT_WEIGHTS`` by rank of the logit."""
+    model pick the same experts), weighted ``SLOT_WEIGHTS`` by rank of the logit.
+    ``draw(shape, seed)``: the router weights' dyadic values."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, draw: Callable[[tuple[int, ...], int], torch.Tensor] = dyadic) -> None:
         super().__init__()
-        self.register_buffer("weight", dyadic((E, H), seed))
+        self.register_buffer("weight", draw((E, H), seed))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.topk(x @ self.weight.T, K, dim=-1).indices
@@ -47,8 +48,9 @@ def _linear_act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gate - up  # linear, so products of dyadic numbers never pile up
 
 
-def _fill(lin: nn.Module, shape: tuple[int, int], seed: int, shard: Any = None) -> None:
-    full = dyadic(shape, seed)
+def _fill(lin: nn.Module, shape: tuple[int, int], seed: int, shard: Any = None, *,
+          draw: Callable[[tuple[int, ...], int], torch.Tensor] = dyadic) -> None:
+    full = draw(shape, seed)
     if shard is None:
         lin.weight_loader(lin.weight, full)
     else:
