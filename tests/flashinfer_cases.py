@@ -15,7 +15,7 @@ import torch
 from layer_boundary import BoundaryContext, ForwardBatch, declare_attn, declare_ffn, make_stages
 from layer_boundary.layout import BatchVariant
 from layer_boundary.norms import GemmaRMSNorm, RMSNorm
-from layer_boundary.plugins import PluginRegistry, hookimpl
+from layer_boundary.plugins import PluginRegistry
 
 import flashinfer_double
 import fused_cases
@@ -34,21 +34,12 @@ def gloo_provider(**kw: Any) -> Any:
     return GlooFlashInfer(**kw)
 
 
-class _Plugin:
-    def __init__(self, provider: Any) -> None:
-        self.provider = provider
-
-    @hookimpl
-    def layer_boundary_fusion_providers(self) -> list[Any]:
-        return [self.provider]
-
-
 def _registry(provider: Any, *, with_hooks: bool = True) -> PluginRegistry:
     """``provider``, then the plugin's real hooks (whose providers refuse this machine: gloo,
     CPU). ``provider`` comes first because the first provider that answers an output decision
     (``can_defer_all_reduce``) makes it."""
     registry = PluginRegistry([])
-    registry.register(_Plugin(provider), name="flashinfer-test")
+    registry.register(fused_cases.ProviderPlugin(provider), name="flashinfer-test")
     if with_hooks:
         import layer_boundary_flashinfer.hooks as hooks
 

@@ -59,7 +59,9 @@ class EchoFusion(AllReduceNormProvider):
         return self.defer
 
 
-class _Plugin:
+class ProviderPlugin:
+    """A plugin whose only hook offers ``provider`` as a fusion provider."""
+
     def __init__(self, provider: Any) -> None:
         self.provider = provider
 
@@ -70,7 +72,7 @@ class _Plugin:
 
 def context_with(provider: Any, topology: Any, **kw: Any) -> BoundaryContext:
     registry = PluginRegistry([])
-    registry.register(_Plugin(provider), name="echo")
+    registry.register(ProviderPlugin(provider), name="echo")
     return BoundaryContext(topology, registry=registry, **kw)
 
 
