@@ -50,7 +50,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 EPS = 1e-6
 COPY_BYTES = {"cuda": (1 << 30, 1 << 28), "cpu": (1 << 26, 1 << 24)}  # (full, quick)
 # Launch-shape constants of layer_boundary_mhc.triton_mhc that --tune may set.
-TUNABLE = ("BLOCK_TOKENS", "DECODE_TOKENS", "MID_TOKENS", "SLICE_COLS", "FINISH_TOKENS", "LAG")
+TUNABLE = ("BLOCK_TOKENS", "DECODE_TOKENS", "MID_TOKENS", "SLICE_COLS", "FINISH_TOKENS", "LAG", "STAGE_BYTES")
 PLUGIN_MISSING = ("layer-boundary bench mhc needs the MHC plugin (distribution layer-boundary-mhc), which is not "
                   "installed here: pip install -e plugins/mhc")
 
@@ -200,7 +200,7 @@ def _config(method: MhcMethod, tokens: int, n: int, hidden: int, itemsize: int) 
 
     c = tm.boundary_config(tokens, n, hidden, itemsize)
     return (f"BT={c.block_tokens} BC={c.block_cols} S={c.slices}x{c.slice_cols} TB={c.finish_tokens} "
-            f"lag={c.lag_for(tokens)} warps={c.num_warps}")
+            f"lag={c.lag_for(tokens)} stages={c.stages} warps={c.num_warps}")
 
 
 COLUMNS = [

@@ -27,6 +27,9 @@ __all__ = [
     "MHC_UPDATE",
     "sinkhorn",
     "mhc_coefficients",
+    "mhc_read_ref",
+    "mhc_update_ref",
+    "mhc_update_read_ref",
 ]
 __version__ = "0.1.0"
 
@@ -39,6 +42,9 @@ _LAZY = {
     "MHC_UPDATE": "update",
     "sinkhorn": "coefficients",
     "mhc_coefficients": "coefficients",
+    "mhc_read_ref": "reference",
+    "mhc_update_ref": "reference",
+    "mhc_update_read_ref": "reference",
 }
 
 

@@ -14,9 +14,13 @@ next read (``UPDATE=True``). Its programs work on blocks of ``BT`` tokens, in tw
         input = s * rsqrt(mean(s^2) + norm_eps) * (w + offset), s = sum_j H_pre[j] x'_j
 
 the operation order of ``layer_boundary_mhc.reference`` (the projection of the normalized
-streams is ``rstd`` times the projection of the streams). ``phi`` is FP32 and the streams are at
-most FP32: the projection runs on tensor cores as three TF32 products (``tf32x3``), whose error is
-about 2^-22 of each term, the accuracy of an FP32 product.
+streams is ``rstd`` times the projection of the streams). ``phi`` is FP32: the projection runs on
+tensor cores as TF32 products of ``phi``'s high and low parts (``_project``), about 2^-21 of
+each term, near the accuracy of an FP32 product; 16-bit streams are exact in TF32.
+
+Why the mix is written once and projected from registers: the x' tile that is stored is the A
+operand of the MMA, so x' is never re-read in a stream pass (Triton computes the mix in both the
+store's and the MMA's register layout; that costs registers, not memory traffic).
 
 Why slices: ``phi`` ([n C, n^2 + 2n] FP32, 1.5 MiB at n = 4, C = 4096) is read from L2 once per
 stream pass, so a pass covers ``BT`` tokens to amortize it (24 KiB a token at BT = 64), and the
@@ -51,6 +55,7 @@ __all__ = [
     "BoundaryConfig",
     "boundary_config",
     "update_config",
+    "coefficient_columns",
     "INTERPRETED",
     "MAX_STREAMS",
     "MAX_TILE",
@@ -123,7 +128,7 @@ def _stream_pass(
     x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, b, s, T,
     sxt, sxn, sxc, syt, syc, sot, son, soc,
     N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
-    S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, EXACT_CASTS: tl.constexpr,
 ):
     row0 = b.to(tl.int64) * BT
@@ -142,7 +147,7 @@ def _stream_pass(
     acc = tl.zeros([BT, KP], dtype=tl.float32)
     ssq = tl.zeros([BT], dtype=tl.float32)
     # A fixed trip count: the last slice's chunks past C are masked out.
-    for ci in tl.range(0, CS // BC):
+    for ci in tl.range(0, CS // BC, num_stages=STAGES):
         c = s * CS + ci * BC + cc
         cm = c < C
         m2 = tm[:, None] & cm[None, :]
@@ -293,7 +298,8 @@ def mhc_boundary_kernel(
     eps, norm_eps, offset,
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr,
-    BC: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr, UPDATE: tl.constexpr,
+    BC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr,
+    UPDATE: tl.constexpr,
     SPLIT_A: tl.constexpr, CHUNKED: tl.constexpr, MODE: tl.constexpr, EXACT_CASTS: tl.constexpr,
 ):
     if MODE == 0:
@@ -304,7 +310,7 @@ def mhc_boundary_kernel(
             if r < NB:
                 _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, r, k, T,
                              sxt, sxn, sxc, syt, syc, sot, son, soc,
-                             N, K, KP, C, S, CS, BT, BC, UPDATE, SPLIT_A, EXACT_CASTS)
+                             N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, EXACT_CASTS)
                 # Every thread's stores, then one release: what the finish acquires.
                 tl.debug_barrier()
                 tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
@@ -321,7 +327,7 @@ def mhc_boundary_kernel(
         pid = tl.program_id(0)
         _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, pid // S, pid % S, T,
                      sxt, sxn, sxc, syt, syc, sot, son, soc,
-                     N, K, KP, C, S, CS, BT, BC, UPDATE, SPLIT_A, EXACT_CASTS)
+                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, EXACT_CASTS)
     else:
         pid = tl.program_id(0)
         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
@@ -363,7 +369,8 @@ class BoundaryConfig:
     ``block_tokens`` (BT) tokens a block, ``block_cols`` (BC) columns a chunk, ``slices`` (S) of
     ``slice_cols`` (CS) columns each, ``finish_tokens`` (TB) a finish, ``finishers`` (RB = BT / TB)
     finishes a block, ``lag`` rounds between a block's stream passes and its finishes,
-    ``row_tile`` (CP) the finish's row tile, ``chunked`` when the row is wider than MAX_TILE.
+    ``row_tile`` (CP) the finish's row tile, ``chunked`` when the row is wider than MAX_TILE,
+    ``stages`` the chunks a stream pass has in flight (Triton's software pipelining).
     """
 
     block_tokens: int
@@ -376,6 +383,7 @@ class BoundaryConfig:
     row_tile: int
     chunked: bool
     num_warps: int
+    stages: int
 
     def slice_batch(self, padded_columns: int) -> int:
         """Slices a finish sums per load: a [TB, SB, KP] tile of at most 4K values."""
@@ -405,6 +413,8 @@ BLOCK_TOKENS = (16, 32, 64)
 # waiting in L2 for its finish stays a small part of the cache.
 SLICE_COLS = 128
 FINISH_TOKENS = 4
+# Shared memory the pipelined loads of a stream pass may take (of 227 KiB a program on sm_90).
+STAGE_BYTES = 112 * 1024
 # Rounds between a block's stream passes and its finishes: with one 8-warp program resident per
 # SM (the stream pass uses most of the registers), about 132 + 4 * 48 tickets are issued between
 # the two at n = 4, C = 4096, so the stream passes have finished and a finish rarely waits, while
@@ -420,15 +430,19 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int) -> Boundary
     cfg = _CONFIGS.get(key)
     if cfg is None:
         bt = BLOCK_TOKENS[bucket]
-        bc = 32
+        bc = 32 if n <= 4 else 16  # [BT, BC] tiles of the n streams and their mix stay in registers
         cs = max(SLICE_COLS // bc, 1) * bc
         slices = triton.cdiv(hidden, cs)
         tb = min(FINISH_TOKENS, bt)
         cp = triton.next_power_of_2(hidden)
         chunked = cp > MAX_TILE
+        # A chunk's loads: n + 1 stream tiles and n tiles of phi ([BC, KP] FP32), each stage
+        # buffered in shared memory; phi dominates at large n (KP = 128 at n = 8).
+        chunk_bytes = bt * bc * itemsize * (n + 1) + n * bc * coefficient_columns(n)[1] * 4
+        stages = max(1, min(3, STAGE_BYTES // chunk_bytes))
         cfg = _CONFIGS[key] = BoundaryConfig(
             block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
-            lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=8,
+            lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=8, stages=stages,
         )
     return cfg
 

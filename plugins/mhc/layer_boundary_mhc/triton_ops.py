@@ -111,7 +111,7 @@ def _launch_boundary(
     )
     meta = dict(
         N=n, NP=max(2, _pow2(n)), K=k, KP=kp, C=hidden, CP=cfg.row_tile, S=cfg.slices, SB=cfg.slice_batch(kp),
-        CS=cfg.slice_cols, BT=cfg.block_tokens, BC=cfg.block_cols, TB=cfg.finish_tokens, RB=cfg.finishers,
+        CS=cfg.slice_cols, BT=cfg.block_tokens, BC=cfg.block_cols, STAGES=cfg.stages, TB=cfg.finish_tokens, RB=cfg.finishers,
         ITERS=int(iters), UPDATE=update, SPLIT_A=x.dtype == torch.float32, CHUNKED=cfg.chunked,
         EXACT_CASTS=INTERPRETED,
         num_warps=cfg.num_warps,
