@@ -31,7 +31,7 @@ from layer_boundary.models.moe import SparseMoeBlock
 import moe_cases
 # The MoE stack's shapes, router and linear expert activation; only the weights' values differ.
 from moe_cases import E, F, H, I, K, DyadicRouter, _linear_act, count_handoffs
-from parallel_cases import BoundaryStack, count_collectives, dyadic, topology
+from parallel_cases import BoundaryStack, count_collectives, dp_rows, dyadic, topology
 
 
 def halves(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -214,14 +214,10 @@ def linear_matrix(world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any
         ctx = BoundaryContext(topo, reduction=case["policy"])
         model = BranchStack(codes, ctx, defer=case.get("defer", False))
         ref = BranchStack(codes, BoundaryContext(Topology.single()))
-        d = topo.attn_dp.rank
-        x_all = stack_input(sum(counts))
-        lo = sum(counts[:d])
-        x = x_all[lo : lo + counts[d]]
-        fb = ForwardBatch(num_tokens=counts[d], dp_num_tokens=counts if dp > 1 else None)
+        x, fb = dp_rows(topo, counts)
         with count_collectives() as n, count_handoffs() as handoffs:
             out = model(x.clone(), fb)
-        want = ref(x.clone(), ForwardBatch(num_tokens=counts[d]))
+        want = ref(x.clone(), ForwardBatch(num_tokens=x.shape[0]))
         results.append({
             "case": case, "equal": bool(torch.equal(out, want)), "rows": out.shape[0],
             "collectives": dict(n), "handoffs": handoffs,

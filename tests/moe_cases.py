@@ -24,7 +24,7 @@ from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary.models.moe import DeferFinalize, SparseMoeBlock
 from layer_boundary.output import HandoffOutput
 
-from parallel_cases import BoundaryStack, count_collectives, dyadic, topology
+from parallel_cases import BoundaryStack, count_collectives, dp_rows, dyadic, topology
 
 H, F, E, K, I, S = 8, 16, 4, 2, 8, 8  # hidden, dense FFN, experts, top-k, expert width, shared width
 SLOT_WEIGHTS = (0.75, 0.25)  # dyadic top-k weights: the weighted combine stays exact
@@ -141,15 +141,10 @@ def linear_moe_matrix(world: int, cases: list[dict[str, Any]]) -> list[dict[str,
         shared, defer = case.get("shared", False), case.get("defer", False)
         model = LinearMoeStack(kinds, ctx, shared=shared, defer=defer)
         ref = LinearMoeStack(kinds, BoundaryContext(Topology.single()), shared=shared)
-        d = topo.attn_dp.rank
-        x_all = dyadic((sum(counts), H), 7)
-        lo = sum(counts[:d])
-        x = x_all[lo : lo + counts[d]]
-        fb = ForwardBatch(num_tokens=counts[d], dp_num_tokens=counts if dp > 1 else None,
-                          input_scattered=case.get("scattered", False))
+        x, fb = dp_rows(topo, counts, scattered=case.get("scattered", False))
         with count_collectives() as n, count_handoffs() as handoffs:
             out = model(x.clone(), fb)
-        want = ref(x.clone(), ForwardBatch(num_tokens=counts[d]))
+        want = ref(x.clone(), ForwardBatch(num_tokens=x.shape[0]))
         results.append({
             "case": case, "equal": bool(torch.equal(out, want)), "rows": out.shape[0],
             "collectives": dict(n), "handoffs": handoffs,

@@ -155,6 +155,18 @@ def topology(tp: int, dp: int, pp: int = 1, cp: int = 1) -> Topology:
     return _TOPOLOGIES[(tp, dp, pp, cp)]
 
 
+def dp_rows(topo: Topology, counts: tuple[int, ...], *, scattered: bool = False,
+            device: str = "cpu") -> tuple[torch.Tensor, ForwardBatch]:
+    """This attention-DP group's rows of the stack input ``dyadic((sum(counts), H), 7)`` (group
+    ``d`` holds ``counts[d]`` rows, in order) and the forward batch that carries them."""
+    d = topo.attn_dp.rank
+    x_all = dyadic((sum(counts), H), 7).to(device)
+    lo = sum(counts[:d])
+    fb = ForwardBatch(num_tokens=counts[d], dp_num_tokens=counts if topo.attn_dp.size > 1 else None,
+                      input_scattered=scattered)
+    return x_all[lo : lo + counts[d]], fb
+
+
 def linear_matrix(rank: int, world: int, cases: list[dict[str, Any]], device: str = "cpu") -> list[dict[str, Any]]:
     """Run each case (dp, policy, counts, layers) on this rank and on one rank; compare."""
     results = []
@@ -165,17 +177,12 @@ def linear_matrix(rank: int, world: int, cases: list[dict[str, Any]], device: st
         tail = case.get("tail", False)
         model = LinearStack(layers, ctx, tail).to(device)
         ref = LinearStack(layers, BoundaryContext(Topology.single()), tail).to(device)
-        d = topo.attn_dp.rank
-        x_all = dyadic((sum(counts), H), 7).to(device)
-        lo = sum(counts[:d])
-        x = x_all[lo : lo + counts[d]]
-        fb = ForwardBatch(num_tokens=counts[d], dp_num_tokens=counts if dp > 1 else None,
-                          input_scattered=case.get("scattered", False))
+        x, fb = dp_rows(topo, counts, scattered=case.get("scattered", False), device=device)
         TAIL_FLAGS.clear()
         with count_collectives() as n:
             out = model(x.clone(), fb)
         flags = list(TAIL_FLAGS)
-        want = ref(x.clone(), ForwardBatch(num_tokens=counts[d]))
+        want = ref(x.clone(), ForwardBatch(num_tokens=x.shape[0]))
         results.append({
             "case": case, "equal": bool(torch.equal(out.cpu(), want.cpu())), "shape": tuple(out.shape),
             "collectives": dict(n), "tail_flags": flags,
