@@ -328,7 +328,7 @@ def test_gpu_cooperative_ordering_under_pressure(monkeypatch, lag, slice_cols):
     from layer_boundary_mhc import triton_mhc as tm
 
     monkeypatch.setattr(tm, "LAG", lag)
-    monkeypatch.setattr(tm, "SLICE_COLS", slice_cols)
+    monkeypatch.setattr(tm, "SLICE_COLS", (slice_cols,) * 3)
     monkeypatch.setattr(tm, "_CONFIGS", {})
     ops = _ops()
     x, y, w, hp, hr = _inputs(4099, 4, 2048, BF16, seed=lag)

@@ -309,12 +309,15 @@ def _apply_tuning(settings: Sequence[str]) -> dict[str, Any]:
         name, _, value = s.partition("=")
         if name not in TUNABLE or not value:
             raise ValueError(f"--tune {s!r}: give NAME=VALUE with NAME one of {', '.join(TUNABLE)}")
+        per_bucket = name in ("BLOCK_TOKENS", "SLICE_COLS")
         try:
-            parsed: Any = tuple(int(v) for v in value.split(",")) if name == "BLOCK_TOKENS" else int(value)
+            parsed: Any = tuple(int(v) for v in value.split(",")) if per_bucket else int(value)
         except ValueError:
-            raise ValueError(f"--tune {s!r}: the value must be an integer (BLOCK_TOKENS: three, e.g. 16,32,64)")
-        if name == "BLOCK_TOKENS" and len(parsed) != 3:
-            raise ValueError(f"--tune {s!r}: BLOCK_TOKENS takes three sizes (decode, mid, large), e.g. 16,32,64")
+            raise ValueError(f"--tune {s!r}: give integers ({name} takes three for decode, mid and large "
+                             "token counts, e.g. 16,32,64)" if per_bucket else f"--tune {s!r}: give an integer")
+        if per_bucket and len(parsed) != 3:
+            raise ValueError(f"--tune {s!r}: {name} takes three values (decode, mid and large token counts), "
+                             "e.g. 16,32,64")
         applied[name] = parsed
     if applied:
         from layer_boundary_mhc import triton_mhc as tm

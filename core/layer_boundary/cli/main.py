@@ -198,7 +198,7 @@ def _add_gpu_benches(bsub: Any) -> None:
                      help="also time torch.compile of the torch reference (one compile per op and width)")
     mhc.add_argument("--tune", nargs="+", metavar="NAME=VALUE",
                      help="launch-shape constants of layer_boundary_mhc.triton_mhc to try, e.g. LAG=8 "
-                     "SLICE_COLS=256 BLOCK_TOKENS=16,32,128")
+                     "SLICE_COLS=128,128,128 FINISH_TOKENS=4")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

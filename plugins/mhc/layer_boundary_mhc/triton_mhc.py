@@ -402,24 +402,28 @@ class BoundaryConfig:
         return nb * (self.slices if mode == STREAM_PASS else self.finishers)
 
 
-# Token counts up to DECODE_TOKENS take one block of BLOCK_TOKENS[0] tokens and narrow slices
-# (many programs share the read of phi, which dominates a decode step); up to MID_TOKENS blocks of
-# BLOCK_TOKENS[1], past it BLOCK_TOKENS[2] (phi is read from L2 once a block: 24 KiB a token at
-# 64, n = 4). Module-level so that tests and the benchmark can try others (clear _CONFIGS).
+# Launch shapes by token count: up to DECODE_TOKENS, up to MID_TOKENS, past it (index 0, 1, 2 of
+# the tuples). Module-level so that tests and `bench mhc --tune` can try others (clear _CONFIGS);
+# the defaults are reasoned for an H200, n = 4, C = 4096, bf16:
+#
+# - BLOCK_TOKENS: phi is read from L2 once a block and stream pass, 1.5 MiB / BT a token (24 KiB
+#   at 64); a decode step is one 16-token block (the smallest MMA).
+# - SLICE_COLS: a stream pass covers BT tokens times SLICE_COLS columns (288 KiB of traffic at
+#   BT = 64, 256 columns), long enough to amortize its ticket (an L2 round trip); at decode narrower
+#   slices spread the read of phi, which dominates a decode step, over more SMs.
+# - FINISH_TOKENS: tokens a finish normalizes, one at a time (TB).
+# - LAG: rounds between a block's stream passes and its finishes. With one 8-warp program resident
+#   an SM (the stream pass takes most registers), 132 + LAG * (S + RB) = 228 tickets separate them
+#   at the defaults, so a block's stream passes have finished and its finish rarely waits, while
+#   the x' in between (about 9 blocks of 64 tokens, 18 MiB) stays in L2.
+# - STAGE_BYTES: shared memory the pipelined loads of a stream pass may take (of 227 KiB).
 DECODE_TOKENS = 16
 MID_TOKENS = 1024
 BLOCK_TOKENS = (16, 32, 64)
-# Columns a stream pass covers: a pass then writes 64 KiB of bf16 x' (BT = 64, n = 4), so the x'
-# waiting in L2 for its finish stays a small part of the cache.
-SLICE_COLS = 128
-FINISH_TOKENS = 4
-# Shared memory the pipelined loads of a stream pass may take (of 227 KiB a program on sm_90).
-STAGE_BYTES = 112 * 1024
-# Rounds between a block's stream passes and its finishes: with one 8-warp program resident per
-# SM (the stream pass uses most of the registers), about 132 + 4 * 48 tickets are issued between
-# the two at n = 4, C = 4096, so the stream passes have finished and a finish rarely waits, while
-# the x' in between (about 7 blocks of 64 tokens, 14 MiB) still fits in L2.
+SLICE_COLS = (128, 256, 256)
+FINISH_TOKENS = 8
 LAG = 4
+STAGE_BYTES = 112 * 1024
 _CONFIGS: dict[tuple[int, int, int, int], BoundaryConfig] = {}
 
 
@@ -431,7 +435,7 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int) -> Boundary
     if cfg is None:
         bt = BLOCK_TOKENS[bucket]
         bc = 32 if n <= 4 else 16  # [BT, BC] tiles of the n streams and their mix stay in registers
-        cs = max(SLICE_COLS // bc, 1) * bc
+        cs = max(SLICE_COLS[bucket] // bc, 1) * bc
         slices = triton.cdiv(hidden, cs)
         tb = min(FINISH_TOKENS, bt)
         cp = triton.next_power_of_2(hidden)
