@@ -222,7 +222,8 @@ def test_compiled_fullgraph_matches_eager():
 
     def step(x, y, hp, hr):
         streams, inp, h_post, h_res = mhc_update_read_triton(x, y, hp, hr, p, w, EPS)
-        return mhc_update_triton(streams, inp, h_post, h_res), inp
+        inp2, h_post2, h_res2 = mhc_read_triton(streams, p, w, EPS)
+        return mhc_update_triton(streams, inp2, h_post2, h_res2), inp, h_res2
 
     want = step(x, y, hp, hr)
     got = torch.compile(step, backend="aot_eager", fullgraph=True)(x, y, hp, hr)

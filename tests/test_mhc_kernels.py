@@ -277,7 +277,7 @@ def _close(got, want, dtype, what, where=""):
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{where} {what}: {m}")
 
 
-GPU_CASES = [(t, 4, c, BF16) for t in (1, 3, 17, 128, 1024) for c in (1000, 4096, 7168)]
+GPU_CASES = [(t, 4, c, BF16) for t in (1, 17, 1024) for c in (1000, 4096, 7168)]
 GPU_CASES += [(t, n, c, d) for d in (FP16, FP32) for (t, n, c) in ((1, 4, 4096), (33, 4, 4097), (200, 2, 129),
                                                                     (64, 8, 512), (5, 1, 7), (300, 3, 20000))]
 
