@@ -408,3 +408,13 @@ def test_gpu_model_selects_triton_and_matches_the_torch_reference(dtype):
     torch.testing.assert_close(got, want, **tol)
     with pytest.raises(ValueError, match=r"kernels='triton'\) cannot run the Triton kernels on these streams"):
         read.read(torch.zeros(2, 4, read.params.hidden_size, dtype=dtype))  # CPU streams
+
+
+def test_auto_keeps_the_torch_reference_on_gpus_until_the_kernels_are_verified(monkeypatch):
+    from layer_boundary_mhc import selection
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    sel = selection.select_kernels("auto", 4, "rmsnorm")
+    assert sel.ops is None and sel.refused == selection.UNVERIFIED
+    assert sel.reason("cuda", torch.bfloat16) == f"torch reference: {selection.UNVERIFIED}"

@@ -3,8 +3,10 @@
 ``MhcSemantics(kernels=...)``:
 
 =========  ===================================================================================
-``auto``   Triton where it serves the call (CUDA streams in bf16, fp16 or fp32, an RMSNorm-like
-           stage norm, n <= 8), the torch reference otherwise; ``reason()`` says which and why
+``auto``   the torch reference on GPUs for now (the Triton kernels are opt-in until verified
+           there, see ``UNVERIFIED``); under the Triton interpreter, Triton where it serves the
+           call (bf16, fp16 or fp32 streams, an RMSNorm-like stage norm, n <= 8); ``reason()``
+           says which and why
 ``triton`` the same, but a call the kernels cannot serve raises with the reason
 ``torch``  the torch reference always
 =========  ===================================================================================
@@ -29,6 +31,11 @@ import torch
 __all__ = ["KERNEL_MODES", "KernelSelection", "select_kernels", "triton_unavailable"]
 
 KERNEL_MODES = ("auto", "triton", "torch")
+# The first H200 run (2026-11-30, benchmarks/results/2026-11-30-mhc-nvidia-h200.json): the fused
+# update+read matched the reference at T=1 but failed the bench's check at T=128 and 8192
+# (max |diff| 0.016 and 0.031 in bf16; whether one-ulp roundings or a bug is not yet known).
+UNVERIFIED = ("not yet verified on GPUs (the first H200 run failed the reference check at 128+ tokens); "
+              "MhcSemantics(kernels='triton') runs them")
 MAX_STREAMS = 8  # the kernels' limit (n^2 + 2n coefficient columns padded to 128)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -123,6 +130,9 @@ def select_kernels(mode: str, n: int, norm_kind: str) -> KernelSelection:
         refused = (f"the stage norm {norm_kind[len('module:'):]} is not an RMSNorm (weight, eps): the fused "
                    "read applies the norm itself")
     ops = None
+    if refused is None and mode == "auto" and not _interpreting() and torch.cuda.is_available():
+        # On GPUs the kernels are opt-in until a run passes the reference check everywhere.
+        refused = UNVERIFIED
     if refused is None and (_interpreting() or torch.cuda.is_available()):
         ops, refused = _load()
     elif refused is None:
