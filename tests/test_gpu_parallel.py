@@ -13,7 +13,8 @@ import torch
 from layer_boundary.launch import spawn
 
 import gpu_cases
-from test_parallel import LINEAR_2, _expected_collectives
+from parallel_cases import expected_collectives
+from test_parallel import LINEAR_2
 
 pytestmark = pytest.mark.gpu
 
@@ -38,8 +39,10 @@ def test_nccl_matrix_matches_one_gpu():
     for rank, res in enumerate(per_rank):
         for r in res["linear"]:
             assert r["equal"], (rank, r)
-            case = {**r["case"], "returns": r["returns"]}
-            assert r["collectives"] == _expected_collectives(2, case), (rank, r)
+            case = r["case"]
+            want = expected_collectives(2, case["dp"], case["layers"], r["returns"],
+                                        scattered=case.get("scattered", False))
+            assert r["collectives"] == want, (rank, r)
         for r in res["qwen3"]:
             rel = 0.03 if r["case"]["dtype"] == "bfloat16" else 1e-5
             assert r["max_diff"] <= rel * max(1.0, r["scale"]), (rank, r)
