@@ -255,7 +255,7 @@ def test_cuda_plugin_on_a_cuda_machine_without_its_library_names_the_distributio
 
 
 # What each CUDA plugin registers once active (CuTe DSL's kernels arrive with issue 7).
-OFFERS = {"flashinfer": (["flashinfer"], ["flashinfer-allreduce-fusion"]), "cutedsl": ([], [])}
+OFFERS = {"flashinfer": (["flashinfer"], ["flashinfer-allreduce-fusion"]), "cutedsl": (["cutedsl"], [])}
 
 
 @pytest.mark.parametrize("vendor", CUDA_VENDORS, ids=lambda v: v.name)

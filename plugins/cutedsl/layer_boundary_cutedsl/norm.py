@@ -1,0 +1,261 @@
+"""The CuTe DSL add + RMSNorm kernel as a ``NormKernelProvider`` (plain and Gemma, with the fused add).
+
+    rmsnorm:            y = x / sqrt(mean(x^2) + eps) * (w + offset)          x, y: [T, H]; w: [H]
+    fused_add_rmsnorm:  s = x + r in FP32;  r' = s rounded;  y = rmsnorm(s)  offset 0, or 1 (Gemma)
+
+The wrappers have the torch references' signatures (``layer_boundary.kernels.reference``). The
+kernel (``layer_boundary_cutedsl.kernel``) is compiled ahead of time once per (H, dtype, offset),
+when ``kernels(request)`` is first asked for it at model construction, never in a forward; on a
+GPU it is also launched once there, so the CUDA module is loaded before any graph capture.
+
+What the kernel needs, and what the wrappers therefore check on every call:
+
+* bf16 or fp16 rows, the weight and the residual in the input's dtype;
+* H a multiple of 256 (whole 128-bit vectors over full warps) and at most 32768 (the FP32 row
+  lives in registers between the two passes);
+* [T, H] tensors with a contiguous last dimension, every base pointer 16-byte aligned and row
+  strides a multiple of 8 elements (the kernel issues 128-bit accesses only).
+
+A call that breaks one of these takes the torch reference (with one warning per cause); a
+request that cannot be served is refused at construction with the reason. The residual is
+updated in place (``residual_in_place=True``), or in ``residual_out`` when one is given; the
+normalized rows go to a separate buffer (``out``, or a fresh one).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary.providers import NormRequest
+from layer_boundary.quant import QUANT_FORMATS
+from layer_boundary.residual.add_norm import NormKernels
+
+from .shape import MAX_PER_THREAD, VEC, launch_shape
+
+__all__ = ["CuTeDSLNormProvider", "FP8_REFUSAL", "cutedsl_kernels", "import_cutlass"]
+
+log = logging.getLogger("layer_boundary")
+
+DTYPES = (torch.bfloat16, torch.float16)
+MAX_HIDDEN = 256 * MAX_PER_THREAD * VEC
+
+FP8_REFUSAL = ("the CuTe DSL kernel has no per-token FP8 e4m3 output yet; it writes the normalized "
+               "rows in the activation dtype")
+
+Compiled = Callable[..., Any]
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _rows_fit(t: torch.Tensor, dtype: torch.dtype, hidden: int) -> bool:
+    return (t.dim() == 2 and t.dtype is dtype and t.shape[1] == hidden and t.stride(1) == 1
+            and t.data_ptr() % 16 == 0 and t.stride(0) % VEC == 0)
+
+
+def _weight_fits(w: torch.Tensor, dtype: torch.dtype, hidden: int) -> bool:
+    return (w.dtype is dtype and w.dim() == 1 and w.shape[0] == hidden and w.stride(0) == 1
+            and w.data_ptr() % 16 == 0)
+
+
+def cutedsl_kernels(hidden: int, dtype: torch.dtype, weight_offset: float, plain: Compiled,
+                    fused: Compiled, launch: Optional[Callable[..., None]] = None) -> NormKernels:
+    """The kernel table over two compiled variants (plain and fused) for one (H, dtype, offset).
+
+    ``launch(compiled, x, r, w, y, eps)`` runs a compiled variant on torch tensors; the default
+    passes raw pointers and the current stream (tests pass a double).
+    """
+    run = launch or _launch
+    _offset = float(weight_offset)
+    warned: set[str] = set()
+
+    def fall_back(kernel: str, why: str) -> None:
+        # Correct but slower: say so once per cause, so a slow path is never silent.
+        if why not in warned:
+            warned.add(why)
+            log.warning("cutedsl %s: %s; this call and others like it use the torch reference", kernel, why)
+
+    def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_offset: float = 0.0,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        why = _why_not(x, weight, weight_offset, hidden, dtype, want_offset=_offset)
+        if why is None and out is not None and not (_rows_fit(out, dtype, hidden) and out.shape == x.shape):
+            why = "out= is not [T, H] rows like the input (contiguous last dimension, 16-byte aligned)"
+        if why is not None:
+            fall_back("rmsnorm", why)
+            return rmsnorm_ref(x, weight, eps, weight_offset=weight_offset, out=out)
+        if out is None:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if x.shape[0]:  # zero rows would be an empty grid, an invalid launch
+            run(plain, x, x, weight, out, eps)
+        return out
+
+    def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                          weight_offset: float = 0.0, out: Optional[torch.Tensor] = None,
+                          residual_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape != residual.shape:
+            raise ValueError(f"contribution shape {tuple(x.shape)} does not match residual {tuple(residual.shape)}")
+        if residual_out is None:
+            residual_out = residual
+        why = _why_not(x, weight, weight_offset, hidden, dtype, want_offset=_offset)
+        if why is None and not (_rows_fit(residual, dtype, hidden) and _rows_fit(residual_out, dtype, hidden)
+                                and residual_out.shape == x.shape):
+            why = "the residual is not [T, H] rows of the input's dtype (contiguous last dimension, 16-byte aligned)"
+        if why is None and out is not None and not (_rows_fit(out, dtype, hidden) and out.shape == x.shape):
+            why = "out= is not [T, H] rows like the input (contiguous last dimension, 16-byte aligned)"
+        if why is not None:
+            fall_back("fused_add_rmsnorm", why)
+            return fused_add_rmsnorm_ref(x, residual, weight, eps, weight_offset=weight_offset, out=out,
+                                         residual_out=residual_out)
+        if residual_out is not residual:
+            residual_out.copy_(residual)
+        if out is None:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if x.shape[0]:
+            # out may be x itself: each thread reads its vectors of x before it writes them.
+            run(fused, x, residual_out, weight, out, eps)
+        return out, residual_out
+
+    return NormKernels("cutedsl", rmsnorm, fused_add_rmsnorm, residual_in_place=True)
+
+
+def _why_not(x: torch.Tensor, weight: torch.Tensor, offset: float, hidden: int, dtype: torch.dtype, *,
+             want_offset: float) -> Optional[str]:
+    if float(offset) != want_offset:
+        return f"weight offset {offset} was not compiled here (this table serves offset {want_offset})"
+    if x.dim() != 2 or x.shape[-1] != hidden:
+        return f"input of shape {tuple(x.shape)}; this table's kernel takes [T, {hidden}] rows"
+    if x.dtype is not dtype:
+        return f"{_short(x.dtype)} input; this table's kernel was compiled for {_short(dtype)}"
+    if not _weight_fits(weight, dtype, hidden):
+        return (f"weight is {_short(weight.dtype)} {tuple(weight.shape)}; the kernel reads a contiguous, "
+                f"16-byte aligned [{hidden}] weight of the input's dtype")
+    if not _rows_fit(x, dtype, hidden):
+        return ("input rows are not contiguous in their last dimension, 16-byte aligned, with a row "
+                f"stride a multiple of {VEC} elements")
+    return None
+
+
+def _launch(compiled: Compiled, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+            eps: float) -> None:
+    from cuda.bindings import driver as cuda
+    from cutlass.cute.runtime import make_ptr
+
+    from .kernel import CUTLASS_DTYPES
+
+    el = CUTLASS_DTYPES[_short(x.dtype)]
+
+    def ptr(t: torch.Tensor) -> Any:
+        import cutlass.cute as cute
+        return make_ptr(el, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+
+    stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+    # The launch goes to the current stream, so a CUDA-graph capture on that stream records it.
+    with torch.cuda.device(x.device):
+        compiled(ptr(x), ptr(r), ptr(w), ptr(y), x.shape[0], x.stride(0), r.stride(0), y.stride(0), float(eps),
+                 stream)
+
+
+class CuTeDSLNormProvider:
+    """The CuTe DSL RMSNorm, Gemma RMSNorm and fused add + (Gemma) RMSNorm on Hopper, bf16 and fp16.
+
+    ``refuse(request)`` answers from the request, the device's compute capability and whether
+    ``cutlass`` imports here (tried once per provider, never per forward).
+    """
+
+    name = "cutedsl"
+    device_type = "cuda"
+    min_capability = (9, 0)
+    # FP32 accumulation in another order (per-thread, then a butterfly and a warp tree) and the
+    # approximate rsqrt: a few FP32 ulps before the single rounding, so one ulp of the 16-bit output.
+    tolerance = {torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
+
+    def __init__(self, *, capability: Optional[Callable[[], Optional[tuple[int, int]]]] = None,
+                 compiler: Optional[Callable[..., Compiled]] = None,
+                 launch: Optional[Callable[..., None]] = None) -> None:
+        # Seams for CPU tests: the device's capability, the compiler and the launcher.
+        self._capability = capability or _cuda_capability
+        self._compiler = compiler
+        self._launch = launch
+        self._library: Any = None  # the cutlass module, or why it cannot load
+        self._tables: dict[tuple[int, torch.dtype, float], NormKernels] = {}
+
+    def refuse(self, request: NormRequest) -> Optional[str]:
+        if request.device_type != self.device_type:
+            return f"runs on CUDA devices only, not {request.device_type}"
+        if torch.version.hip is not None:
+            return f"runs on NVIDIA GPUs only, not a ROCm build of torch (torch {torch.__version__})"
+        if request.quant is not None:
+            if request.quant == "fp8_e4m3":
+                return FP8_REFUSAL
+            return f"unknown quantized output {request.quant!r} (known: {', '.join(QUANT_FORMATS)})"
+        if request.dtype not in DTYPES:
+            return f"{_short(request.dtype)} is not supported: the CuTe DSL kernel takes bf16 and fp16 only"
+        if request.weight_offset not in (0.0, 1.0):
+            return (f"weight offset {request.weight_offset} is not offered: RMSNorm (offset 0) and "
+                    "Gemma RMSNorm (offset 1) only")
+        h = request.hidden_size
+        if h > MAX_HIDDEN:
+            return f"hidden size {h} is over {MAX_HIDDEN}: the kernel keeps a row's FP32 sum in registers"
+        if launch_shape(h) is None:
+            return (f"hidden size {h} is not a multiple of {32 * VEC}: the kernel gives every thread of "
+                    "full warps whole 128-bit vectors")
+        cap = self._capability()
+        if cap is None:
+            return "no CUDA device is visible"
+        if tuple(cap) < self.min_capability:
+            return f"needs Hopper (sm_90) or newer; this device is sm_{cap[0]}{cap[1]}"
+        lib = self._load()
+        return lib if isinstance(lib, str) else None
+
+    def kernels(self, request: NormRequest) -> NormKernels:
+        why = self.refuse(request)
+        if why is not None:
+            raise ValueError(f"{self.name} cannot serve {request.describe()}: {why}")
+        key = (request.hidden_size, request.dtype, float(request.weight_offset))
+        table = self._tables.get(key)
+        if table is None:
+            table = self._build(*key)
+            self._tables[key] = table
+        return table
+
+    def _build(self, hidden: int, dtype: torch.dtype, offset: float) -> NormKernels:
+        compile_fn = self._compiler
+        if compile_fn is None:
+            from .kernel import compile_add_rmsnorm as compile_fn
+        plain = compile_fn(hidden, _short(dtype), offset, False)
+        fused = compile_fn(hidden, _short(dtype), offset, True)
+        table = cutedsl_kernels(hidden, dtype, offset, plain, fused, self._launch)
+        if self._launch is None and torch.cuda.is_available():
+            # One launch now loads the CUDA module, so no first call does it inside a graph capture.
+            x = torch.zeros(1, hidden, dtype=dtype, device="cuda")
+            w = torch.ones(hidden, dtype=dtype, device="cuda")
+            table.fused_add_rmsnorm(x, x.clone(), w, 1e-6, weight_offset=offset)
+            table.rmsnorm(x, w, 1e-6, weight_offset=offset)
+            torch.cuda.synchronize()
+        return table
+
+    def _load(self) -> Any:
+        if self._library is None:
+            self._library = import_cutlass()
+        return self._library
+
+
+def _cuda_capability() -> Optional[tuple[int, int]]:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def import_cutlass() -> Any:
+    """``cutlass.cute``, or the reason the CuTe DSL cannot be used here."""
+    try:
+        import cutlass.cute as cute
+    except Exception as e:  # ImportError, or a CUDA library mismatch raised while importing
+        return (f"the CuTe DSL is not importable ({type(e).__name__}: {e}); "
+                "pip install 'nvidia-cutlass-dsl[cu13]==4.8.1'")
+    return cute
