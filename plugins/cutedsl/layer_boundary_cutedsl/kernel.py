@@ -17,7 +17,7 @@ warps through shared memory.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -129,14 +129,17 @@ class AddRMSNorm:
             cute.copy(vec_copy, y_frag, gY[None, v])
 
 
-def compile_add_rmsnorm(hidden: int, dtype: str, weight_offset: float, fused: bool, *, keep_ptx: bool = False) -> Any:
+def compile_add_rmsnorm(hidden: int, dtype: str, weight_offset: float, fused: bool, *,
+                        ptx_dir: Optional[str] = None) -> Any:
     """Compile one variant ahead of time, from placeholder pointers and a placeholder stream: no
     GPU is touched, so this runs on a CPU machine too (with ``CUTE_DSL_ARCH=sm_90a``). The result
     is called as ``f(x_ptr, r_ptr, w_ptr, y_ptr, rows, x_stride, r_stride, y_stride, eps, stream)``.
+    With ``ptx_dir`` the PTX is also kept (``f.__ptx__``, and a file there).
     """
     el = CUTLASS_DTYPES[dtype]
     # assumed_align is part of the compiled signature: the caller must pass 16-byte aligned pointers.
     ptrs = [make_ptr(el, 16, cute.AddressSpace.gmem, assumed_align=16) for _ in range(4)]
-    fn = cute.compile[cute.KeepPTX] if keep_ptx else cute.compile
-    return fn(AddRMSNorm(hidden, el, weight_offset, fused), *ptrs, Int32(1), Int32(hidden), Int32(hidden),
-              Int32(hidden), Float32(1e-6), make_fake_stream())
+    # The dump directory is an option, not CUTE_DSL_DUMP_DIR: that one is read once, at import.
+    options = f"--keep-ptx --dump-dir={ptx_dir}" if ptx_dir else None
+    return cute.compile(AddRMSNorm(hidden, el, weight_offset, fused), *ptrs, Int32(1), Int32(hidden),
+                        Int32(hidden), Int32(hidden), Float32(1e-6), make_fake_stream(), options=options)
