@@ -254,7 +254,7 @@ def test_cuda_plugin_on_a_cuda_machine_without_its_library_names_the_distributio
     )
 
 
-# What each CUDA plugin registers once active (CuTe DSL's kernels arrive with issue 7).
+# What each CUDA plugin registers once active.
 OFFERS = {"flashinfer": (["flashinfer"], ["flashinfer-allreduce-fusion"]), "cutedsl": (["cutedsl"], [])}
 
 
