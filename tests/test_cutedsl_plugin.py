@@ -284,3 +284,18 @@ def test_gpu_cuda_graph_replay_restores_poisoned_outputs():
     torch.cuda.synchronize()
     torch.testing.assert_close(y, want_y, atol=1.6e-2, rtol=1.6e-2)
     torch.testing.assert_close(r, want_r, atol=0, rtol=0)
+
+
+def test_a_kernel_that_does_not_build_is_a_refusal_asked_once(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None)
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("ptxas fatal: something\nmore lines")
+
+    p = CuTeDSLNormProvider(capability=HOPPER, compiler=broken)
+    p._library = object()  # as if cutlass imported
+    why = p.refuse(_req())
+    assert why == "the CuTe DSL kernel failed its build check (RuntimeError: ptxas fatal: something)"
+    assert p.refuse(_req()) == why and len(calls) == 1  # remembered: no rebuild per stage

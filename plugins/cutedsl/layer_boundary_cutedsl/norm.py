@@ -183,6 +183,7 @@ class CuTeDSLNormProvider:
         self._launch = launch
         self._library: Any = None  # the cutlass module, or why it cannot load
         self._tables: dict[tuple[int, torch.dtype, float], NormKernels] = {}
+        self._failed: dict[tuple[int, torch.dtype, float], str] = {}
 
     def refuse(self, request: NormRequest) -> Optional[str]:
         if request.device_type != self.device_type:
@@ -210,7 +211,18 @@ class CuTeDSLNormProvider:
         if tuple(cap) < self.min_capability:
             return f"needs Hopper (sm_90) or newer; this device is sm_{cap[0]}{cap[1]}"
         lib = self._load()
-        return lib if isinstance(lib, str) else None
+        if isinstance(lib, str):
+            return lib
+        # Build (and, on a GPU, check against the torch reference) at selection: a kernel that
+        # does not compile or computes something else is a refusal, never a wrong forward.
+        key = (h, request.dtype, float(request.weight_offset))
+        if key not in self._tables and key not in self._failed:
+            try:
+                self._tables[key] = self._build(*key)
+            except Exception as e:
+                first = (str(e).strip().splitlines() or [""])[0]
+                self._failed[key] = f"the CuTe DSL kernel failed its build check ({type(e).__name__}: {first})"
+        return self._failed.get(key)
 
     def kernels(self, request: NormRequest) -> NormKernels:
         why = self.refuse(request)
@@ -231,18 +243,35 @@ class CuTeDSLNormProvider:
         fused = compile_fn(hidden, _short(dtype), offset, True)
         table = cutedsl_kernels(hidden, dtype, offset, plain, fused, self._launch)
         if self._launch is None and torch.cuda.is_available():
-            # One launch now loads the CUDA module, so no first call does it inside a graph capture.
-            x = torch.zeros(1, hidden, dtype=dtype, device="cuda")
-            w = torch.ones(hidden, dtype=dtype, device="cuda")
-            table.fused_add_rmsnorm(x, x.clone(), w, 1e-6, weight_offset=offset)
-            table.rmsnorm(x, w, 1e-6, weight_offset=offset)
-            torch.cuda.synchronize()
+            # Launching now loads the CUDA module (no first call does it inside a graph capture),
+            # and compares the kernel with the torch reference before any model relies on it.
+            _self_check(table, hidden, dtype, offset, self.tolerance[dtype])
         return table
 
     def _load(self) -> Any:
         if self._library is None:
             self._library = import_cutlass()
         return self._library
+
+
+def _self_check(table: NormKernels, hidden: int, dtype: torch.dtype, offset: float,
+                tol: tuple[float, float]) -> None:
+    from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    x = torch.randn(5, hidden, generator=g, device="cuda").to(dtype)
+    r = torch.randn(5, hidden, generator=g, device="cuda").to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(dtype)
+    want_y, want_r = fused_add_rmsnorm_ref(x, r, w, 1e-6, weight_offset=offset)
+    got_y, got_r = table.fused_add_rmsnorm(x.clone(), r.clone(), w, 1e-6, weight_offset=offset)
+    want_p = rmsnorm_ref(x, w, 1e-6, weight_offset=offset)
+    got_p = table.rmsnorm(x, w, 1e-6, weight_offset=offset)
+    torch.cuda.synchronize()
+    for what, got, want in (("add+rmsnorm", got_y, want_y), ("residual", got_r, want_r), ("rmsnorm", got_p, want_p)):
+        if not torch.allclose(got.float(), want.float(), atol=tol[0], rtol=tol[1]):
+            diff = (got.float() - want.float()).abs().max().item()
+            raise RuntimeError(f"{what} disagrees with the torch reference (H={hidden}, "
+                               f"{str(dtype).replace('torch.', '')}, max |diff| {diff:.3g})")
 
 
 def _cuda_capability() -> Optional[tuple[int, int]]:
