@@ -61,11 +61,14 @@ def _worker(rank: int, world_size: int, backend: str, store_path: str, timeout_s
             faulthandler.dump_traceback_later(float(hang_dump), repeat=True)
         init_rank(rank, world_size, backend, store_path, timeout_s)
         out = fn(rank, world_size, *args)
+        # Plain pickle bytes, not the queue's torch reduction: that one hands tensors over as
+        # file descriptors served by this process, which may have exited before the parent reads
+        # them (FileNotFoundError in the parent, seen in CI-like runs).
         try:
-            pickle.dumps(out)
+            payload = pickle.dumps(out)
         except Exception:
-            out = repr(out)
-        results.put((rank, True, out))
+            payload = pickle.dumps(repr(out))
+        results.put((rank, True, payload))
     except BaseException:  # report everything, SystemExit included
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -154,7 +157,7 @@ def spawn(
                 else:
                     continue
             if ok:
-                got[rank] = payload
+                got[rank] = pickle.loads(payload)
             else:
                 failure = _root_cause(RankError(rank, payload), procs, got, results)
     finally:
