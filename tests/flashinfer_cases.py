@@ -22,6 +22,15 @@ import fused_cases
 import parallel_cases
 
 
+def norm_inputs(t: int, h: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A contribution, a residual and a norm weight (CPU tensors, seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    r = torch.randn(t, h, generator=g).to(dtype)
+    w = (torch.rand(h, generator=g) + 0.5).to(dtype)
+    return x, r, w
+
+
 def gloo_provider(**kw: Any) -> Any:
     from layer_boundary_flashinfer.fusion import FlashInferAllReduceNorm
 

@@ -24,12 +24,12 @@ normalized rows go to a separate buffer (``out``, or a fresh one).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Optional
 
 import torch
 
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary.kernels.fallback import FallbackNotice
 from layer_boundary.providers import NormRequest
 from layer_boundary.quant import QUANT_FORMATS
 from layer_boundary.residual.add_norm import NormKernels
@@ -38,7 +38,6 @@ from .shape import MAX_PER_THREAD, VEC, launch_shape
 
 __all__ = ["CuTeDSLNormProvider", "FP8_REFUSAL", "cutedsl_kernels", "import_cutlass"]
 
-log = logging.getLogger("layer_boundary")
 
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_HIDDEN = 256 * MAX_PER_THREAD * VEC
@@ -72,13 +71,7 @@ def cutedsl_kernels(hidden: int, dtype: torch.dtype, weight_offset: float, plain
     """
     run = launch or _launch
     _offset = float(weight_offset)
-    warned: set[str] = set()
-
-    def fall_back(kernel: str, why: str) -> None:
-        # Correct but slower: say so once per cause, so a slow path is never silent.
-        if why not in warned:
-            warned.add(why)
-            log.warning("cutedsl %s: %s; this call and others like it use the torch reference", kernel, why)
+    fall_back = FallbackNotice("cutedsl")  # correct but slower: said once per cause
 
     def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_offset: float = 0.0,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:

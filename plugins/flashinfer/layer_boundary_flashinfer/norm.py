@@ -34,20 +34,19 @@ one is given.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Optional
 
 import torch
 
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary.kernels.fallback import FallbackNotice
 from layer_boundary.providers import NormRequest
 from layer_boundary.quant import QUANT_FORMATS
 from layer_boundary.residual.add_norm import NormKernels
 
 __all__ = ["FlashInferNormProvider", "FP8_REFUSAL", "flashinfer_kernels"]
 
-log = logging.getLogger("layer_boundary")
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -83,13 +82,7 @@ def flashinfer_kernels(fi: Any) -> NormKernels:
     itself, or a test double with the same functions)."""
     plain = {0.0: fi.rmsnorm, 1.0: fi.gemma_rmsnorm}
     fused = {0.0: fi.fused_add_rmsnorm, 1.0: fi.gemma_fused_add_rmsnorm}
-    warned: set[str] = set()
-
-    def fall_back(kernel: str, why: str) -> None:
-        # Correct but slower: say so once per cause, so a slow path is never silent.
-        if why not in warned:
-            warned.add(why)
-            log.warning("flashinfer %s: %s; this call and others like it use the torch reference", kernel, why)
+    fall_back = FallbackNotice("flashinfer")  # correct but slower: said once per cause
 
     def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_offset: float = 0.0,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
