@@ -49,7 +49,7 @@ from flashinfer.jit.comm import gen_trtllm_comm_module; gen_trtllm_comm_module()
   export LAYER_BOUNDARY_FLASHINFER_FUSION=1 LAYER_BOUNDARY_HANG_DUMP_S=120
   for _ in $(seq 200); do [ -f /tmp/fi_comm_done ] && break; sleep 2; done
   tail -3 /tmp/fi_jit.log
-  pt 300 -m gpu tests/test_flashinfer_plugin.py tests/test_vendor_conformance.py > "$OUT/stage2-flashinfer.log" 2>&1
+  pt 300 -m gpu tests/test_flashinfer_gpu.py tests/test_vendor_conformance.py > "$OUT/stage2-flashinfer.log" 2>&1
   timeout 280 layer-boundary bench allreduce --out "$OUT" > "$OUT/bench-allreduce.log" 2>&1
   tail -5 "$OUT/stage2-flashinfer.log"; tail -30 "$OUT/bench-allreduce.log"
   ;;
