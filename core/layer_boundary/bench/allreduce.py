@@ -210,14 +210,10 @@ def allreduce_command(args: argparse.Namespace) -> int:
     # while the other rank waits in a collective.
     per_rank = spawn(_rank, WORLD, args=(spec,), backend="nccl", timeout_s=1200)
     rows, notes = per_rank[0]["rows"], per_rank[0]["notes"]
-    json_path, svg_path = report.result_paths(args.out, "allreduce", env)
-    report.write_json(json_path, "allreduce", env, rows, world=WORLD, notes=notes,
-                      nominal_nvlink_gbps=NVLINK_GBPS, busbw="T*H*element_size*2(n-1)/n/t (nccl-tests)",
-                      timing="CUDA-graph replay, median, slowest rank", replays=plan.replays,
-                      options={k: v for k, v in vars(args).items() if not callable(v)})
-    writer = report.write_plot(svg_path, f"all-reduce + add + RMSNorm, {WORLD} GPUs, {args.dtype}",
-                               _panels(rows), f"{env['gpu']}, torch {env['torch']}, {env['date']}")
-    print(f"wrote {json_path}\nwrote {svg_path} ({writer})")
+    report.publish(args, "allreduce", env, rows, f"all-reduce + add + RMSNorm, {WORLD} GPUs, {args.dtype}",
+                   _panels(rows), world=WORLD, notes=notes, nominal_nvlink_gbps=NVLINK_GBPS,
+                   busbw="T*H*element_size*2(n-1)/n/t (nccl-tests)",
+                   timing="CUDA-graph replay, median, slowest rank", replays=plan.replays)
     failed = [r for r in rows if r.get("ok") is False]
     if failed:
         print(f"{len(failed)} result(s) differ from the reference beyond the bf16 tolerance: "

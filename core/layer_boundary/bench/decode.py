@@ -249,18 +249,14 @@ def decode_command(args: argparse.Namespace) -> int:
         print("", flush=True)
     rows = [r for res in results for r in res["rows"]]
     checks = [c for res in results for c in res["checks"]]
-    json_path, svg_path = report.result_paths(args.out, "decode", env)
-    report.write_json(json_path, "decode", env, rows, checks=checks,
-                      notes=[res["note"] for res in results],
-                      selection={f"tp{tp}": res["selection"] for tp, res in zip(tps, results)},
-                      model={"hidden": args.hidden, "layers": layers, "vocab": args.vocab,
-                             "heads": args.hidden // HEAD_DIM, "kv_heads": args.hidden // HEAD_DIM // 4,
-                             "head_dim": HEAD_DIM, "intermediate": 3 * args.hidden},
-                      timing="median per step; eager between CUDA events, graph by CUDA-graph replay; slowest rank",
-                      replays=plan.replays, options={k: v for k, v in vars(args).items() if not callable(v)})
-    writer = report.write_plot(svg_path, f"Qwen3 decode step, {layers} layers, {args.dtype}", _panels(rows),
-                               f"{env['gpu']}, torch {env['torch']}, {env['date']}; dashed: eager")
-    print(f"wrote {json_path}\nwrote {svg_path} ({writer})")
+    report.publish(args, "decode", env, rows, f"Qwen3 decode step, {layers} layers, {args.dtype}", _panels(rows),
+                   note="; dashed: eager", checks=checks, notes=[res["note"] for res in results],
+                   selection={f"tp{tp}": res["selection"] for tp, res in zip(tps, results)},
+                   model={"hidden": args.hidden, "layers": layers, "vocab": args.vocab,
+                          "heads": args.hidden // HEAD_DIM, "kv_heads": args.hidden // HEAD_DIM // 4,
+                          "head_dim": HEAD_DIM, "intermediate": 3 * args.hidden},
+                   timing="median per step; eager between CUDA events, graph by CUDA-graph replay; slowest rank",
+                   replays=plan.replays)
     bad = [c for c in checks if not c["ok"]]
     if bad:
         print(f"{len(bad)} variant(s) differ from the plain forward beyond tolerance: "

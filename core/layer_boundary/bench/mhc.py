@@ -358,17 +358,12 @@ def mhc_command(args: argparse.Namespace) -> int:
           + (f"; tuned {tuned}" if tuned else ""))
     copy, rows, refusals = run_mhc(tokens, hidden, dtype, this_device(device), plan, n=args.streams, ops=ops,
                                    compile=args.compile, copy_bytes=COPY_BYTES[device][1 if args.quick else 0])
-    json_path, svg_path = report.result_paths(args.out, "mhc", env)
-    report.write_json(json_path, "mhc", env, rows, copy=copy, refused=refusals, eps=EPS, streams=args.streams,
-                      bytes_per_call={"update+read": "T*(2n+2)*C*e + 8*T*(n+n^2) + 4*n*C*(n^2+2n) + C*e",
-                                      "read": "T*(n+1)*C*e + 4*T*(n+n^2) + 4*n*C*(n^2+2n) + C*e",
-                                      "update": "T*(2n+1)*C*e + 4*T*(n+n^2)"},
-                      tuned=tuned, timing=timing, replays=plan.replays,
-                      options={k: v for k, v in vars(args).items() if not callable(v)})
-    writer = report.write_plot(svg_path, f"MHC update and read, n = {args.streams}, {args.dtype}",
-                               mhc_panels(rows, copy["gbps"]),
-                               f"{env['gpu'] or env['cpu']}, torch {env['torch']}, {env['date']}")
-    print(f"\nwrote {json_path}\nwrote {svg_path} ({writer})")
+    report.publish(args, "mhc", env, rows, f"MHC update and read, n = {args.streams}, {args.dtype}",
+                   mhc_panels(rows, copy["gbps"]), copy=copy, refused=refusals, eps=EPS, streams=args.streams,
+                   bytes_per_call={"update+read": "T*(2n+2)*C*e + 8*T*(n+n^2) + 4*n*C*(n^2+2n) + C*e",
+                                   "read": "T*(n+1)*C*e + 4*T*(n+n^2) + 4*n*C*(n^2+2n) + C*e",
+                                   "update": "T*(2n+1)*C*e + 4*T*(n+n^2)"},
+                   tuned=tuned, timing=timing, replays=plan.replays)
     failed = [r for r in rows if r.get("ok") is False or "error" in r]
     if failed:
         print(f"{len(failed)} measurement(s) failed their check or raised: "

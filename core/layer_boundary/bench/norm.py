@@ -254,15 +254,10 @@ def norm_command(args: argparse.Namespace) -> int:
     compile = not args.no_compile
     copy, rows, refusals = run_norm(tokens, hidden, dtype, this_device(device), plan, compile=compile,
                                     copy_bytes=COPY_BYTES[device][1 if args.quick else 0])
-    json_path, svg_path = report.result_paths(args.out, "norm", env)
-    report.write_json(json_path, "norm", env, rows, copy=copy, refused=refusals, eps=EPS,
-                      bytes_per_token=f"4*H*{torch.empty((), dtype=dtype).element_size()}",
-                      timing=timing, replays=plan.replays,
-                      options={k: v for k, v in vars(args).items() if not callable(v)})
-    writer = report.write_plot(svg_path, f"add+RMSNorm, {args.dtype}, residual in place",
-                               norm_panels(rows, copy["gbps"]),
-                               f"{env['gpu'] or env['cpu']}, torch {env['torch']}, {env['date']}")
-    print(f"\nwrote {json_path}\nwrote {svg_path} ({writer})")
+    report.publish(args, "norm", env, rows, f"add+RMSNorm, {args.dtype}, residual in place",
+                   norm_panels(rows, copy["gbps"]), copy=copy, refused=refusals, eps=EPS,
+                   bytes_per_token=f"4*H*{torch.empty((), dtype=dtype).element_size()}",
+                   timing=timing, replays=plan.replays)
     failed = [r for r in rows if r.get("ok") is False or "error" in r]
     if failed:
         print(f"{len(failed)} measurement(s) failed their check or raised: "

@@ -102,6 +102,18 @@ def write_json(path: str, bench: str, env: dict[str, Any], rows: Sequence[dict[s
         f.write("\n")
 
 
+def publish(args: Any, bench: str, env: dict[str, Any], rows: Sequence[dict[str, Any]], title: str,
+            panels: Sequence[Any], *, note: str = "", **fields: Any) -> None:
+    """Write a bench's dated JSON (its rows, ``fields`` and the command's options) and its plot
+    under ``args.out``, and say where they went."""
+    json_path, svg_path = result_paths(args.out, bench, env)
+    write_json(json_path, bench, env, rows, **fields,
+               options={k: v for k, v in vars(args).items() if not callable(v)})
+    subtitle = f"{env['gpu'] or env['cpu']}, torch {env['torch']}, {env['date']}{note}"
+    writer = write_plot(svg_path, title, panels, subtitle)
+    print(f"\nwrote {json_path}\nwrote {svg_path} ({writer})")
+
+
 # -- table ----------------------------------------------------------------------------------------
 
 
