@@ -6,6 +6,8 @@ the active variant.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
@@ -91,6 +93,16 @@ class StagePlan:
     exits: Mapping[BatchVariant, ExitPath] = field(default_factory=dict)
     # Why a variant the topology has gets no path at this stage (see layer_boundary.variants).
     refusals: Mapping[BatchVariant, str] = field(default_factory=dict)
+
+    # The providers' output decisions, bound once: an exit asks them per batch, and a provider
+    # that lacks one must not cost an attribute miss on every forward.
+    @functools.cached_property
+    def finalize_askers(self) -> tuple[Any, ...]:
+        return tuple(f for p in self.fusions if (f := getattr(p, "can_defer_finalize", None)) is not None)
+
+    @functools.cached_property
+    def sum_askers(self) -> tuple[Any, ...]:
+        return tuple(f for p in self.fusions if (f := getattr(p, "can_defer_all_reduce", None)) is not None)
 
     @property
     def variants(self) -> tuple[BatchVariant, ...]:

@@ -34,21 +34,16 @@ def decide(plan: StagePlan, path: ExitPath, forward_batch: Any) -> tuple[bool, b
     """
     defer_finalize = False
     defer_sum = path.always_defer_sum
-    is_ffn = plan.declaration.kind.value == "ffn"
-    asked_fin = not is_ffn
-    asked_ar = not path.may_defer_sum or defer_sum
-    for provider in plan.fusions:
-        if not asked_fin:
-            can_fin = getattr(provider, "can_defer_finalize", None)
-            if can_fin is not None and can_fin(plan, forward_batch):
-                asked_fin = True
+    if plan.declaration.kind.value == "ffn":
+        for ask in plan.finalize_askers:
+            if ask(plan, forward_batch):
                 defer_finalize = path.may_defer_finalize
-        if not asked_ar:
-            can_ar = getattr(provider, "can_defer_all_reduce", None)
-            if can_ar is not None and can_ar(plan, forward_batch):
-                asked_ar = defer_sum = True
-        if asked_fin and asked_ar:
-            break
+                break
+    if path.may_defer_sum and not defer_sum:
+        for ask in plan.sum_askers:
+            if ask(plan, forward_batch):
+                defer_sum = True
+                break
     if defer_finalize and path.skip_owed is not None:
         defer_sum = True  # a deferred finalize carries the sum that follows it
     return defer_sum, defer_finalize
