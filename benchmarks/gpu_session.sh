@@ -5,7 +5,7 @@
 #   stage 1: install (carry .whl from ../shared/tools/device-wheels.sh flashinfer), start
 #            FlashInfer's JIT builds in the background, the core GPU tests, bench norm
 #   stage 2: FlashInfer's GPU tests, the vendor conformance kit, bench allreduce
-#   stage 3: bench decode, the MoE/TBO GPU tests
+#   stage 3: bench decode, the MoE/TBO GPU tests, the feature matrix (record + tests)
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -57,5 +57,8 @@ from flashinfer.jit.comm import gen_trtllm_comm_module; gen_trtllm_comm_module()
   timeout 420 layer-boundary bench decode --out "$OUT" > "$OUT/bench-decode.log" 2>&1
   tail -30 "$OUT/bench-decode.log"
   pt 150 -m gpu tests/test_moe_parallel.py tests/test_tbo.py > "$OUT/stage3-tests.log" 2>&1; tail -3 "$OUT/stage3-tests.log"
+  # The feature matrix on NCCL: the dated record (md + JSON in $OUT), then the same cases as tests.
+  timeout 150 python3 benchmarks/gpu_feature_matrix.py --out "$OUT" > "$OUT/gpu-features.log" 2>&1; tail -26 "$OUT/gpu-features.log"
+  pt 150 -m gpu tests/test_gpu_features.py > "$OUT/stage3-features.log" 2>&1; tail -3 "$OUT/stage3-features.log"
   ;;
 esac
