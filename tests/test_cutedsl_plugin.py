@@ -108,7 +108,8 @@ def test_hook_registers_the_provider_without_importing_cutlass(monkeypatch):
     monkeypatch.delitem(sys.modules, "layer_boundary_cutedsl.kernel", raising=False)
     (provider,) = cute_hooks.layer_boundary_norm_kernels()
     assert provider.name == "cutedsl" and isinstance(provider, CuTeDSLNormProvider)
-    assert cute_hooks.layer_boundary_fusion_providers() == []
+    (fusion,) = cute_hooks.layer_boundary_fusion_providers()
+    assert fusion.name == "cutedsl-moe-finalize" and not fusion.installed
     assert "cutlass" not in sys.modules
 
 

@@ -255,7 +255,7 @@ def test_cuda_plugin_on_a_cuda_machine_without_its_library_names_the_distributio
 
 
 # What each CUDA plugin registers once active.
-OFFERS = {"flashinfer": (["flashinfer"], ["flashinfer-allreduce-fusion"]), "cutedsl": (["cutedsl"], [])}
+OFFERS = {"flashinfer": (["flashinfer"], ["flashinfer-allreduce-fusion"]), "cutedsl": (["cutedsl"], ["cutedsl-moe-finalize"])}
 
 
 @pytest.mark.parametrize("vendor", CUDA_VENDORS, ids=lambda v: v.name)

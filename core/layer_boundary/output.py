@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
-from .contracts import Owed
+from .contracts import Owed, OwedKind
 
 if TYPE_CHECKING:
     from .residual import StageUpdate
 
-__all__ = ["Contribution", "UnreducedOutput", "HandoffOutput", "OwedOutput", "OutputTransform"]
+__all__ = ["Contribution", "UnreducedOutput", "HandoffOutput", "OwedOutput", "OutputTransform",
+           "fusable_handoff"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ class HandoffOutput:
     ``payload`` and finish the work itself; either way the work runs exactly once.
     """
 
-    __slots__ = ("_finalize", "payload", "num_tokens", "_done")
+    __slots__ = ("_finalize", "payload", "num_tokens", "_done", "owed_sum")
 
     def __init__(self, finalize: Callable[[], torch.Tensor], *, num_tokens: int, **payload: Any) -> None:
         if not callable(finalize):
@@ -54,6 +55,9 @@ class HandoffOutput:
         self.payload = payload
         self.num_tokens = int(num_tokens)
         self._done = False
+        # The sum over ranks still owed after the finalize (an ``Owed``, or ``None``): set by the
+        # boundary right before a fused consumer takes the handoff, so it sums exactly that.
+        self.owed_sum: Optional[Owed] = None
 
     def complete(self) -> torch.Tensor:
         if self._done:
@@ -121,6 +125,23 @@ class Contribution:
     def __repr__(self) -> str:
         owed = ", ".join(o.describe() for o in self.owed) or "nothing"
         return f"Contribution(update={self.update.name}, owes {owed})"
+
+
+def fusable_handoff(c: Contribution) -> Optional[HandoffOutput]:
+    """The handoff of ``c`` when a fused finalize may take all it owes, else ``None``.
+
+    Fusable: a finalize followed by at most one sum over ranks and no output transform. The
+    handoff then records that sum (``owed_sum``) for the consumer that fuses it.
+    """
+    value = c.value
+    if not isinstance(value, HandoffOutput) or c.transform is not None or not c.owed:
+        return None
+    if c.owed[0].kind is not OwedKind.FINALIZE or len(c.owed) > 2:
+        return None
+    if len(c.owed) == 2 and c.owed[1].kind is not OwedKind.SUM:
+        return None
+    value.owed_sum = c.owed[1] if len(c.owed) == 2 else None
+    return value
 
 
 @dataclass(frozen=True, slots=True)

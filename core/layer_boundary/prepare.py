@@ -10,7 +10,7 @@ from .construction import EntryPath, StagePlan
 from .contracts import OwedKind
 from .layout import SumGroup
 from .errors import BoundaryError
-from .output import Contribution, HandoffOutput
+from .output import Contribution, HandoffOutput, fusable_handoff
 from .residual.access import check_shape, complete
 from .residual.stream import Handle, ResidualStream, StreamState
 from .rows import move_input
@@ -42,23 +42,33 @@ def check_edge(plan: StagePlan, entry: EntryPath, c: Contribution) -> None:
             )
 
 
-def _fusable(c: Contribution) -> bool:
-    """A single owed sum of a tensor, no transform: what a consumer candidate may complete."""
-    return (
-        len(c.owed) == 1 and c.owed[0].kind is OwedKind.SUM and c.transform is None
-        and isinstance(c.value, torch.Tensor)
-    )
+def _fusable(c: Contribution) -> Any:
+    """What a consumer candidate may complete: a single owed sum of a tensor with no transform
+    (the tensor), or a finalize handoff with at most one sum after it (the handoff)."""
+    if len(c.owed) == 1 and c.owed[0].kind is OwedKind.SUM and c.transform is None \
+            and isinstance(c.value, torch.Tensor):
+        return c.value
+    return fusable_handoff(c)
 
 
-def _try_candidates(entry: EntryPath, c: Contribution, residual: Any, read: Any, forward_batch: Any) -> Any:
+def _try_candidates(entry: EntryPath, c: Contribution, value: Any, residual: Any, read: Any,
+                    forward_batch: Any) -> Any:
     if c.update.name not in read.fuses_with:
+        return None
+    if isinstance(value, HandoffOutput):
+        # Finalize candidates sum what the handoff records it owes (owed_sum), or nothing.
+        for cand in entry.candidates:
+            if getattr(cand, "takes_handoff", False):
+                out = cand(value, residual, read, forward_batch)
+                if out is not None:
+                    return out
         return None
     owed_group = c.owed[0].group_name
     for cand in entry.candidates:
         # A candidate completes the sum group it declares, and no other.
-        if getattr(cand, "sum_group", owed_group) not in (owed_group, None):
+        if getattr(cand, "takes_handoff", False) or getattr(cand, "sum_group", owed_group) not in (owed_group, None):
             continue
-        out = cand(c.value, residual, read, forward_batch)
+        out = cand(value, residual, read, forward_batch)
         if out is not None:
             return out
     return None
@@ -128,8 +138,9 @@ def run_entry(
             stream.consume()
             # A capture completes the owed sum unfused (the spec's rule): a fused kernel may
             # never materialize the updated residual outside its communication buffers.
-            if entry.candidates and capture is None and _fusable(c):
-                fused = _try_candidates(entry, c, stream.residual, read, forward_batch)
+            fusable = _fusable(c) if entry.candidates and capture is None else None
+            if fusable is not None:
+                fused = _try_candidates(entry, c, fusable, stream.residual, read, forward_batch)
                 if fused is not None:
                     x, residual = fused  # only reads without makes_update fuse
                     if capture is not None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .allreduce_norm import AllReduceNormProvider, FusedRun, FusedSum
 
-__all__ = ["SymmMemAllReduceNorm", "SymmWorkspace"]
+__all__ = ["SymmMemAllReduceNorm", "SymmWorkspace", "make_symm_workspace", "launch"]
 
 
 @dataclass(eq=False)
@@ -63,65 +63,87 @@ class SymmMemAllReduceNorm(AllReduceNormProvider):
         return None
 
     def make_workspace(self, fused: FusedSum) -> SymmWorkspace:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        group = fused.group
-        device = torch.device("cuda", torch.cuda.current_device())
-        name = group.group.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed before torch 2.9, a deprecated no-op since
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                enable(name)
-        max_programs = torch.cuda.get_device_properties(device).multi_processor_count
-        # Two halves (consecutive calls alternate, so no closing barrier is needed), each with one
-        # slot of rows per rank (ranks push their rows; see the kernel).
-        row_bytes = 2 * group.size * fused.hidden_size * fused.dtype.itemsize
-        rows = max(1, min(self.max_tokens, self.workspace_bytes // row_bytes))
-        data = symm_mem.empty(rows * row_bytes // fused.dtype.itemsize, dtype=fused.dtype, device=device)
-        flags = symm_mem.empty(max_programs * group.size, dtype=torch.int32, device=device)
-        flags.zero_()
-        data_h = symm_mem.rendezvous(data, name)
-        flags_h = symm_mem.rendezvous(flags, name)
-        elem = data.element_size()
-        offsets = []
-        for ptr in data_h.buffer_ptrs:
-            delta = ptr - data.data_ptr()
-            if delta % (16 * elem):
-                raise RuntimeError(f"symmetric buffers of group {name} are not 16-element aligned "
-                                   f"to each other (offset {delta} bytes)")
-            offsets.append(delta // elem)
-        ws = SymmWorkspace(
-            data, flags,
-            torch.tensor(offsets, dtype=torch.int64, device=device),
-            torch.tensor(list(flags_h.buffer_ptrs), dtype=torch.int64, device=device),
-            torch.zeros(max_programs, dtype=torch.int32, device=device),
-            group.rank, group.size, max_programs, rows,
-        )
-        # Every rank's flags must read zero before any rank's first kernel signals into them.
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group.group)
-        return ws
+        return make_symm_workspace(fused.group, fused.hidden_size, fused.dtype, self.max_tokens,
+                                   self.workspace_bytes)
 
     def run_with(self, workspace: SymmWorkspace, fused: FusedSum) -> FusedRun:
-        from .symm_mem_kernel import allreduce_add_rmsnorm_kernel
-
-        hidden = fused.hidden_size
-        block = 1 << (hidden - 1).bit_length()
-        warps = _num_warps(block)
-        grid = (workspace.max_programs,)  # always all programs: each keeps its rows (see kernel)
-        rank, world = workspace.rank, workspace.world
-        data, offsets, flag_ptrs = workspace.data, workspace.data_offsets, workspace.flag_ptrs
-        epochs, slot = workspace.epochs, workspace.max_tokens * hidden
-
         def run(x: torch.Tensor, residual: torch.Tensor, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            rows = x.shape[0]
-            out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-            allreduce_add_rmsnorm_kernel[grid](
-                x, residual, read.weight, out, data, offsets, flag_ptrs, epochs,
-                rows, hidden, x.stride(0), slot, read.eps, read.offset,
-                RANK=rank, WORLD=world, BLOCK=block, num_warps=warps,
-            )
+            out = torch.empty((x.shape[0], fused.hidden_size), dtype=x.dtype, device=x.device)
+            launch(workspace, x, residual, read.weight, out, read.eps, read.offset)
             return out, residual
 
         return run
+
+
+def make_symm_workspace(group: Any, hidden: int, dtype: torch.dtype, max_tokens: int,
+                        budget_bytes: int) -> SymmWorkspace:
+    """Peer-visible rows and flags for ``group`` (a collective: every rank calls it in turn).
+
+    A group of one rank gets no symmetric memory: the kernel then sums nothing over ranks.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    max_programs = torch.cuda.get_device_properties(device).multi_processor_count
+    epochs = torch.zeros(max_programs, dtype=torch.int32, device=device)
+    if group.size == 1:
+        none = torch.zeros(1, dtype=torch.int64, device=device)
+        return SymmWorkspace(torch.empty(0, dtype=dtype, device=device), none.int(), none, none, epochs,
+                             0, 1, max_programs, max_tokens)
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = group.group.group_name
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # needed before torch 2.9, a deprecated no-op since
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(name)
+    # Two halves (consecutive calls alternate, so no closing barrier is needed), each with one
+    # slot of rows per rank (ranks push their rows; see the kernel).
+    row_bytes = 2 * group.size * hidden * dtype.itemsize
+    rows = max(1, min(max_tokens, budget_bytes // row_bytes))
+    data = symm_mem.empty(rows * row_bytes // dtype.itemsize, dtype=dtype, device=device)
+    flags = symm_mem.empty(max_programs * group.size, dtype=torch.int32, device=device)
+    flags.zero_()
+    data_h = symm_mem.rendezvous(data, name)
+    flags_h = symm_mem.rendezvous(flags, name)
+    elem = data.element_size()
+    offsets = []
+    for ptr in data_h.buffer_ptrs:
+        delta = ptr - data.data_ptr()
+        if delta % (16 * elem):
+            raise RuntimeError(f"symmetric buffers of group {name} are not 16-element aligned "
+                               f"to each other (offset {delta} bytes)")
+        offsets.append(delta // elem)
+    ws = SymmWorkspace(
+        data, flags,
+        torch.tensor(offsets, dtype=torch.int64, device=device),
+        torch.tensor(list(flags_h.buffer_ptrs), dtype=torch.int64, device=device),
+        epochs, group.rank, group.size, max_programs, rows,
+    )
+    # Every rank's flags must read zero before any rank's first kernel signals into them.
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group.group)
+    return ws
+
+
+def launch(ws: SymmWorkspace, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+           out: torch.Tensor, eps: float, weight_offset: float, *, topk_weights: Optional[torch.Tensor] = None,
+           shared: Optional[torch.Tensor] = None) -> None:
+    """One fused call: sum ``x`` over the workspace's group, add ``residual`` (in place), write
+    the norm into ``out``. With ``topk_weights``, ``x`` is ``[T, k, H]`` expert outputs that are
+    combined (plus ``shared``) first: a MoE finalize handoff."""
+    from .symm_mem_kernel import allreduce_add_rmsnorm_kernel
+
+    hidden = residual.shape[-1]
+    block = 1 << (hidden - 1).bit_length()
+    topk = 0 if topk_weights is None else topk_weights.shape[1]
+    # With peers, always all programs (each keeps its rows, see the kernel); alone, one per row.
+    grid = (ws.max_programs,) if ws.world > 1 else (max(1, residual.shape[0]),)
+    allreduce_add_rmsnorm_kernel[grid](
+        x, residual, weight, out, ws.data, ws.data_offsets, ws.flag_ptrs, ws.epochs,
+        residual.shape[0], hidden, x.stride(0), ws.max_tokens * hidden, eps, weight_offset,
+        topk_weights if topk else x, shared if shared is not None else x,
+        x.stride(1) if topk else 0, topk_weights.stride(0) if topk else 0,
+        shared.stride(0) if shared is not None else 0, ws.max_programs,
+        RANK=ws.rank, WORLD=ws.world, BLOCK=block, TOPK=topk, HAS_SHARED=shared is not None,
+        num_warps=_num_warps(block),
+    )

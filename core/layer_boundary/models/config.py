@@ -38,6 +38,9 @@ class Qwen3Config:
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     model_type: str = "qwen3"
+    # Not a HF Qwen3 field: True builds zero-centered (Gemma, weight + 1) RMSNorms as Qwen3-Next
+    # and Qwen3.5 use, which a fused finalize at the final norm needs (``handoff_norm``).
+    zero_centered_norms: bool = False
 
     MODEL_TYPE: ClassVar[str] = "qwen3"
     ARCHITECTURE: ClassVar[str] = "Qwen3ForCausalLM"
@@ -109,6 +112,7 @@ class Qwen3Config:
         """A transformers-5 style ``config.json`` dict for this config."""
         d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         del d["rope_theta"]
+        del d["zero_centered_norms"]  # ours: transformers' Qwen3 has plain RMSNorms
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
         d["hidden_act"] = "silu"
         d["architectures"] = [self.ARCHITECTURE]

@@ -39,7 +39,7 @@ from layer_boundary.models.layers import (
     VocabParallelEmbedding,
 )
 from layer_boundary.models.loader import load_checkpoint
-from layer_boundary.norms import RMSNorm
+from layer_boundary.norms import GemmaRMSNorm, RMSNorm
 from layer_boundary.providers import ResidualSemantics
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.topology import GroupInfo, Topology
@@ -111,6 +111,12 @@ def causal_attention(
         mask = (seq[:, None] == seq[None, :]) & (rows[:, None] >= rows[None, :])
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)
+
+
+def stack_norm(config: Qwen3Config, dtype: Optional[torch.dtype]) -> RMSNorm:
+    """A layer or final norm: zero-centered (Gemma) where the config asks for it."""
+    cls = GemmaRMSNorm if getattr(config, "zero_centered_norms", False) else RMSNorm
+    return cls(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
 
 class Qwen3Attention(nn.Module):
@@ -221,8 +227,8 @@ class Qwen3DecoderLayer(nn.Module):
         topology = context.topology
         self.self_attn = Qwen3Attention(config, topology.attn_heads, rotary_emb, dtype=dtype)
         self.mlp = self._make_ffn(config, layer_id, topology, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = stack_norm(config, dtype)
+        self.post_attention_layernorm = stack_norm(config, dtype)
         attn_res = residual.stage(config.hidden_size, dtype=dtype)
         ffn_res = residual.stage(config.hidden_size, dtype=dtype)
         if attn_res.params is not None:
@@ -293,6 +299,9 @@ class Qwen3Model(nn.Module):
     # Layers that run as two microbatches under two-batch overlap: every layer of a dense stack
     # (see layer_boundary.adapters.tbo.plan_overlap).
     tbo_overlap: Optional[str] = "all"
+    # The service a backend's install_*_fusion(model, terminal_finalize=True) returned: the final
+    # norm then fuses a terminal MoE finalize handoff (residual_batch.norm(handoff_norm=...)).
+    handoff_norm: Any = None
 
     def __init__(
         self,
@@ -337,7 +346,7 @@ class Qwen3Model(nn.Module):
         )
         self.norm = None
         if self.pp_last:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+            self.norm = stack_norm(config, dtype)
             final = residual.exit(config.hidden_size, dtype=dtype)
             if final.params is not None:
                 self.final_residual = final.params
@@ -367,7 +376,8 @@ class Qwen3Model(nn.Module):
                 hidden_states = layer(positions, hidden_states, forward_batch)
         if not self.pp_last:
             return residual_batch.to_pp(hidden_states, forward_batch)
-        hidden_states = residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True)
+        hidden_states = residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True,
+                                            handoff_norm=self.handoff_norm)
         return hidden_states
 
 

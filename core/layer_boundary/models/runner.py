@@ -50,6 +50,10 @@ class RunSpec:
     # Sparse FFNs return finalize handoffs (a fusion provider that always allows
     # defer_moe_finalize): the next layer's input, or the final norm, completes them unfused.
     defer_moe_finalize: bool = False
+    # The handoffs are fused instead (layer_boundary.fusion.moe_finalize): the next attention input
+    # and the final norm run combine + all-reduce + add + RMSNorm in one kernel. Builds
+    # zero-centered (Gemma) norms, which the fused final norm needs.
+    fused_finalize: bool = False
     # Two-batch overlap: each DP group's sequences split into two microbatches (balanced by
     # tokens, at a sequence boundary) whose layer stages interleave; see adapters/tbo.py.
     tbo: bool = False
@@ -67,7 +71,7 @@ class RunSpec:
             if self.residual != "plain":
                 raise ValueError(f"--tbo needs the plain residual: {self.residual!r} is a nonlinear "
                                  "update, whose per-call state cannot be split into microbatches")
-            if self.defer_moe_finalize:
+            if self.defer_moe_finalize or self.fused_finalize:
                 raise ValueError("--tbo runs the sparse FFNs operation-scheduled (no exit scope, so "
                                  "they finalize and reduce themselves); drop --defer-moe-finalize")
         if self.moe and (self.model or self.pattern is not None):
@@ -97,6 +101,11 @@ class RunSpec:
                 raise ValueError("the input-scattered variant is not supported across pipeline stages yet")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: use one of {sorted(DTYPES)}")
+        if self.fused_finalize and (self.defer_moe_finalize or self.longcat or self.pattern is not None
+                                    or self.pp > 1):
+            raise ValueError("--fused-finalize runs a Qwen3-MoE model (--moe or a qwen3_moe --model) "
+                             "on one pipeline stage; it already defers the finalize (drop "
+                             "--defer-moe-finalize)")
         if self.cp != 1:
             self._check_cp()
 
@@ -165,7 +174,10 @@ def _config(spec: RunSpec) -> Any:
         cfg = small_random_longcat_config()
     else:
         cfg = small_random_moe_config() if spec.moe else small_random_config()
-    return dataclasses.replace(cfg, **spec.config_overrides) if spec.config_overrides else cfg
+    overrides = dict(spec.config_overrides)
+    if spec.fused_finalize:
+        overrides.setdefault("zero_centered_norms", True)
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
 def model_class(config: Any) -> type:
@@ -203,6 +215,8 @@ def describe_model(spec: RunSpec) -> str:
     what = f"{name} from {spec.model}" if spec.model else f"embedded random {name} (seed {spec.seed})"
     if spec.defer_moe_finalize:
         what += "; sparse FFNs defer their finalize"
+    if spec.fused_finalize:
+        what += "; Gemma norms, fused MoE finalize handoffs"
     return what
 
 
@@ -227,6 +241,13 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
         from .moe import DeferFinalize
 
         kw["fusions"] = DeferFinalize()
+    if spec.fused_finalize:
+        if cfg.model_type != "qwen3_moe":
+            raise ValueError("--fused-finalize needs a Qwen3-MoE model (--moe, or a --model folder "
+                             "whose model_type is qwen3_moe); a dense model has no finalize")
+        from ..fusion.moe_finalize import MoeFinalizeFusion
+
+        kw["fusions"] = MoeFinalizeFusion()
     if spec.pattern is not None:
         from .hetero import HeteroForCausalLM, init_hetero_weights
 
@@ -248,6 +269,11 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
         else:
             init_random_weights(model, seed=spec.seed)
         model = model.to(device).eval().requires_grad_(False)
+    if spec.fused_finalize:
+        from ..fusion.install import install_finalize_fusion, prepare_finalize_fusion
+
+        install_finalize_fusion(model, type(kw["fusions"]), terminal_finalize=True)
+        prepare_finalize_fusion(model, type(kw["fusions"]))
     ctx.freeze()
     return model
 

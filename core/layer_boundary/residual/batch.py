@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import SNAPSHOT_PLAIN, WRITE_BEFORE_TAKE, BoundaryError
+from ..output import fusable_handoff
 from . import StageRead
 from .access import check_shape
 from .add_norm import ADD_NORM, PLAIN_ADD
@@ -114,8 +115,9 @@ def norm(
                 assert c is not None
                 # The fused finalize adds to the residual itself: only a plain add with no output
                 # transform to run first may take it; anything else completes unfused below.
-                if (c.is_handoff and handoff_norm is not None and scattered is None
-                        and c.update.plain_add and c.transform is None):
+                handoff = (fusable_handoff(c) if handoff_norm is not None and scattered is None
+                           and c.update.plain_add else None)
+                if handoff is not None:
                     if capture_output is not None:
                         raise BoundaryError(
                             "norm() cannot capture_output when a finalize handoff arrives with "
@@ -130,9 +132,9 @@ def norm(
                             "or drop handoff_norm"
                         )
                     stream.consume()
-                    out = handoff_norm.finalize(c.value, stream.residual, gamma)
-                    if not c.value.completed:
-                        c.value.mark_consumed()  # the service ran the finalize: never again
+                    out = handoff_norm.finalize(handoff, stream.residual, gamma)
+                    if not handoff.completed:
+                        handoff.mark_consumed()  # the service ran the finalize: never again
                     return out
                 stream.consume()
                 value = complete_on_rows(stream, c)

@@ -2,8 +2,8 @@
 device and the ``nvidia-cutlass-dsl`` distribution). Importing this module does not import the
 DSL: the provider imports ``cutlass`` when construction first asks it for a kernel.
 
-The MoE-finalize handoff fusion provider (``can_defer_finalize``) is not written yet, so the
-fusion hook offers nothing and selection keeps the core's path there.
+The fusion hook offers one ``CuteDslFusion`` (the MoE finalize handoff service) shared by every
+stage the context builds; it lets no exit defer until ``install_cutedsl_fusion(model)`` runs.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 from layer_boundary.plugins import hookimpl
 
+from .fusion import CuteDslFusion
 from .norm import CuTeDSLNormProvider
 
 __all__ = ["layer_boundary_norm_kernels", "layer_boundary_fusion_providers"]
@@ -25,4 +26,5 @@ def layer_boundary_norm_kernels() -> list[Any]:
 
 @hookimpl
 def layer_boundary_fusion_providers() -> list[Any]:
-    return []
+    """The MoE finalize handoff fusion (inert until ``install_cutedsl_fusion``)."""
+    return [CuteDslFusion()]

@@ -1,0 +1,164 @@
+"""The fused MoE finalize handoff (``layer_boundary.fusion.moe_finalize``), its install/prepare
+helpers and the CuTe DSL plugin's service names, against the unfused single-rank model.
+
+The embedded Qwen3-MoE has sparse layers 0, 2 and 3 (layer 1 is dense), so one forward fuses
+three handoffs: layer 0's at layer 1's attention input, layer 2's at layer 3's, and layer 3's at
+the final (Gemma) norm. Tolerances: ``FINALIZE_TOLERANCE`` relative to the largest |logit|.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from layer_boundary import BoundaryContext, Topology
+from layer_boundary.fusion.install import install_finalize_fusion, prepare_finalize_fusion
+from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE, MoeFinalizeFusion
+from layer_boundary.launch import spawn
+from layer_boundary.models.config import small_random_moe_config
+from layer_boundary.models.qwen3_moe import Qwen3MoeForCausalLM, init_random_moe_weights
+from layer_boundary.models.runner import _batch
+
+import finalize_cases
+
+HERE = Path(__file__).parent
+SEQS = [[1, 5, 9, 2, 77], [4, 8]]
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _check(r: dict, *, calls: int = 3) -> None:
+    atol, _ = FINALIZE_TOLERANCE[DTYPES[r["case"]["dtype"]]]
+    assert r["max_diff"] <= atol * max(1.0, r["scale"]), r
+    assert r["fused_calls"] == calls, r
+
+
+def test_finalize_kernel_under_the_triton_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "finalize_interpreter_cases.py")]
+    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_one_rank_fused_finalize_matches_the_unfused_model(dtype):
+    for r in finalize_cases.fused_matrix(0, 1, [dict(sequences=SEQS, dtype=dtype)]):
+        _check(r)
+
+
+def test_tensor_parallel_fused_finalize_matches_one_rank_on_gloo():
+    cases = [dict(sequences=SEQS, dtype="float64"), dict(sequences=SEQS, dtype="bfloat16"),
+             # attention DP: the candidate refuses (rows move), every handoff completes unfused
+             dict(sequences=SEQS + [[3, 3, 7]], dtype="float64", dp=2)]
+    for rank_results in spawn(finalize_cases.fused_matrix, 2, args=(cases,), timeout_s=240):
+        _check(rank_results[0])
+        _check(rank_results[1])
+        _check(rank_results[2], calls=0)
+
+
+def _model(fusions=None, *, zero_centered=True, dtype=torch.float64):
+    cfg = dataclasses.replace(small_random_moe_config(), zero_centered_norms=zero_centered)
+    ctx = BoundaryContext(Topology.single())
+    model = Qwen3MoeForCausalLM(cfg, context=ctx, dtype=dtype, fusions=fusions)
+    init_random_moe_weights(model, seed=0)
+    return model.eval()
+
+
+def _logits(model, seqs=SEQS):
+    ids, fb = _batch(seqs, "cpu", None)
+    with torch.inference_mode():
+        return model(ids, fb.positions, fb)
+
+
+def test_install_finds_no_provider_and_says_how_to_pass_one():
+    with pytest.raises(ValueError, match="no MoeFinalizeFusion in the model's stages: pass one as the stages' fusions"):
+        install_finalize_fusion(_model(), MoeFinalizeFusion)
+    with pytest.raises(ValueError, match="has no decoder layers with attn_boundary"):
+        install_finalize_fusion(torch.nn.Linear(2, 2), MoeFinalizeFusion)
+    with pytest.raises(ValueError, match="kernel must be"):
+        MoeFinalizeFusion(kernel="cuda")
+
+
+def test_an_uninstalled_provider_defers_nothing_and_prepare_needs_install():
+    provider = MoeFinalizeFusion(kernel="reference")
+    model = _model(provider)
+    with pytest.raises(RuntimeError, match="is not installed"):
+        prepare_finalize_fusion(model, MoeFinalizeFusion)
+    torch.testing.assert_close(_logits(model), _logits(_model()), rtol=0, atol=0)
+    assert provider.fused_calls == 0
+    with pytest.raises(RuntimeError, match="terminal_finalize=True"):
+        provider.finalize(None, torch.zeros(1, 64), torch.zeros(64))
+
+
+def test_a_plain_final_norm_keeps_the_terminal_handoff_unfused():
+    provider = MoeFinalizeFusion(kernel="reference")
+    model = _model(provider, zero_centered=False)
+    service = install_finalize_fusion(model, MoeFinalizeFusion, terminal_finalize=True)
+    assert service is provider and model.model.handoff_norm is provider
+    # The last FFN does not defer (its final norm is not Gemma): two handoffs fuse, not three.
+    torch.testing.assert_close(_logits(model), _logits(_model(zero_centered=False)), rtol=1e-12, atol=1e-12)
+    assert provider.fused_calls == 2
+
+
+def test_batches_over_the_workspace_complete_unfused():
+    provider = MoeFinalizeFusion(kernel="reference", max_tokens=4)
+    model = _model(provider)
+    install_finalize_fusion(model, MoeFinalizeFusion, terminal_finalize=True)
+    torch.testing.assert_close(_logits(model), _logits(_model()), rtol=1e-12, atol=1e-12)
+    assert provider.fused_calls == 0  # 7 tokens > 4: no exit deferred
+    _logits(model, [[1, 2, 3]])
+    assert provider.fused_calls == 3
+
+
+def test_selection_report_names_the_candidate_after_each_sparse_ffn():
+    provider = MoeFinalizeFusion(kernel="reference")
+    model = _model(provider)
+    rows = [s for s in model.context.report.selections if s.what == "consumer fusion"]
+    chosen = {s.stage: s.chosen for s in rows}
+    # Layer 1 follows sparse layer 0, layer 3 follows sparse layer 2; layer 2 follows dense 1.
+    assert any("moe finalize" in (c or "") for c in chosen.values()), chosen
+
+
+def test_cutedsl_service_names_install_through_the_boundaries():
+    from layer_boundary_cutedsl import CuteDslFusion, install_cutedsl_fusion, prepare_cutedsl_fusion
+
+    provider = CuteDslFusion(kernel="reference")
+    model = _model(provider)
+    service = install_cutedsl_fusion(model, terminal_finalize=True)
+    prepare_cutedsl_fusion(model)
+    assert service is provider and model.model.handoff_norm is provider
+    atol, _ = FINALIZE_TOLERANCE[torch.float64]
+    torch.testing.assert_close(_logits(model), _logits(_model()), rtol=atol, atol=atol)
+    assert provider.fused_calls == 3
+    with pytest.raises(ValueError, match="no CuteDslFusion"):
+        install_cutedsl_fusion(_model(MoeFinalizeFusion(kernel="reference")))
+
+
+# -- GPU --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_triton_fused_finalize_on_one_gpu(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    seqs = [[1, 5, 9, 2, 77], [4, 8], list(range(3, 200))]
+    for r in finalize_cases.fused_matrix(0, 1, [dict(sequences=seqs, dtype=dtype)], "cuda"):
+        assert r["kernel"] == "triton"
+        _check(r)
+
+
+@pytest.mark.gpu
+def test_triton_fused_finalize_on_two_gpus_matches_one():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs; {torch.cuda.device_count()} visible")
+    cases = [dict(sequences=SEQS, dtype="bfloat16"), dict(sequences=SEQS + [list(range(3, 300))], dtype="float32")]
+    for rank_results in spawn(finalize_cases.fused_matrix, 2, args=(cases, "cuda"), backend="nccl", timeout_s=300):
+        for r in rank_results:
+            assert r["kernel"] == "triton"
+            _check(r)
