@@ -162,3 +162,28 @@ def test_triton_fused_finalize_on_two_gpus_matches_one():
         for r in rank_results:
             assert r["kernel"] == "triton"
             _check(r)
+
+
+# -- the conformance kit ------------------------------------------------------------------------
+
+from layer_boundary import ForwardBatch  # noqa: E402
+from layer_boundary.testing import FusionProviderConformance  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+class TestReferenceFinalizeConformance(FusionProviderConformance):
+    @pytest.fixture
+    def provider(self):
+        return MoeFinalizeFusion(kernel="reference", max_tokens=64)
+
+    @pytest.fixture
+    def dtype(self, dtype):
+        return dtype
+
+    @pytest.fixture
+    def device(self):
+        return "cpu"
+
+    @pytest.fixture
+    def declined_batch(self):
+        return ForwardBatch(num_tokens=1 << 20)

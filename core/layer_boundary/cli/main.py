@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--defer-moe-finalize", action="store_true",
                      help="let sparse FFNs return finalize handoffs (defer_moe_finalize) that the "
                      "next layer's input or the final norm completes; Qwen3-MoE only")
+    run.add_argument("--fused-finalize", action="store_true",
+                     help="fuse each sparse FFN's finalize handoff (top-k combine, shared expert, "
+                     "all-reduce, residual add, RMSNorm) into the next attention input and the "
+                     "final norm (one Triton kernel on CUDA, the torch reference elsewhere); builds "
+                     "zero-centered (Gemma) norms; Qwen3-MoE only")
     run.add_argument("--tbo", action="store_true",
                      help="two-batch overlap: split each DP group's sequences into two microbatches "
                      "(balanced by tokens) with their own residual streams, interleave their layer "

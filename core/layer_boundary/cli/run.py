@@ -67,6 +67,7 @@ def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
                    reduction=args.reduction, residual=args.residual,
                    device=args.device, pattern=args.pattern, moe=getattr(args, "moe", False),
                    defer_moe_finalize=getattr(args, "defer_moe_finalize", False),
+                   fused_finalize=getattr(args, "fused_finalize", False),
                    tbo=getattr(args, "tbo", False), longcat=getattr(args, "longcat", False))
 
 
@@ -149,6 +150,10 @@ def run_command(args: argparse.Namespace) -> int:
         cfg = _config(spec)
     except (ValueError, FileNotFoundError) as e:
         print(f"layer-boundary run: {e}", file=sys.stderr)
+        return 2
+    if spec.fused_finalize and cfg.model_type != "qwen3_moe":
+        print("layer-boundary run: --fused-finalize needs a Qwen3-MoE model (--moe, or a --model "
+              f"folder whose model_type is qwen3_moe); this model is {cfg.model_type!r}", file=sys.stderr)
         return 2
     if spec.defer_moe_finalize and cfg.model_type not in ("qwen3_moe", "longcat"):
         print("layer-boundary run: --defer-moe-finalize needs a Qwen3-MoE model or the LongCat-style "

@@ -13,6 +13,7 @@ from ..factories import declare_attn, declare_ffn, make_stages
 from ..forward import ForwardBatch
 from ..kernels.reference import fused_add_rmsnorm_ref
 from ..norms import RMSNorm
+from .finalize import HandoffConformance
 from .tolerances import tolerance_of
 
 __all__ = ["FusionProviderConformance"]
@@ -38,7 +39,7 @@ def no_collectives() -> Iterator[None]:
             setattr(dist, n, f)
 
 
-class FusionProviderConformance:
+class FusionProviderConformance(HandoffConformance):
     """Subclass and provide fixtures:
 
     ``provider``: the ``FusionProvider``. ``declined_batch``: a batch every candidate of the
