@@ -226,6 +226,21 @@ def test_kernel_compiles_for_sm90a_without_a_gpu(h, dtype, offset, fused, tmp_pa
     assert "shfl.sync.bfly" in ptx and "rsqrt" in ptx
 
 
+@pytest.mark.parametrize("h, dtype, k, shared", [(4096, "bfloat16", 8, True), (2048, "float16", 2, False)])
+def test_finalize_variant_compiles_with_vector_accesses_only(h, dtype, k, shared, tmp_path):
+    kernel = _cute_kernel_module()
+    ptx = kernel.compile_add_rmsnorm(h, dtype, 1.0, True, topk=k, shared=shared, ptx_dir=str(tmp_path)).__ptx__
+    assert ".target sm_90a" in ptx
+    _, per = launch_shape(h)
+    # Per vector: k expert rows (+ shared), the residual and the weight in; residual and y out.
+    loads = len(re.findall(r"ld\.global\.v4\.b32", ptx))
+    stores = len(re.findall(r"st\.global\.v4\.b32", ptx))
+    assert (loads, stores) == ((k + shared + 2) * per, 2 * per), (loads, stores)
+    # The router weights: one scalar load each per row, nothing else narrower than 128 bits.
+    assert len(re.findall(r"ld\.global\.(b16|u16)", ptx)) == k
+    assert not re.search(r"st\.global\.(b16|u16|v2\.b32)", ptx)
+
+
 # -- GPU ------------------------------------------------------------------------------------------
 
 

@@ -19,7 +19,9 @@ import torch
 
 from layer_boundary import BoundaryContext, Topology
 from layer_boundary.fusion.install import install_finalize_fusion, prepare_finalize_fusion
-from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE, MoeFinalizeFusion
+from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE, MoeFinalizeFusion, finalize_partial_ref
+from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
+from layer_boundary.testing.finalize import make_handoff
 from layer_boundary.launch import spawn
 from layer_boundary.models.config import small_random_moe_config
 from layer_boundary.models.qwen3_moe import Qwen3MoeForCausalLM, init_random_moe_weights
@@ -187,3 +189,55 @@ class TestReferenceFinalizeConformance(FusionProviderConformance):
     @pytest.fixture
     def declined_batch(self):
         return ForwardBatch(num_tokens=1 << 20)
+
+
+# -- the CuTe DSL one-rank variants (compiler and launcher doubles) -----------------------------
+
+
+def test_cutedsl_prepares_one_rank_variants_and_serves_only_what_it_built(caplog):
+    from layer_boundary_cutedsl import CuteDslFusion
+
+    built, launched = [], []
+
+    def compiler(h, dtype, offset, fused, *, topk, shared):
+        built.append((h, dtype, offset, topk, shared))
+        return ("variant", topk, shared)
+
+    def launch(compiled, x, r, w, y, eps, tw, sh):
+        launched.append(compiled)
+        y.copy_(fused_add_rmsnorm_ref(finalize_partial_ref(x, tw, sh), r, w, eps, weight_offset=1.0,
+                                      residual_out=r)[0])
+
+    p = CuteDslFusion(kernel="triton", compiler=compiler, launch=launch)
+    p._norms.add((1, 256, torch.bfloat16, 1.0))
+    p._norms.add((2, 256, torch.bfloat16, 1.0))  # a two-rank consumer: the core kernel's
+    p.prepare(top_k=(2,))
+    assert built == [(256, "bfloat16", 1.0, 2, False), (256, "bfloat16", 1.0, 2, True)]
+    h = make_handoff(4, 256, torch.bfloat16, "cpu")  # top-4: not prepared
+    p_ = h.payload
+    r = torch.randn(4, 256).to(torch.bfloat16)
+    norm = (torch.zeros(256, dtype=torch.bfloat16), 1e-6, 1.0)
+    assert p.local_kernel(p_["expert_out"], p_["topk_weights"], p_["shared_out"], r, norm) is None
+    assert any("no CuTe DSL variant was prepared for H=256 top-4" in m for m in caplog.messages)
+    e2, w2 = p_["expert_out"][:, :2].contiguous(), p_["topk_weights"][:, :2].contiguous()
+    call = p.local_kernel(e2, w2, p_["shared_out"], r, norm)
+    out = torch.empty_like(r)
+    call(out)
+    assert launched == [("variant", 2, True)]
+    # A row stride that breaks the 128-bit accesses: the core kernel instead.
+    assert p.local_kernel(p_["expert_out"][:, :2], w2, p_["shared_out"], r, norm) is not None  # stride 4*256
+    odd = torch.randn(4, 2, 260).to(torch.bfloat16)[:, :, :256]
+    assert p.local_kernel(odd, w2, None, r, norm) is None
+
+
+def test_cutedsl_failed_variant_is_reported_and_skipped(caplog):
+    from layer_boundary_cutedsl import CuteDslFusion
+
+    def compiler(*a, **k):
+        raise RuntimeError("ptxas died")
+
+    p = CuteDslFusion(kernel="triton", compiler=compiler)
+    p._norms.add((1, 256, torch.float16, 0.0))
+    p.prepare(top_k=(8,))
+    assert not p._variants
+    assert any("is not used (RuntimeError: ptxas died)" in m for m in caplog.messages)

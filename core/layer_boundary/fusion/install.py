@@ -74,11 +74,12 @@ def install_finalize_fusion(model: nn.Module, kind: type, *, terminal_finalize: 
     return service
 
 
-def prepare_finalize_fusion(model: nn.Module, kind: type) -> None:
-    """Create the installed providers' workspaces (collectives on their groups): every rank
-    calls it in the same order, before CUDA-graph capture."""
+def prepare_finalize_fusion(model: nn.Module, kind: type, **options: Any) -> None:
+    """Create the installed providers' workspaces (collectives on their groups) and build their
+    kernels: every rank calls it in the same order, before CUDA-graph capture. ``options`` go to
+    each provider's ``prepare``."""
     _, providers = _providers(model, kind)
     for p in providers:
         if not p.installed:
             raise RuntimeError(f"{p!r} is not installed; call install first")
-        p.prepare()
+        p.prepare(**options)

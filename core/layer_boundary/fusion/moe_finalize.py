@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -127,6 +127,9 @@ class MoeFinalizeFusion:
         # (group ranks, hidden, dtype) -> workspace, made by prepare() for every group offered.
         self._groups: dict[tuple[Any, ...], tuple[GroupInfo, int, torch.dtype]] = {}
         self._workspaces: dict[tuple[Any, ...], Any] = {}
+        # (group size, hidden, dtype, norm weight offset) of every consumer offered: what a
+        # backend's own kernels are built for in prepare().
+        self._norms: set[tuple[int, int, torch.dtype, float]] = set()
         self._warned: set[str] = set()
         self.fused_calls = 0  # handoffs this provider finished (tests and the run report read it)
 
@@ -179,7 +182,7 @@ class MoeFinalizeFusion:
         why = self._group_refusal(group, params[0].dtype, int(params[0].shape[0]))
         if why is None:
             self._final = (group, params[1])
-            self._want(group, int(params[0].shape[0]), params[0].dtype)
+            self._want(group, int(params[0].shape[0]), params[0].dtype, 1.0)
         return why
 
     def prepare(self) -> None:
@@ -234,7 +237,10 @@ class MoeFinalizeFusion:
             return None
         weight, eps, offset = norm
         out = torch.empty_like(residual)
-        if self.kernel == "reference":
+        local = self.local_kernel(expert_out, weights, shared, residual, norm) if group.size == 1 else None
+        if local is not None:
+            local(out)
+        elif self.kernel == "reference":
             partial = finalize_partial_ref(expert_out, weights, shared)
             if group.size > 1:
                 dist.all_reduce(partial, group=group.group)
@@ -250,6 +256,12 @@ class MoeFinalizeFusion:
         handoff.mark_consumed()
         self.fused_calls += 1
         return out
+
+    def local_kernel(self, expert_out: torch.Tensor, weights: torch.Tensor, shared: Optional[torch.Tensor],
+                     residual: torch.Tensor, norm: NormParams) -> Optional[Callable[[torch.Tensor], None]]:
+        """A backend's own one-rank kernel for this call (``run(out)``), or ``None`` for the
+        core's. Called only with a payload that passed the layout checks."""
+        return None
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -273,7 +285,7 @@ class MoeFinalizeFusion:
         why = agree(group, self._group_refusal(group, weight.dtype, int(weight.shape[0])))
         if why is not None:
             return (RefusedCandidate(name, why),)
-        self._want(group, int(weight.shape[0]), weight.dtype)
+        self._want(group, int(weight.shape[0]), weight.dtype, float(read.offset))
         return (FinalizeCandidate(name, self, group, (weight, read.eps, float(read.offset))),)
 
     def _group_refusal(self, group: GroupInfo, dtype: torch.dtype, hidden: int) -> Optional[str]:
@@ -291,8 +303,9 @@ class MoeFinalizeFusion:
             return f"hidden size {hidden} is over its limit of {self.max_hidden}"
         return None
 
-    def _want(self, group: GroupInfo, hidden: int, dtype: torch.dtype) -> None:
+    def _want(self, group: GroupInfo, hidden: int, dtype: torch.dtype, offset: float) -> None:
         self._groups[(group.ranks, hidden, dtype)] = (group, hidden, dtype)
+        self._norms.add((group.size, hidden, dtype, offset))
 
     def _workspace(self, group: GroupInfo, hidden: int, dtype: torch.dtype) -> Any:
         ws = self._workspaces.get((group.ranks, hidden, dtype))

@@ -10,25 +10,40 @@ passes as the stages' ``fusions`` option). Until installed it lets no exit defer
 sparse FFN exit whose next consumer takes the handoff returns a ``HandoffOutput``, and the next
 layer's attention input (or, with ``terminal_finalize``, the final Gemma RMSNorm through
 ``finalize(handoff, residual, gamma)``) runs the top-k combine, the shared expert, the MoE
-group's all-reduce, the residual add and the RMSNorm in one kernel.
+group's all-reduce, the residual add and the RMSNorm in one kernel:
 
-On Hopper without NVLink multicast the all-reduce reads the peers' rows through symmetric-memory
-peer pointers: the core's symmetric-memory kernel with its finalize prologue
-(``layer_boundary.fusion.symm_mem_kernel``), whose workspaces ``prepare_cutedsl_fusion``
-creates. The arithmetic, tolerance and fallback rules are the core's
-(``layer_boundary.fusion.moe_finalize``).
+* **one rank** (no sum over ranks owed): the CuTe DSL kernel (``kernel.AddRMSNorm`` with its
+  finalize prologue), built in ``prepare_cutedsl_fusion`` for the top-k the model's sparse blocks
+  use and checked there against the torch reference; a variant that was not built or failed its
+  check leaves the call to the core's Triton kernel (said once);
+* **several ranks**: on Hopper without NVLink multicast the all-reduce reads the peers' rows
+  through symmetric-memory peer pointers, in the core's symmetric-memory kernel with the same
+  finalize prologue (``layer_boundary.fusion.symm_mem_kernel``), whose workspaces
+  ``prepare_cutedsl_fusion`` creates.
+
+Arithmetic, tolerance and fallback rules are the core's (``layer_boundary.fusion.moe_finalize``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Any, Callable, Iterable, Optional
 
+import torch
 from torch import nn
 
 from layer_boundary.fusion.install import install_finalize_fusion, prepare_finalize_fusion
-from layer_boundary.fusion.moe_finalize import MoeFinalizeFusion
+from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE, MoeFinalizeFusion, finalize_partial_ref
+from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
+
+from .shape import VEC, launch_shape
 
 __all__ = ["CuteDslFusion", "install_cutedsl_fusion", "prepare_cutedsl_fusion"]
+
+log = logging.getLogger("layer_boundary")
+
+# (hidden, dtype, weight offset, top-k, shared expert) -> compiled CuTe DSL variant
+Variant = tuple[int, torch.dtype, float, int, bool]
 
 
 class CuteDslFusion(MoeFinalizeFusion):
@@ -36,6 +51,108 @@ class CuteDslFusion(MoeFinalizeFusion):
 
     name = "cutedsl-moe-finalize"
     candidate_name = "cutedsl moe finalize + all-reduce + add + rmsnorm"
+
+    def __init__(self, *, compiler: Optional[Callable[..., Any]] = None,
+                 launch: Optional[Callable[..., None]] = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        # Seams for CPU tests: the compiler and the launcher of the CuTe DSL variants.
+        self._compiler = compiler
+        self._launch = launch
+        self._variants: dict[Variant, Any] = {}
+
+    def prepare(self, top_k: Iterable[int] = ()) -> None:
+        """Workspaces (the core's), then the CuTe DSL variants for one-rank consumers and each
+        ``top_k``, with and without a shared expert, each checked against the reference."""
+        super().prepare()
+        if self.kernel != "triton":
+            return
+        for world, hidden, dtype, offset in sorted(self._norms, key=repr):
+            if world != 1 or dtype not in (torch.bfloat16, torch.float16) or launch_shape(hidden) is None:
+                continue
+            for k in sorted(set(top_k)):
+                for shared in (False, True):
+                    self._build((hidden, dtype, offset, k, shared))
+
+    def _build(self, v: Variant) -> None:
+        hidden, dtype, offset, k, shared = v
+        try:
+            compile_fn = self._compiler
+            if compile_fn is None:
+                from .kernel import compile_add_rmsnorm as compile_fn
+            compiled = compile_fn(hidden, str(dtype).replace("torch.", ""), offset, True, topk=k, shared=shared)
+            why = _self_check(compiled, v, self._launch or _launch)
+        except Exception as exc:  # a DSL or driver failure: the core kernel serves instead
+            why = f"{type(exc).__name__}: {exc}"
+        if why is None:
+            self._variants[v] = compiled
+        else:
+            log.warning("%s: the CuTe DSL finalize variant H=%d %s top-%d%s is not used (%s); the core "
+                        "Triton kernel runs it", self.name, hidden, dtype, k, " +shared" if shared else "", why)
+
+    def local_kernel(self, expert_out: torch.Tensor, weights: torch.Tensor, shared: Optional[torch.Tensor],
+                     residual: torch.Tensor, norm: Any) -> Optional[Callable[[torch.Tensor], None]]:
+        weight, eps, offset = norm
+        v = (residual.shape[1], residual.dtype, float(offset), expert_out.shape[1], shared is not None)
+        compiled = self._variants.get(v)
+        if compiled is None:
+            if self.kernel == "triton" and v[1] in (torch.bfloat16, torch.float16):
+                self._decline_once(f"no CuTe DSL variant was prepared for H={v[0]} top-{v[3]}"
+                                   f"{' +shared' if v[4] else ''} (prepare_cutedsl_fusion(model, top_k=...)); "
+                                   "the core Triton kernel runs it")
+            return None
+        if not _vector_ready(expert_out, weights, shared, residual, weight):
+            return None
+        run = self._launch or _launch
+
+        def call(out: torch.Tensor) -> None:
+            run(compiled, expert_out, residual, weight, out, eps, weights, shared)
+
+        return call
+
+
+def _vector_ready(expert_out: torch.Tensor, weights: torch.Tensor, shared: Optional[torch.Tensor],
+                  residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """What the 128-bit accesses need: 16-byte aligned bases, row strides a multiple of 8."""
+    rows16 = [expert_out, residual, weight] + ([shared] if shared is not None else [])
+    return (all(t.data_ptr() % 16 == 0 for t in rows16) and expert_out.stride(0) % VEC == 0
+            and expert_out.stride(1) % VEC == 0 and (shared is None or shared.stride(0) % VEC == 0)
+            and weights.stride(1) == 1 and weight.stride(0) == 1)
+
+
+def _launch(compiled: Any, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Tensor, eps: float,
+            tw: torch.Tensor, sh: Optional[torch.Tensor]) -> None:
+    from .norm import _launch as launch_variant
+
+    launch_variant(compiled, x, r, w, y, eps, tw, sh)
+
+
+def _self_check(compiled: Any, v: Variant, run: Callable[..., None]) -> Optional[str]:
+    """Run the variant once on random rows against the reference; ``None`` when it agrees."""
+    hidden, dtype, offset, k, shared = v
+    if not torch.cuda.is_available():
+        return None  # compiled for a GPU this process does not have (a CPU build check)
+    g = torch.Generator().manual_seed(0)
+    rows = 3
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype).cuda()
+
+    e, tw = rand(rows, k, hidden), torch.softmax(torch.randn(rows, k, generator=g), -1).to(dtype).cuda()
+    sh = rand(rows, hidden) if shared else None
+    r, w = rand(rows, hidden), rand(hidden)
+    want_y, want_r = fused_add_rmsnorm_ref(finalize_partial_ref(e, tw, sh), r, w, 1e-6, weight_offset=offset)
+    y = torch.empty_like(r)
+    run(compiled, e, r, w, y, 1e-6, tw, sh)
+    torch.cuda.synchronize()
+    atol, rtol = FINALIZE_TOLERANCE[dtype]
+    for got, want, what in ((y, want_y, "normalized rows"), (r, want_r, "residual")):
+        if not torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol):
+            return f"its {what} differ from the reference by {(got.float() - want.float()).abs().max().item():.3g}"
+    return None
+
+
+def _model_top_k(model: nn.Module) -> set[int]:
+    return {int(m.top_k) for m in model.modules() if isinstance(getattr(m, "top_k", None), int)}
 
 
 def install_cutedsl_fusion(model: nn.Module, *, terminal_finalize: bool = False,
@@ -51,7 +168,9 @@ def install_cutedsl_fusion(model: nn.Module, *, terminal_finalize: bool = False,
                                    final_norm=final_norm)
 
 
-def prepare_cutedsl_fusion(model: nn.Module) -> None:
-    """Create the installed providers' peer-visible workspaces: a collective on each MoE group,
-    so every rank calls it, in the same order, before the first forward or graph capture."""
-    prepare_finalize_fusion(model, CuteDslFusion)
+def prepare_cutedsl_fusion(model: nn.Module, *, top_k: Optional[Iterable[int]] = None) -> None:
+    """Create the installed providers' peer-visible workspaces (a collective on each MoE group,
+    so every rank calls it, in the same order) and build the CuTe DSL variants for ``top_k``
+    (default: every ``top_k`` attribute among the model's modules), before the first forward or
+    graph capture."""
+    prepare_finalize_fusion(model, CuteDslFusion, top_k=tuple(top_k) if top_k is not None else tuple(_model_top_k(model)))

@@ -134,22 +134,28 @@ def _why_not(x: torch.Tensor, weight: torch.Tensor, offset: float, hidden: int, 
 
 
 def _launch(compiled: Compiled, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
-            eps: float) -> None:
+            eps: float, tw: Optional[torch.Tensor] = None, sh: Optional[torch.Tensor] = None) -> None:
+    """Run a compiled variant on torch tensors, on the current stream. With ``tw`` (a finalize
+    variant), ``x`` is ``[T, k, H]`` expert rows and ``sh`` the optional shared-expert rows."""
     from cuda.bindings import driver as cuda
     from cutlass.cute.runtime import make_ptr
 
     from .kernel import CUTLASS_DTYPES
 
-    el = CUTLASS_DTYPES[_short(x.dtype)]
+    el = CUTLASS_DTYPES[_short(r.dtype)]
 
-    def ptr(t: torch.Tensor) -> Any:
+    def ptr(t: torch.Tensor, align: int = 16) -> Any:
         import cutlass.cute as cute
-        return make_ptr(el, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+        return make_ptr(el, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
     stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+    k_stride = x.stride(1) if tw is not None else 0
+    # Without a finalize the router-weight and shared pointers are never read: x stands in.
+    tw_t, sh_t = (tw if tw is not None else x), (sh if sh is not None else x)
     # The launch goes to the current stream, so a CUDA-graph capture on that stream records it.
     with torch.cuda.device(x.device):
-        compiled(ptr(x), ptr(r), ptr(w), ptr(y), x.shape[0], x.stride(0), r.stride(0), y.stride(0), float(eps),
+        compiled(ptr(x), ptr(r), ptr(w), ptr(y), ptr(tw_t, r.element_size()), ptr(sh_t), r.shape[0],
+                 x.stride(0), k_stride, r.stride(0), y.stride(0), tw_t.stride(0), sh_t.stride(0), float(eps),
                  stream)
 
 
