@@ -31,10 +31,13 @@ import torch
 __all__ = ["KERNEL_MODES", "KernelSelection", "select_kernels", "triton_unavailable"]
 
 KERNEL_MODES = ("auto", "triton", "torch")
-# The first H200 run (2026-11-30, benchmarks/results/2026-11-30-mhc-nvidia-h200.json): the fused
-# update+read matched the reference at T=1 but failed the bench's check at T=128 and 8192
-# (max |diff| 0.016 and 0.031 in bf16; whether one-ulp roundings or a bug is not yet known).
-UNVERIFIED = ("not yet verified on GPUs (the first H200 run failed the reference check at 128+ tokens); "
+# The first H200 run (2026-11-30, benchmarks/results/2026-11-30-mhc-nvidia-h200.json) failed the
+# bench's check at T=128 and 8192 (max |diff| 0.016 and 0.031 in bf16). That check was wrong: it
+# compared the read end to end, and a stream element that rounds the other way (one bf16 ulp,
+# both right) moves its token's coefficients past their FP32 tolerance (see accuracy.py). The
+# corrected check has not run on a GPU yet; the lead decides when "auto" picks the kernels there.
+UNVERIFIED = ("not yet verified on GPUs (the first H200 run's check failures were one-ulp stream roundings "
+              "its check compared end to end; the corrected check has not run on a GPU yet); "
               "MhcSemantics(kernels='triton') runs them")
 MAX_STREAMS = 8  # the kernels' limit (n^2 + 2n coefficient columns padded to 128)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 from torch.library import triton_op, wrap_triton
 
+from .accuracy import TOLERANCE  # re-exported: the kernels' tolerances live with their comparison
 from .coefficients import SINKHORN_ITERS
 from .triton_mhc import (
     COOPERATIVE,
@@ -49,32 +50,6 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-# (atol, rtol) of each output against the torch reference, per stream dtype.
-TOLERANCE: dict[torch.dtype, dict[str, tuple[float, float]]] = {
-    torch.float32: {
-        # x': n + 1 FP32 products summed in another order.
-        "streams": (1e-5, 1e-5),
-        # FP32 statistics reduced in another order; the projection as three TF32 products
-        # (2^-22 of each term) over n*C terms; 20 Sinkhorn iterations with approximate division.
-        "coefficients": (2e-5, 2e-5),
-        # the same coefficients, an FP32 norm with an approximate rsqrt.
-        "input": (2e-5, 2e-5),
-    },
-    torch.bfloat16: {
-        # one rounding of an FP32 value that differs by a few ulps: at most one bf16 ulp (2^-7
-        # of the value); the atol covers sums that cancel to nearly zero.
-        "streams": (1e-5, 2.0**-7),
-        "coefficients": (2e-5, 2e-5),  # FP32 math from the same (rounded) streams
-        # one rounding to bf16 that may land on the neighbouring value.
-        "input": (1.6e-2, 1.6e-2),
-    },
-    torch.float16: {
-        "streams": (1e-5, 2.0**-10),
-        "coefficients": (2e-5, 2e-5),
-        "input": (2e-3, 2e-3),
-    },
-}
 
 
 # -- launches (shared by the eager path and the operators) -----------------------------------------

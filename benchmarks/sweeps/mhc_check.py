@@ -1,0 +1,111 @@
+"""The MHC Triton kernels against the torch reference and an FP64 computation, on a GPU (H200).
+
+Why the first H200 run's check failed at T >= 128 (2026-11-30: max |diff| 0.016 and 0.031): one
+bf16 ulp of stream values in [2, 4) and [4, 8). This prints, for ``bench mhc``'s inputs (n = 4,
+H = 4096, bf16) and each T:
+
+- ``same``: the cooperative launch equals the two-launch one and itself over repeats (a race or a
+  wrong index at multi-block grids would break this: the two launches need no ordering);
+- ``check``: ``layer_boundary_mhc.accuracy.compare``, each output's worst |diff| / allowed;
+- ``end to end``: the old check's figures: kernel against the reference run on its own streams,
+  the streams that round differently and how far the coefficients of the tokens holding them and
+  of the other tokens lie from the reference's;
+- ``fp64``: kernel and reference against an FP64 computation from the same rounded streams
+  (streams not correctly rounded, the input's worst error in ulps, the coefficients' worst
+  absolute error): the kernel should be as close to FP64 as the reference, or closer.
+
+Run: python benchmarks/sweeps/mhc_check.py [--tokens T ...] [--hidden H]   (default 1 128 8192, 4096)
+(on CPU under the interpreter, slowly: TRITON_INTERPRET=1 ... --device cpu --tokens 16 --hidden 256)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from layer_boundary.bench import mhc as bench
+from layer_boundary_mhc import accuracy, reference, triton_ops
+
+N, BF16 = 4, torch.bfloat16
+
+
+def correctly_rounded(v: torch.Tensor) -> torch.Tensor:
+    """FP64 -> bf16 to nearest (through FP32 a value can round twice): the nearest of the FP32
+    route's result and its two bf16 neighbours."""
+    c = v.float().to(BF16)
+    best = c
+    for step in (1, -1):
+        n = c.clone()
+        n.view(torch.int16).add_(step)
+        best = torch.where((n.double() - v).abs() < (best.double() - v).abs(), n, best)
+    return best
+
+
+def ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|got - exact| in bf16 ulps of ``exact``."""
+    _, e = torch.frexp(exact)
+    return (got.double() - exact).abs() / torch.ldexp(torch.ones_like(exact), e - 8)
+
+
+def fp64_read(streams: torch.Tensor, i: bench.Inputs) -> tuple[torch.Tensor, ...]:
+    """The read in FP64 of rounded ``streams``: (input before rounding, H_post, H_res)."""
+    mixed, hp, hr = reference.mhc_combine_ref(streams.double(), i.params.double())
+    var = mixed.square().mean(-1, keepdim=True)
+    return mixed * torch.rsqrt(var + bench.EPS) * i.w.double(), hp, hr
+
+
+def run(t: int, hidden: int, device: str) -> bool:
+    i = bench._inputs(t, N, hidden, BF16, device)
+    call = lambda coop: triton_ops.mhc_update_read_triton(  # noqa: E731
+        i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS, cooperative=coop)
+    got = call(True)
+    same = all(torch.equal(a, b) for a, b in zip(got, call(False)))
+    same &= all(all(torch.equal(a, b) for a, b in zip(got, call(True))) for _ in range(5))
+    devs = accuracy.compare("update+read", got, i.x, y=i.y, h_post=i.h_post, h_res=i.h_res, params=i.params,
+                            norm_weight=i.w, norm_eps=bench.EPS)
+    print(f"T={t}: cooperative == two launches == repeats: {same}")
+    print("  check: " + ", ".join(f"{d.output} {d.worst:.3f}" for d in devs) + ("  ok" if all(d.ok for d in devs)
+                                                                                   else "  FAIL"))
+    for d in devs:
+        if not d.ok:
+            print(f"    {d}")
+
+    want = reference.mhc_update_read_ref(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
+    flip = got[0] != want[0]
+    tok = flip.flatten(1).any(1)
+    print(f"  end to end: max |diff| streams {(got[0].float() - want[0].float()).abs().max():.4g} "
+          f"input {(got[1].float() - want[1].float()).abs().max():.4g}; {int(flip.sum())} stream elements of "
+          f"{flip.numel()} round differently, in {int(tok.sum())} of {t} tokens")
+    for name, g, w in (("h_post", got[2], want[2]), ("h_res", got[3], want[3])):
+        d = (g - w).abs().flatten(1).amax(1)
+        parts = [f"{lab} {d[m].max():.3g}" for lab, m in (("those tokens", tok), ("others", ~tok)) if m.any()]
+        print(f"    {name} max |diff|: " + ", ".join(parts))
+
+    exact = reference.mhc_update_ref(i.x.double(), i.y.double(), i.h_post.double(), i.h_res.double())
+    rounded = correctly_rounded(exact)
+    for name, out in (("kernel", got), ("reference", want)):
+        inp, hp, hr = fp64_read(out[0], i)
+        off = int((out[1] != correctly_rounded(inp)).sum())
+        print(f"  fp64 {name:9}: streams not correctly rounded {int((out[0] != rounded).sum())}; input worst "
+              f"{ulps(out[1], inp).max():.3f} ulp, not correctly rounded {off}; "
+              f"H_post {(out[2].double() - hp).abs().max():.3g}, H_res {(out[3].double() - hr).abs().max():.3g}")
+    return same and all(d.ok for d in devs)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 8192])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(f"{name}, torch {torch.__version__}, n={N}, H={args.hidden}, bf16, bench mhc's inputs")
+    with torch.no_grad():
+        ok = [run(t, args.hidden, args.device) for t in args.tokens]
+    return 0 if all(ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
