@@ -51,7 +51,8 @@ from flashinfer.jit.comm import gen_trtllm_comm_module; gen_trtllm_comm_module()
   tail -3 /tmp/fi_jit.log
   pt 300 -m gpu tests/test_flashinfer_gpu.py tests/test_vendor_conformance.py > "$OUT/stage2-flashinfer.log" 2>&1
   timeout 280 layer-boundary bench allreduce --out "$OUT" > "$OUT/bench-allreduce.log" 2>&1
-  tail -5 "$OUT/stage2-flashinfer.log"; tail -30 "$OUT/bench-allreduce.log"
+  timeout 200 layer-boundary bench finalize --out "$OUT" > "$OUT/bench-finalize.log" 2>&1
+  tail -5 "$OUT/stage2-flashinfer.log"; tail -30 "$OUT/bench-allreduce.log"; tail -80 "$OUT/bench-finalize.log"
   ;;
 3)
   timeout 420 layer-boundary bench decode --out "$OUT" > "$OUT/bench-decode.log" 2>&1

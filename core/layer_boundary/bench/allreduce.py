@@ -24,7 +24,8 @@ from .candidates import accepted_candidates, describe_candidates, two_stage_plan
 from .norm import DTYPES, NormMethod, norm_methods, peer_methods
 from .timing import TimingPlan, cuda_unavailable, max_over_group, slowest, this_device, time_call
 
-__all__ = ["AR_HIDDEN", "AR_TOKENS", "NVLINK_GBPS", "allreduce_command", "bus_bandwidth"]
+__all__ = ["AR_HIDDEN", "AR_TOKENS", "NVLINK_GBPS", "allreduce_command", "best_separate", "bus_bandwidth",
+           "us_panels"]
 
 AR_HIDDEN = (4096, 7168)
 AR_TOKENS = tuple(2**i for i in range(14))  # 1, 2, 4, ..., 8192
@@ -60,8 +61,8 @@ def _check(got: Any, want: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, bo
     return err, ok
 
 
-def _best_separate(methods: list[NormMethod], c0: torch.Tensor, r0: torch.Tensor, w: torch.Tensor,
-                   plan: TimingPlan, group: Any, device: str) -> tuple[NormMethod, dict[str, float]]:
+def best_separate(methods: list[NormMethod], c0: torch.Tensor, r0: torch.Tensor, w: torch.Tensor,
+                  plan: TimingPlan, group: Any, device: str) -> tuple[NormMethod, dict[str, float]]:
     """Time each separate add+RMSNorm on this rank (no collective); every rank then picks the
     same fastest method by the slowest rank's time."""
     times: dict[str, float] = {}
@@ -129,7 +130,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
                 separate = methods + [p for p in peer_methods(dtype, compile=spec["compile"])
                                       if p.name != "torch eager"]
-                best, sep_times = _best_separate(separate, c0, r0, read.weight, plan, group, device)
+                best, sep_times = best_separate(separate, c0, r0, read.weight, plan, group, device)
                 x, r, y = c0.clone(), r0.clone(), torch.empty_like(c0)
 
                 def unfused() -> Any:
@@ -176,7 +177,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "notes": notes}
 
 
-def _panels(rows: list[dict[str, Any]]) -> list[report.Panel]:
+def us_panels(rows: list[dict[str, Any]]) -> list[report.Panel]:
     panels = []
     for h in sorted({r["hidden"] for r in rows}):
         mine = [r for r in rows if r["hidden"] == h and "us" in r]
@@ -211,7 +212,7 @@ def allreduce_command(args: argparse.Namespace) -> int:
     per_rank = spawn(_rank, WORLD, args=(spec,), backend="nccl", timeout_s=1200)
     rows, notes = per_rank[0]["rows"], per_rank[0]["notes"]
     report.publish(args, "allreduce", env, rows, f"all-reduce + add + RMSNorm, {WORLD} GPUs, {args.dtype}",
-                   _panels(rows), world=WORLD, notes=notes, nominal_nvlink_gbps=NVLINK_GBPS,
+                   us_panels(rows), world=WORLD, notes=notes, nominal_nvlink_gbps=NVLINK_GBPS,
                    busbw="T*H*element_size*2(n-1)/n/t (nccl-tests)",
                    timing="CUDA-graph replay, median, slowest rank", replays=plan.replays)
     failed = [r for r in rows if r.get("ok") is False]

@@ -59,13 +59,14 @@ def _provider_method(origin: str, provider: Any, request: NormRequest) -> NormMe
 
     k = provider.kernels(request)
     fused = k.fused_add_rmsnorm
+    offset = request.weight_offset
 
     def call(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Any:
-        return fused(x, r, w, EPS, weight_offset=0.0, out=y, residual_out=r)
+        return fused(x, r, w, EPS, weight_offset=offset, out=y, residual_out=r)
 
     def call_over_input(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Any:
         # As the boundary's read calls it (NormKernels.input_as_out): over the consumed input.
-        return fused(x, r, w, EPS, weight_offset=0.0, out=x, residual_out=r)
+        return fused(x, r, w, EPS, weight_offset=offset, out=x, residual_out=r)
 
     if k.input_as_out:
         call = call_over_input
@@ -73,7 +74,7 @@ def _provider_method(origin: str, provider: Any, request: NormRequest) -> NormMe
     return NormMethod(provider.name, origin, call, tolerance_of(provider, request.dtype))
 
 
-def _compiled_method(dtype: torch.dtype) -> NormMethod:
+def _compiled_method(dtype: torch.dtype, weight_offset: float = 0.0) -> NormMethod:
     import torch._dynamo
 
     from ..testing.tolerances import DEFAULT_TOLERANCE
@@ -86,7 +87,7 @@ def _compiled_method(dtype: torch.dtype) -> NormMethod:
     def call(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Any:
         # No out=: Inductor (torch 2.13) fails with KeyError when both out= and residual_out=
         # are given; the compiled graph allocates y itself, the bytes moved are the same.
-        return compiled(x, r, w, EPS, weight_offset=0.0, residual_out=r)
+        return compiled(x, r, w, EPS, weight_offset=weight_offset, residual_out=r)
 
     atol, rtol = DEFAULT_TOLERANCE[dtype]
     return NormMethod("torch.compile", "peer", call, {"atol": atol, "rtol": rtol})
@@ -128,9 +129,11 @@ def norm_methods(providers: Sequence[tuple[str, Any]],
     return methods, refused
 
 
-def peer_methods(dtype: torch.dtype, *, compile: bool) -> list[NormMethod]:
-    """torch.compile of the reference (compiled afresh for each shape) and torch eager."""
-    return ([_compiled_method(dtype)] if compile else []) + [EAGER]
+def peer_methods(dtype: torch.dtype, *, compile: bool, weight_offset: float = 0.0) -> list[NormMethod]:
+    """torch.compile of the reference (compiled afresh for each shape) and torch eager (plain
+    RMSNorm only: EAGER is written for weight offset 0)."""
+    return (([_compiled_method(dtype, weight_offset)] if compile else [])
+            + ([EAGER] if weight_offset == 0.0 else []))
 
 
 def _check(method: NormMethod, got: tuple[torch.Tensor, torch.Tensor],

@@ -172,6 +172,23 @@ def _add_gpu_benches(bsub: Any) -> None:
     ar.add_argument("--no-compile", action="store_true",
                     help="leave torch.compile out of the separate-kernel choice")
 
+    fin = bsub.add_parser(
+        "finalize", help="MoE finalize handoff: the fused finalize + all-reduce + add + Gemma RMSNorm vs NCCL + "
+        "separate kernels",
+        description="The core's fused MoE finalize kernel (top-k combine + shared expert + all-reduce over "
+        "symmetric memory + residual add + Gemma RMSNorm, one launch) against moe_finalize in torch ops + NCCL + "
+        "the best separate add+norm kernel, and against torch.compile'd finalize + NCCL + torch.compile'd add+norm; "
+        "µs, speedup over the best baseline, bytes per rank, % of the copy bandwidth measured in the same run, "
+        "and a check against the unfused path. --world 1 runs the one-GPU path (no all-reduce).",
+    )
+    _grid_options(fin, tokens_help="token counts (default 1 4 16 64 128 256 512 1024)")
+    fin.add_argument("--world", type=int, choices=(1, 2), default=None,
+                     help="GPUs (ranks): 2 sums over NCCL / symmetric memory, 1 has no all-reduce "
+                     "(default 2 when 2 GPUs are visible, else 1)")
+    fin.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
+    fin.add_argument("--no-compile", action="store_true",
+                     help="leave torch.compile out (the compiled peer and the separate-kernel choice)")
+
     dec = bsub.add_parser(
         "decode", help="Qwen3 decode step with vs without boundaries, eager and CUDA-graph replay",
         description="A decode step (one token per sequence) of the reference Qwen3 decoder with random "
@@ -231,6 +248,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..bench.allreduce import allreduce_command
 
         return allreduce_command(args)
+    if args.command == "bench" and args.bench == "finalize":
+        from ..bench.finalize import finalize_command
+
+        return finalize_command(args)
     if args.command == "bench" and args.bench == "decode":
         from ..bench.decode import decode_command
 
