@@ -7,7 +7,7 @@ here. The public names below load on first use (PEP 562).
 
 from __future__ import annotations
 
-from typing import Any
+from layer_boundary.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -21,12 +21,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'layer_boundary_cutedsl' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"layer_boundary_cutedsl.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, {name: f".{module}" for name, module in _LAZY.items()}, globals())

@@ -13,7 +13,7 @@ names below are imported on first use.
 
 from __future__ import annotations
 
-from typing import Any
+from layer_boundary.lazy import lazy_exports
 
 from ._manifest import MANIFEST
 
@@ -48,12 +48,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'layer_boundary_mhc' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"layer_boundary_mhc.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, {name: f".{module}" for name, module in _LAZY.items()}, globals())
