@@ -292,6 +292,8 @@ def test_kernels_compile_for_sm90_with_wide_accesses_and_no_spills():
     assert prefill.count(r"wgmma\.mma_async") > 0, "the projection is not on Hopper tensor cores"
     assert decode.count(r"\bmma\.sync") > 0
     assert prefill.spill_bytes == 0, f"{prefill.spill_bytes} bytes of register spills"
+    # 249 when Triton recomputed the mix in the MMA's layout as well as the store's (_store_cast).
+    assert prefill.registers <= 200, f"{prefill.registers} registers: is the mix computed twice?"
     assert prefill.shared <= 200 * 1024
     rec = Recorder(tm.mhc_update_kernel)
     t, n, c = 64, 4, 4096

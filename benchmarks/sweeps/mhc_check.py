@@ -12,7 +12,10 @@ H = 4096, bf16) and each T:
   of the other tokens lie from the reference's;
 - ``fp64``: kernel and reference against an FP64 computation from the same rounded streams
   (streams not correctly rounded, the input's worst error in ulps, the coefficients' worst
-  absolute error): the kernel should be as close to FP64 as the reference, or closer.
+  absolute error): the kernel should be as close to FP64 as the reference, or closer;
+- ``time`` (with ``--time``): CUDA-graph medians of the cooperative launch, the two launches, the
+  stream passes alone, the finishes alone and the update kernel alone, each with its own bytes
+  (x' re-read by the finishes counted) and its share of the copy bandwidth: which phase is slow.
 
 Run: python benchmarks/sweeps/mhc_check.py [--tokens T ...] [--hidden H]   (default 1 128 8192, 4096)
 (on CPU under the interpreter, slowly: TRITON_INTERPRET=1 ... --device cpu --tokens 16 --hidden 256)
@@ -26,7 +29,9 @@ import sys
 import torch
 
 from layer_boundary.bench import mhc as bench
+from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call
 from layer_boundary_mhc import accuracy, reference, triton_ops
+from layer_boundary_mhc import triton_mhc as tm
 
 N, BF16 = 4, torch.bfloat16
 
@@ -94,16 +99,60 @@ def run(t: int, hidden: int, device: str) -> bool:
     return same and all(d.ok for d in devs)
 
 
+class _Only:
+    """Stands in for the boundary kernel in ``triton_ops._launch_boundary``: launches one MODE."""
+
+    def __init__(self, mode: int) -> None:
+        self.mode = mode
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            if meta["MODE"] == self.mode:
+                tm.mhc_boundary_kernel[grid](*args, **meta)
+        return launch
+
+
+def phases(i: bench.Inputs, copy_gbps: float) -> None:
+    t, n, c = i.x.shape
+    e = i.x.element_size()
+    streams, out = torch.empty_like(i.x), i.x.new_empty((t, c))
+    hp, hr = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
+    params = triton_ops._param_tensors(i.params, n, c)
+
+    def launch(kernel, coop: bool):
+        return lambda: triton_ops._launch_boundary(kernel, i.x, i.y, i.h_post, i.h_res, streams, *params, i.w, out,
+                                                   hp, hr, i.params.eps, bench.EPS, 0.0, 20, coop)
+
+    rows = [("cooperative", launch(tm.mhc_boundary_kernel, True), bench.bytes_moved("update+read", t, n, c, e)),
+            ("two launches", launch(tm.mhc_boundary_kernel, False),
+             bench.bytes_moved("update+read", t, n, c, e) + t * n * c * e),
+            ("stream passes", launch(_Only(tm.STREAM_PASS), False), bench.bytes_moved("update", t, n, c, e)),
+            ("finishes", launch(_Only(tm.FINISH), False), t * (n + 1) * c * e),
+            ("update kernel", lambda: triton_ops.mhc_update_triton(i.x, i.y, i.h_post, i.h_res, out=streams),
+             bench.bytes_moved("update", t, n, c, e))]
+    for name, fn, nbytes in rows:
+        us = time_call(fn, i.x.device.type, TimingPlan(replays=20, max_calls=50)).median_us
+        gbps = nbytes / us / 1e3
+        print(f"  time {name:13}: {us:8.1f} µs  {gbps:7.0f} GB/s  {100 * gbps / copy_gbps:5.1f} % of copy")
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 8192])
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--time", action="store_true", help="also time the phases")
     args = ap.parse_args(argv)
     name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"{name}, torch {torch.__version__}, n={N}, H={args.hidden}, bf16, bench mhc's inputs")
     with torch.no_grad():
         ok = [run(t, args.hidden, args.device) for t in args.tokens]
+        if args.time:
+            copy = copy_bandwidth(args.device, 1 << (30 if args.device == "cuda" else 22))["gbps"]
+            print(f"copy bandwidth {copy:.0f} GB/s")
+            for t in args.tokens:
+                print(f"T={t}: {tm.boundary_config(t, N, args.hidden, 2)}")
+                phases(bench._inputs(t, N, args.hidden, BF16, args.device), copy)
     return 0 if all(ok) else 1
 
 

@@ -19,8 +19,10 @@ tensor cores as TF32 products of ``phi``'s high and low parts (``_project``), ab
 each term, near the accuracy of an FP32 product; 16-bit streams are exact in TF32.
 
 Why the mix is written once and projected from registers: the x' tile that is stored is the A
-operand of the MMA, so x' is never re-read in a stream pass (Triton computes the mix in both the
-store's and the MMA's register layout; that costs registers, not memory traffic).
+operand of the MMA, so x' is never re-read in a stream pass. The rounding to the stream dtype is
+an opaque instruction on NVIDIA GPUs (``_store_cast``): Triton then moves the rounded tile into
+the MMA's layout through shared memory instead of recomputing the mix, loads and FMAs, in each
+layout (which took half the stream pass's instructions and 245 registers at n = 4, BT = 64).
 
 Why slices: ``phi`` ([n C, n^2 + 2n] FP32, 1.5 MiB at n = 4, C = 4096) is read from L2 once per
 stream pass, so a pass covers ``BT`` tokens to amortize it (24 KiB a token at BT = 64), and the
@@ -60,6 +62,10 @@ __all__ = [
     "MAX_STREAMS",
     "MAX_TILE",
     "CHUNK",
+    "CASTS",
+    "CAST_PLAIN",
+    "CAST_EXACT",
+    "CAST_PTX",
     "COOPERATIVE",
     "STREAM_PASS",
     "FINISH",
@@ -70,22 +76,42 @@ __all__ = [
 MAX_TILE = 8192
 CHUNK = 4096
 COOPERATIVE, STREAM_PASS, FINISH = 0, 1, 2
+# How _store_cast rounds FP32 to the stored dtype (the CASTS constexpr, fixed at import below).
+CAST_PLAIN, CAST_EXACT, CAST_PTX = 0, 1, 2
 
 _TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the reference's floor on exp(logits)
 
 
 @triton.jit
-def _store_cast(ptr, v, mask, EXACT_CASTS: tl.constexpr):
-    # Triton 3.6's interpreter converts FP32 to bf16 by truncation, a GPU to nearest even: under
-    # the interpreter round the FP32 bit pattern to 16 significant bits first, then the
-    # conversion is exact (finite values only, which is all a kernel here stores).
-    if EXACT_CASTS:
+def _store_cast(ptr, v, mask, CASTS: tl.constexpr):
+    """Store ``v`` (FP32) rounded to nearest even to ``ptr``'s dtype; returns the rounded value in FP32."""
+    if CASTS == 1:  # CAST_EXACT
+        # Triton 3.6's interpreter converts FP32 to bf16 by truncation, a GPU to nearest even:
+        # round the FP32 bit pattern to 16 significant bits first, then the conversion is exact
+        # (finite values only, which is all a kernel here stores).
         if ptr.dtype.element_ty == tl.bfloat16:
             bits = v.to(tl.int32, bitcast=True)
             half = 0x7FFF + ((bits >> 16) & 1)
             v = ((bits + half) & -65536).to(tl.float32, bitcast=True)
-    tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
-    return v.to(ptr.dtype.element_ty).to(tl.float32)
+        r = v.to(ptr.dtype.element_ty)
+    elif CASTS == 2:  # CAST_PTX
+        # The instruction .to() emits, made opaque (not pure): the stream pass uses the rounded
+        # mix in two register layouts (the store's and the projection MMA's), and Triton would
+        # otherwise recompute the whole mix, loads and FMAs, in each. On sm_90 at n = 4, 64
+        # tokens: 1387 -> 674 instructions a chunk and 245 -> 170 registers (with the
+        # coefficients loaded once a stream pass).
+        if ptr.dtype.element_ty == tl.bfloat16:
+            r = tl.inline_asm_elementwise("cvt.rn.bf16.f32 $0, $1;", "=h,r", [v], dtype=tl.bfloat16,
+                                          is_pure=False, pack=1)
+        elif ptr.dtype.element_ty == tl.float16:
+            r = tl.inline_asm_elementwise("cvt.rn.f16.f32 $0, $1;", "=h,r", [v], dtype=tl.float16,
+                                          is_pure=False, pack=1)
+        else:
+            r = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=False, pack=1)
+    else:
+        r = v.to(ptr.dtype.element_ty)
+    tl.store(ptr, r, mask=mask)
+    return r.to(tl.float32)
 
 
 @triton.jit
@@ -94,12 +120,22 @@ def _load_rows(ptr, tt, c, m2, st, sc):
 
 
 @triton.jit
-def _mixed_stream(y, xs, hp_ptr, hr_ptr, tt, tm, i: tl.constexpr, N: tl.constexpr):
-    """Stream ``i`` of ``H_post y + H_res x`` in FP32, [BT, BC]: ``y`` and the streams ``xs`` are
-    [BT, BC] tiles, the coefficients contiguous rows from the block's first token."""
-    v = tl.load(hp_ptr + tt * N + i, mask=tm, other=0.0)[:, None] * y
+def _stream_coefficients(hp_ptr, hr_ptr, tt, tm, i: tl.constexpr, N: tl.constexpr):
+    """``(H_post[:, i], (H_res[:, i, j] for j))`` of the rows ``tt``, [BT] each, from contiguous
+    coefficients."""
+    hr = ()
     for j in tl.static_range(N):
-        v += tl.load(hr_ptr + tt * (N * N) + i * N + j, mask=tm, other=0.0)[:, None] * xs[j]
+        hr = hr + (tl.load(hr_ptr + tt * (N * N) + i * N + j, mask=tm, other=0.0),)
+    return tl.load(hp_ptr + tt * N + i, mask=tm, other=0.0), hr
+
+
+@triton.jit
+def _mixed_stream(y, xs, hp, hr, N: tl.constexpr):
+    """A stream of ``H_post y + H_res x`` in FP32, [BT, BC], of the tiles ``y`` and ``xs`` and
+    that stream's coefficients (``_stream_coefficients``)."""
+    v = hp[:, None] * y
+    for j in tl.static_range(N):
+        v += hr[j][:, None] * xs[j]
     return v
 
 
@@ -129,7 +165,7 @@ def _stream_pass(
     sxt, sxn, sxc, syt, syc, sot, son, soc,
     N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
-    UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, EXACT_CASTS: tl.constexpr,
+    UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, CASTS: tl.constexpr,
 ):
     row0 = b.to(tl.int64) * BT
     # Block-local offsets stay in int32 (BT tokens' streams); the int64 base is in the pointers.
@@ -144,6 +180,11 @@ def _stream_pass(
         hp_ptr += row0 * N
         hr_ptr += row0 * (N * N)
         xo_ptr += row0 * sot
+        # Loaded once a program: inside the column loop the pipeliner would copy all n + n^2 of
+        # them through shared memory for every chunk.
+        coefs = ()
+        for i in tl.static_range(N):
+            coefs = coefs + (_stream_coefficients(hp_ptr, hr_ptr, tt, tm, i, N),)
     acc = tl.zeros([BT, KP], dtype=tl.float32)
     ssq = tl.zeros([BT], dtype=tl.float32)
     # A fixed trip count: the last slice's chunks past C are masked out.
@@ -158,9 +199,9 @@ def _stream_pass(
                 xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc),)
         for i in tl.static_range(N):
             if UPDATE:
-                v = _mixed_stream(y, xs, hp_ptr, hr_ptr, tt, tm, i, N)
+                v = _mixed_stream(y, xs, coefs[i][0], coefs[i][1], N)
                 # The read sees the rounded streams, as the reference does.
-                v = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, EXACT_CASTS)
+                v = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS)
             else:
                 v = _load_rows(x_ptr + i * sxn, tt, c, m2, sxt, sxc)
             ssq += tl.sum(v * v, axis=1)
@@ -202,7 +243,7 @@ def _finish(
     sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr, TB: tl.constexpr,
-    ITERS: tl.constexpr, UPDATE: tl.constexpr, CHUNKED: tl.constexpr, EXACT_CASTS: tl.constexpr,
+    ITERS: tl.constexpr, UPDATE: tl.constexpr, CHUNKED: tl.constexpr, CASTS: tl.constexpr,
 ):
     row0 = b.to(tl.int64) * BT + q * TB
     tt = tl.arange(0, TB)
@@ -266,7 +307,7 @@ def _finish(
                 xj = tl.load(base + j * sn + c * sc, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
                 acc += _pick(hp, i, j) * xj
             r2 = tl.rsqrt(tl.sum(acc * acc, axis=0) / C + norm_eps)
-            _store_cast(out_ptr + row * sit + c * sic, acc * r2 * w, cm, EXACT_CASTS)
+            _store_cast(out_ptr + row * sit + c * sic, acc * r2 * w, cm, CASTS)
         else:
             sq = tl.zeros([CP], dtype=tl.float32)
             for c0 in tl.range(0, C, CP):
@@ -286,7 +327,7 @@ def _finish(
                                  cache_modifier=".cg").to(tl.float32)
                     acc += _pick(hp, i, j) * xj
                 wc = tl.load(w_ptr + (c0 + c) * sw, mask=cm, other=0.0).to(tl.float32) + offset
-                _store_cast(out_ptr + row * sit + (c0 + c) * sic, acc * r2 * wc, cm, EXACT_CASTS)
+                _store_cast(out_ptr + row * sit + (c0 + c) * sic, acc * r2 * wc, cm, CASTS)
 
 
 @triton.jit
@@ -300,7 +341,7 @@ def mhc_boundary_kernel(
     CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr,
     BC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr,
     UPDATE: tl.constexpr,
-    SPLIT_A: tl.constexpr, CHUNKED: tl.constexpr, MODE: tl.constexpr, EXACT_CASTS: tl.constexpr,
+    SPLIT_A: tl.constexpr, CHUNKED: tl.constexpr, MODE: tl.constexpr, CASTS: tl.constexpr,
 ):
     if MODE == 0:
         ticket = tl.atomic_add(cnt_ptr, 1)
@@ -310,7 +351,7 @@ def mhc_boundary_kernel(
             if r < NB:
                 _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, r, k, T,
                              sxt, sxn, sxc, syt, syc, sot, son, soc,
-                             N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, EXACT_CASTS)
+                             N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, CASTS)
                 # Every thread's stores, then one release: what the finish acquires.
                 tl.debug_barrier()
                 tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
@@ -322,25 +363,25 @@ def mhc_boundary_kernel(
                 _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                         out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, k - S, T,
                         sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, EXACT_CASTS)
+                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS)
     elif MODE == 1:
         pid = tl.program_id(0)
         _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, pid // S, pid % S, T,
                      sxt, sxn, sxc, syt, syc, sot, son, soc,
-                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, EXACT_CASTS)
+                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, CASTS)
     else:
         pid = tl.program_id(0)
         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                 out_ptr, hpo_ptr, hro_ptr, part_ptr, pid // RB, pid % RB, T,
                 sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, EXACT_CASTS)
+                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS)
 
 
 @triton.jit
 def mhc_update_kernel(
     x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, T,
     sxt, sxn, sxc, syt, syc, sot, son, soc,
-    N: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, EXACT_CASTS: tl.constexpr,
+    N: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, CASTS: tl.constexpr,
 ):
     """``x' = H_res x + H_post^T y`` on a [BT tokens, BC columns] tile, rounded once."""
     row0 = tl.program_id(0).to(tl.int64) * BT
@@ -354,12 +395,15 @@ def mhc_update_kernel(
     for j in tl.static_range(N):
         xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc),)
     for i in tl.static_range(N):
-        v = _mixed_stream(y, xs, hp_ptr + row0 * N, hr_ptr + row0 * (N * N), tt, tm, i, N)
-        _store_cast(xo_ptr + row0 * sot + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, EXACT_CASTS)
+        hp, hr = _stream_coefficients(hp_ptr + row0 * N, hr_ptr + row0 * (N * N), tt, tm, i, N)
+        v = _mixed_stream(y, xs, hp, hr, N)
+        _store_cast(xo_ptr + row0 * sot + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS)
 
 
 # Decided when this module is imported: Triton 3.6 picks the interpreter in @triton.jit.
 INTERPRETED = not isinstance(mhc_boundary_kernel, JITFunction)
+# PTX only for NVIDIA; ROCm builds of torch report their GPUs as cuda devices too.
+CASTS = CAST_EXACT if INTERPRETED else CAST_PLAIN if torch.version.hip else CAST_PTX
 
 
 @dataclass(frozen=True, slots=True)

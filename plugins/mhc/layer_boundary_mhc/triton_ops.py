@@ -29,6 +29,7 @@ from torch.library import triton_op, wrap_triton
 from .accuracy import TOLERANCE  # re-exported: the kernels' tolerances live with their comparison
 from .coefficients import SINKHORN_ITERS
 from .triton_mhc import (
+    CASTS,
     COOPERATIVE,
     FINISH,
     INTERPRETED,
@@ -88,7 +89,7 @@ def _launch_boundary(
         N=n, NP=max(2, _pow2(n)), K=k, KP=kp, C=hidden, CP=cfg.row_tile, S=cfg.slices, SB=cfg.slice_batch(kp),
         CS=cfg.slice_cols, BT=cfg.block_tokens, BC=cfg.block_cols, STAGES=cfg.stages, TB=cfg.finish_tokens, RB=cfg.finishers,
         ITERS=int(iters), UPDATE=update, SPLIT_A=x.dtype == torch.float32, CHUNKED=cfg.chunked,
-        EXACT_CASTS=INTERPRETED,
+        CASTS=CASTS,
         num_warps=cfg.num_warps,
     )
     if cooperative:
@@ -109,7 +110,7 @@ def _launch_update(kernel: Any, x: torch.Tensor, y: torch.Tensor, h_post: torch.
     kernel[grid](
         x, y, h_post, h_res, out, tokens,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        N=n, C=hidden, BT=bt, BC=bc, EXACT_CASTS=INTERPRETED, num_warps=warps,
+        N=n, C=hidden, BT=bt, BC=bc, CASTS=CASTS, num_warps=warps,
     )
 
 
