@@ -57,16 +57,19 @@ b)
   cute_env
   versions | tee "$OUT/versions-b.txt"
   layer-boundary plugins > "$OUT/plugins-b.txt" 2>&1; cat "$OUT/plugins-b.txt"
-  CUDA_VISIBLE_DEVICES=1 timeout 240 layer-boundary bench norm --out "$OUT" > "$OUT/bench-norm.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=0 pt 240 -m gpu tests/test_cutedsl_plugin.py tests/test_vendor_conformance.py \
+  # Two lanes: GPU 1 benchmarks norm kernels (cutedsl among them) then MHC; GPU 0 runs the tests.
+  ( CUDA_VISIBLE_DEVICES=1 timeout 220 layer-boundary bench norm --out "$OUT" > "$OUT/bench-norm.log" 2>&1
+    CUDA_VISIBLE_DEVICES=1 timeout 100 layer-boundary bench mhc --tokens 1 128 1024 8192 --hidden 4096 \
+      --ops update+read --out "$OUT" > "$OUT/bench-mhc.log" 2>&1 ) &
+  CUDA_VISIBLE_DEVICES=0 pt 200 -m gpu tests/test_cutedsl_plugin.py tests/test_vendor_conformance.py \
     tests/test_moe_finalize_fusion.py -k "cutedsl or Vendor" > "$OUT/b-cutedsl.log" 2>&1
   tail -6 "$OUT/b-cutedsl.log"
-  CUDA_VISIBLE_DEVICES=0 pt 150 -m gpu tests/test_mhc_kernels.py > "$OUT/b-mhc.log" 2>&1; tail -4 "$OUT/b-mhc.log"
-  wait; tail -40 "$OUT/bench-norm.log"
-  timeout 150 layer-boundary bench finalize --quick --out "$OUT" > "$OUT/bench-finalize.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 pt 120 -m gpu tests/test_mhc_kernels.py > "$OUT/b-mhc.log" 2>&1; tail -4 "$OUT/b-mhc.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/sweeps/mhc_check.py --time > "$OUT/mhc-check.log" 2>&1
+  tail -25 "$OUT/mhc-check.log"
+  wait; tail -40 "$OUT/bench-norm.log"; tail -12 "$OUT/bench-mhc.log"
+  timeout 130 layer-boundary bench finalize --quick --out "$OUT" > "$OUT/bench-finalize.log" 2>&1
   tail -30 "$OUT/bench-finalize.log"
-  CUDA_VISIBLE_DEVICES=0 timeout 90 layer-boundary bench mhc --out "$OUT" > "$OUT/bench-mhc.log" 2>&1
-  tail -12 "$OUT/bench-mhc.log"
   ;;
 c)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fsite \
