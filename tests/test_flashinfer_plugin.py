@@ -40,15 +40,16 @@ EPS = 1e-6
 
 
 @pytest.fixture(autouse=True)
-def fusion_opted_in(monkeypatch):
-    """The fused candidate is opt-in until verified on GPUs; these tests exercise it."""
-    monkeypatch.setenv(fi_fusion.FUSION_ENV, "1")
+def fusion_default(monkeypatch):
+    """The fused candidate is on unless an operator turned it off; no test inherits a setting."""
+    monkeypatch.delenv(fi_fusion.FUSION_ENV, raising=False)
 
 
-def test_the_fused_candidate_is_off_unless_opted_in(monkeypatch, fi):
-    monkeypatch.delenv(fi_fusion.FUSION_ENV)
-    assert FlashInferAllReduceNorm().local_refusal(_fused()) == fi_fusion.UNVERIFIED
-    assert FlashInferAllReduceNorm(enabled=True).local_refusal(_fused()) != fi_fusion.UNVERIFIED
+def test_the_fused_candidate_is_on_unless_turned_off(monkeypatch, fi):
+    assert FlashInferAllReduceNorm().enabled
+    monkeypatch.setenv(fi_fusion.FUSION_ENV, "0")
+    assert FlashInferAllReduceNorm().local_refusal(_fused()) == fi_fusion.TURNED_OFF
+    assert FlashInferAllReduceNorm(enabled=True).local_refusal(_fused()) != fi_fusion.TURNED_OFF
     monkeypatch.setenv(fi_fusion.FUSION_ENV, "yes")
     assert FlashInferAllReduceNorm().enabled
 
@@ -416,8 +417,8 @@ TOL = {"bfloat16": 1.6e-2, "float16": 2e-3, "float32": 1e-5}
 
 @pytest.fixture(scope="module")
 def gloo2() -> list[dict]:
-    with pytest.MonkeyPatch.context() as mp:  # the spawned ranks inherit the opt-in
-        mp.setenv(fi_fusion.FUSION_ENV, "1")
+    with pytest.MonkeyPatch.context() as mp:  # the spawned ranks inherit the default (on)
+        mp.delenv(fi_fusion.FUSION_ENV, raising=False)
         return spawn(flashinfer_cases.gloo_cases, 2, args=(GLOO_CASES,), timeout_s=240)
 
 

@@ -240,13 +240,13 @@ def measure(method: MhcMethod, inputs: Inputs, plan: TimingPlan, device: str, n:
 
 def run_mhc(tokens: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, device: str, plan: TimingPlan, *,
             n: int = 4, ops: Sequence[str] = OPS, compile: bool = False, copy_bytes: int,
-            out: Callable[[str], None] = print) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+            kernels_mode: str = "auto", out: Callable[[str], None] = print) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """``(copy bandwidth, rows, refusals)``; rows are printed as they are measured."""
     reference, selection = _plugin()
     copy = copy_bandwidth(device, copy_bytes, plan)
     out(f"copy bandwidth: {copy['gbps']:.0f} GB/s ({copy['bytes'] / 2**20:.0f} MiB read + written "
         f"in {copy['us']:.1f} µs)")
-    kernels = selection.select_kernels("auto", n, "rmsnorm")
+    kernels = selection.select_kernels(kernels_mode, n, "rmsnorm")
     device_type = torch.device(device).type
     why = kernels.why_not(device_type, dtype)
     refusals: list[dict[str, Any]] = []
@@ -358,7 +358,8 @@ def mhc_command(args: argparse.Namespace) -> int:
           f"{plan.replays} replays; update+read bytes = T(2n+2)C·{e} + coefficients + phi"
           + (f"; tuned {tuned}" if tuned else ""))
     copy, rows, refusals = run_mhc(tokens, hidden, dtype, this_device(device), plan, n=args.streams, ops=ops,
-                                   compile=args.compile, copy_bytes=COPY_BYTES[device][1 if args.quick else 0])
+                                   compile=args.compile, copy_bytes=COPY_BYTES[device][1 if args.quick else 0],
+                                   kernels_mode=getattr(args, "kernels", "auto"))
     report.publish(args, "mhc", env, rows, f"MHC update and read, n = {args.streams}, {args.dtype}",
                    mhc_panels(rows, copy["gbps"]), copy=copy, refused=refusals, eps=EPS, streams=args.streams,
                    bytes_per_call={"update+read": "T*(2n+2)*C*e + 8*T*(n+n^2) + 4*n*C*(n^2+2n) + C*e",

@@ -218,6 +218,9 @@ def _add_gpu_benches(bsub: Any) -> None:
                      help="cuda (CUDA-graph replay) or cpu (wall clock, the torch reference only; for testing)")
     mhc.add_argument("--compile", action="store_true",
                      help="also time torch.compile of the torch reference (one compile per op and width)")
+    mhc.add_argument("--kernels", choices=("auto", "triton"), default="auto",
+                     help="auto: the plugin's default choice; triton: time the Triton kernels even where "
+                     "auto does not pick them yet (as MhcSemantics(kernels='triton') runs them)")
     mhc.add_argument("--tune", nargs="+", metavar="NAME=VALUE",
                      help="launch-shape constants of layer_boundary_mhc.triton_mhc to try, e.g. LAG=8 "
                      "SLICE_COLS=128,128,128 FINISH_TOKENS=4")

@@ -132,17 +132,15 @@ def _build(comm: CommApi) -> Optional[str]:
     return None
 
 
-# Off by default until it has run on GPUs: the first 2×H200 run (2026-11-30) of the candidate's
-# test and of `bench allreduce` did not finish within the call (possibly still JIT-building, or
-# waiting in the workspace exchange). A hang there would stop an engine, so an operator opts in;
-# the core's symmetric-memory candidate serves meanwhile.
+# On by default since its 2×H200 run (2026-11-30, second session: the candidate's 2-GPU test
+# against NCCL + reference and `bench allreduce` at H=4096/7168). An operator can still turn it
+# off (the first use on a fresh machine JIT-builds its kernels for minutes, at construction).
 FUSION_ENV = "LAYER_BOUNDARY_FLASHINFER_FUSION"
-UNVERIFIED = (f"off until verified on GPUs (its first 2-GPU run did not complete); set {FUSION_ENV}=1 "
-              "to use it")
+TURNED_OFF = f"turned off ({FUSION_ENV}=0)"
 
 
 def fusion_enabled_from_env() -> bool:
-    return os.environ.get(FUSION_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(FUSION_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class FlashInferAllReduceNorm(AllReduceNormProvider):
@@ -198,7 +196,7 @@ class FlashInferAllReduceNorm(AllReduceNormProvider):
 
     def local_refusal(self, fused: FusedSum) -> Optional[str]:
         if not self.enabled:
-            return UNVERIFIED  # a fact of this process (its environment): agreed over the group
+            return TURNED_OFF  # a fact of this process (its environment): agreed over the group
         why = self.device_refusal()
         if why is not None:
             return why
