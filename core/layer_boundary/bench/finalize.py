@@ -48,8 +48,8 @@ from ..providers import NormRequest
 from . import report
 from .allreduce import best_separate, us_panels
 from .norm import COPY_BYTES, DTYPES, EPS, NormMethod, norm_methods, peer_methods, providers_for
-from .timing import (TimingPlan, copy_bandwidth, cuda_unavailable, max_over_group, slowest, this_device,
-                     time_call)
+from .timing import (TimingPlan, cuda_unavailable, max_over_group, reported_copy_bandwidth, slowest,
+                     this_device, time_call)
 
 __all__ = ["FIN_HIDDEN", "FIN_TOKENS", "Inputs", "bytes_moved", "make_inputs", "reference",
            "finalize_add_norm", "separate_call", "whole_call", "check_close", "finish_shape",
@@ -266,11 +266,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     run = _Rank(world, tp.rank, device, DTYPES[spec["dtype"]], spec["topk"], spec["compile"],
                 TimingPlan.for_run(spec["quick"], spec["replays"]), group, max_over_group(group, device),
                 (lambda t: dist.all_reduce(t, group=group)) if world > 1 else None)
-    copy = copy_bandwidth(device, COPY_BYTES["cuda"][1 if spec["quick"] else 0], run.plan)
-    copy["us"] = slowest(copy["us"], group, device)
-    copy["gbps"] = copy["bytes"] / copy["us"] / 1e3
-    say(f"copy bandwidth: {copy['gbps']:.0f} GB/s ({copy['bytes'] / 2**20:.0f} MiB read + written "
-        f"in {copy['us']:.1f} µs, slowest rank)")
+    copy = reported_copy_bandwidth(device, COPY_BYTES["cuda"][1 if spec["quick"] else 0], run.plan, say, group)
     providers = providers_for(device)
     table = report.Table(COLUMNS, say)
     rows: list[dict[str, Any]] = []

@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import report
-from .timing import TimingPlan, copy_bandwidth, cuda_unavailable, this_device, time_call
+from .timing import TimingPlan, cuda_unavailable, reported_copy_bandwidth, this_device, time_call
 
 __all__ = ["MHC_HIDDEN", "MHC_TOKENS", "OPS", "bytes_moved", "run_mhc", "mhc_command", "TUNABLE"]
 
@@ -243,9 +243,7 @@ def run_mhc(tokens: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, de
             kernels_mode: str = "auto", out: Callable[[str], None] = print) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """``(copy bandwidth, rows, refusals)``; rows are printed as they are measured."""
     reference, selection = _plugin()
-    copy = copy_bandwidth(device, copy_bytes, plan)
-    out(f"copy bandwidth: {copy['gbps']:.0f} GB/s ({copy['bytes'] / 2**20:.0f} MiB read + written "
-        f"in {copy['us']:.1f} µs)")
+    copy = reported_copy_bandwidth(device, copy_bytes, plan, out)
     kernels = selection.select_kernels(kernels_mode, n, "rmsnorm")
     device_type = torch.device(device).type
     why = kernels.why_not(device_type, dtype)

@@ -24,7 +24,7 @@ import torch
 from ..kernels.reference import fused_add_rmsnorm_ref
 from ..providers import NormRequest
 from . import report
-from .timing import TimingPlan, copy_bandwidth, cuda_unavailable, this_device, time_call
+from .timing import TimingPlan, cuda_unavailable, reported_copy_bandwidth, this_device, time_call
 
 __all__ = ["NORM_HIDDEN", "NORM_TOKENS", "DTYPES", "NormMethod", "norm_methods", "peer_methods",
            "providers_for", "run_norm", "norm_command"]
@@ -192,9 +192,7 @@ def run_norm(tokens: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, d
              plan: TimingPlan, *, compile: bool, copy_bytes: int,
              out: Callable[[str], None] = print) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """``(copy bandwidth, rows, refusals)``; rows are printed as they are measured."""
-    copy = copy_bandwidth(device, copy_bytes, plan)
-    out(f"copy bandwidth: {copy['gbps']:.0f} GB/s ({copy['bytes'] / 2**20:.0f} MiB read + written "
-        f"in {copy['us']:.1f} µs)")
+    copy = reported_copy_bandwidth(device, copy_bytes, plan, out)
     providers = providers_for(device)
     table = report.Table(COLUMNS, out)
     rows: list[dict[str, Any]] = []

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 __all__ = [
+    "reported_copy_bandwidth",
     "Measure",
     "TimingPlan",
     "graph_time",
@@ -212,6 +213,19 @@ def max_over_group(group: Any, device: str = "cuda") -> Agree:
         return int(t.item())
 
     return agree
+
+
+def reported_copy_bandwidth(device: str, nbytes: int, plan: TimingPlan, out: Callable[[str], None],
+                            group: Any = None) -> dict[str, float]:
+    """``copy_bandwidth`` (the slowest rank's over ``group`` when given), said once through ``out``:
+    the figure every bench's "% copy" column divides by, measured in the same run."""
+    copy = copy_bandwidth(device, nbytes, plan)
+    if group is not None:
+        copy["us"] = slowest(copy["us"], group, device)
+        copy["gbps"] = copy["bytes"] / copy["us"] / 1e3
+    out(f"copy bandwidth: {copy['gbps']:.0f} GB/s ({copy['bytes'] / 2**20:.0f} MiB read + written "
+        f"in {copy['us']:.1f} µs{', slowest rank' if group is not None else ''})")
+    return copy
 
 
 def slowest(value: float, group: Any, device: str = "cuda") -> float:
