@@ -271,3 +271,17 @@ def test_cutedsl_failed_variant_is_reported_and_skipped(caplog):
     p.prepare(top_k=(8,))
     assert not p._variants
     assert any("is not used (RuntimeError: ptxas died)" in m for m in caplog.messages)
+
+
+@pytest.mark.gpu
+class TestTritonFinalizeConformance(TestReferenceFinalizeConformance):
+    """The core Triton kernel (one rank: its WORLD == 1 path) through the same kit, on a GPU, for
+    the dtypes the parent class is parametrized with."""
+
+    @pytest.fixture
+    def provider(self):
+        return MoeFinalizeFusion(kernel="triton", max_tokens=64)
+
+    @pytest.fixture
+    def device(self):
+        return "cuda"

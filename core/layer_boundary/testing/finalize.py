@@ -94,3 +94,27 @@ class HandoffConformance:
             assert not h.completed and torch.equal(r, r0), f"{cand.name} touched what it declined"
 
         self._each_handoff_candidate(provider, hidden_size, dtype, device, check)
+
+    @pytest.mark.gpu
+    def test_handoff_candidates_replay_in_a_cuda_graph(self, provider: Any, hidden_size: int,
+                                                       dtype: torch.dtype) -> None:
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        from ..models.moe import moe_finalize
+        from .semantics import _graph_replays
+
+        def check(cand: Any, read: Any) -> None:
+            p = make_handoff(4, hidden_size, dtype, "cuda", seed=3).payload
+            r = torch.randn(4, hidden_size, generator=torch.Generator().manual_seed(4)).to(dtype).cuda()
+
+            def step() -> torch.Tensor:
+                # A handoff is spent once taken: each call (eager, warm-up, capture) makes its own
+                # over the same static payload, as every forward's exit does.
+                h = HandoffOutput(lambda: moe_finalize(p["expert_out"], p["topk_weights"], p["shared_out"]),
+                                  num_tokens=4, **p)
+                return cand(h, r.clone(), read, ForwardBatch(num_tokens=4))[0]
+
+            eager, replayed = _graph_replays(step, [r, *[t for t in p.values() if t is not None]])
+            assert torch.equal(eager, replayed), f"{cand.name} replays differently from eager"
+
+        self._each_handoff_candidate(provider, hidden_size, dtype, "cuda", check)
