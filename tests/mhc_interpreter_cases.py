@@ -106,11 +106,23 @@ def test_update_alone_matches_the_reference(t, n, c, dtype):
 def test_two_launches_give_the_cooperative_result_bitwise():
     x, y, w, hp, hr = inputs(37, 4, 70, BF16, seed=5)
     p = params(4, 70, seed=6)
-    coop = mhc_update_read_triton(x, y, hp, hr, p, w, EPS)
+    coop = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
     two = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
     assert all(torch.equal(a, b) for a, b in zip(coop, two))
     cfg = tm.boundary_config(37, 4, 70, 2)
     assert (cfg.blocks(37), cfg.slices, cfg.finishers) == (3, 3, 2)  # what the fixture makes
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=str)
+def test_phi_split_before_the_launch_or_in_the_stream_pass_gives_the_same_bits(monkeypatch, dtype):
+    x, y, w, hp, hr = inputs(37, 4, 70, dtype, seed=8)
+    p = params(4, 70, seed=9)
+    assert tm.boundary_config(37, 4, 70, x.element_size()).presplit
+    pre = mhc_update_read_triton(x, y, hp, hr, p, w, EPS)
+    monkeypatch.setattr(tm, "PRESPLIT_TOKENS", 0)
+    monkeypatch.setattr(tm, "_CONFIGS", {})
+    assert not tm.boundary_config(37, 4, 70, x.element_size()).presplit
+    assert all(torch.equal(a, b) for a, b in zip(pre, mhc_update_read_triton(x, y, hp, hr, p, w, EPS)))
 
 
 def test_the_sinkhorn_iteration_count_is_the_reference_s():

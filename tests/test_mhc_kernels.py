@@ -259,10 +259,44 @@ def _record(t: int, update: bool, cooperative: bool = True, n: int = 4, c: int =
     h_post, h_res = torch.empty(t, n), torch.empty(t, n, n)
     rec = Recorder(tm.mhc_boundary_kernel)
     ops._launch_boundary(rec, x, y if update else None, h_post if update else None, h_res if update else None,
-                         torch.empty_like(x) if update else None, p.phi, p.alpha, p.b_pre, p.b_post, p.b_res, w,
+                         torch.empty_like(x) if update else None, *ops._param_tensors(p, n, c), w,
                          torch.empty(t, c, dtype=dtype), torch.empty(t, n), torch.empty(t, n, n), EPS, EPS, 0.0, 20,
                          cooperative)
     return rec
+
+
+@needs_triton
+def test_phi_is_split_once_per_parameter_version():
+    from layer_boundary_mhc import triton_ops as ops
+
+    p = MhcStageParams(2, 8).requires_grad_(False)
+    p.init_random(torch.Generator().manual_seed(0))
+    parts = ops._param_tensors(p, 2, 8)[1]
+    assert parts.shape == (2, 8, 16) and torch.equal((parts[0] + parts[1]).t(), p.phi)
+    assert (parts[0].view(torch.int32) & 8191).eq(0).all()  # the high part is exact in TF32
+    assert ops._param_tensors(p, 2, 8)[1] is parts
+    p.phi.mul_(2)  # a new version: split again
+    again = ops._param_tensors(p, 2, 8)[1]
+    assert again is not parts and torch.equal((again[0] + again[1]).t(), p.phi)
+
+
+@needs_triton
+def test_one_launch_at_decode_sizes_two_above_unless_chosen(monkeypatch):
+    """Two launches were faster on an H200 from T = 128 up (and phi is read split into TF32 parts
+    by the small blocks only): what a call picks when the caller does not say."""
+    from layer_boundary_mhc import triton_mhc as tm
+    from layer_boundary_mhc import triton_ops as ops
+    from mhc_sm90 import Recorder
+
+    rec = Recorder(tm.mhc_boundary_kernel)
+    monkeypatch.setattr(ops, "mhc_boundary_kernel", rec)
+    p = MhcStageParams(4, 64).requires_grad_(False)
+    for t, coop, modes in ((16, None, [tm.COOPERATIVE]), (17, None, [tm.STREAM_PASS, tm.FINISH]),
+                           (17, True, [tm.COOPERATIVE]), (2, False, [tm.STREAM_PASS, tm.FINISH])):
+        rec.launches.clear()
+        ops.mhc_read_triton(torch.zeros(t, 4, 64, dtype=BF16), p, torch.ones(64, dtype=BF16), EPS, cooperative=coop)
+        assert [meta["MODE"] for _, _, meta in rec.launches] == modes, (t, coop)
+    assert [tm.boundary_config(t, 4, 4096, 2).presplit for t in (1, 1024, 1025)] == [True, True, False]
 
 
 @needs_triton
@@ -295,6 +329,11 @@ def test_kernels_compile_for_sm90_with_wide_accesses_and_no_spills():
     # 249 when Triton recomputed the mix in the MMA's layout as well as the store's (_store_cast).
     assert prefill.registers <= 200, f"{prefill.registers} registers: is the mix computed twice?"
     assert prefill.shared <= 200 * 1024
+    (mid, _) = compile_launches(_record(1024, update=True, cooperative=False))  # stream passes, finishes
+    # phi read split (phi_parts): two 8-warp stream passes an SM; 173 registers when split per chunk.
+    assert mid.spill_bytes == 0 and mid.registers <= 128, f"{mid.registers} registers, {mid.spill_bytes} B spilled"
+    # The chunk's 2 n tiles of phi's parts, 16 bytes a thread each (the K-major layout the MMA reads).
+    assert mid.count(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10") >= 8, "phi not copied as vectors"
     rec = Recorder(tm.mhc_update_kernel)
     t, n, c = 64, 4, 4096
     x = torch.empty(t, n, c, dtype=BF16)
@@ -348,7 +387,7 @@ def test_gpu_eager_matches_the_reference(t, n, c, dtype):
     p = _params(n, c)
     where = f"T={t} n={n} C={c} {dtype}"
     offset = float(t % 2)
-    got = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, norm_offset=offset)
+    got = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, norm_offset=offset, cooperative=True)
     kw = dict(y=y, h_post=hp, h_res=hr, params=p, norm_weight=w, norm_eps=EPS, norm_offset=offset)
     assert_matches_reference("update+read", got, x, where=where, **kw)
     two = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, norm_offset=offset, cooperative=False)
@@ -382,7 +421,7 @@ def test_gpu_cooperative_ordering_under_pressure(monkeypatch, lag, slice_cols):
     x, y, w, hp, hr = _inputs(4099, 4, 2048, BF16, seed=lag)
     p = _params(4, 2048, seed=3)
     for _ in range(3):
-        coop = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS)
+        coop = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
         two = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
         assert all(torch.equal(a, b) for a, b in zip(coop, two))
 

@@ -16,7 +16,13 @@ next read (``UPDATE=True``). Its programs work on blocks of ``BT`` tokens, in tw
 the operation order of ``layer_boundary_mhc.reference`` (the projection of the normalized
 streams is ``rstd`` times the projection of the streams). ``phi`` is FP32: the projection runs on
 tensor cores as TF32 products of ``phi``'s high and low parts (``_project``), about 2^-21 of
-each term, near the accuracy of an FP32 product; 16-bit streams are exact in TF32.
+each term, near the accuracy of an FP32 product; 16-bit streams are exact in TF32. Blocks of up
+to ``PRESPLIT_TOKENS`` tokens (``mma.sync``) take the parts split once, transposed (``phi_parts``,
+[2, K, n C]: the MMA's B operand K-major, loaded by 16-byte cp.async): split in the stream pass,
+every chunk paid a mask, a subtraction and the register-to-shared trip for each element of phi
+(sm_90, n = 4: 806 -> 470 instructions a chunk at BT = 32, 173 -> 128 registers). Larger blocks
+split phi in the stream pass: on wgmma the pre-split parts compiled to as many instructions
+(675 -> 685 at BT = 64), for twice the bytes of phi read from L2.
 
 Why the mix is written once and projected from registers: the x' tile that is stored is the A
 operand of the MMA, so x' is never re-read in a stream pass. The rounding to the stream dtype is
@@ -58,6 +64,7 @@ __all__ = [
     "boundary_config",
     "update_config",
     "coefficient_columns",
+    "phi_parts",
     "INTERPRETED",
     "MAX_STREAMS",
     "MAX_TILE",
@@ -146,26 +153,25 @@ def _tf32_high(v):
 
 
 @triton.jit
-def _project(v, phi, acc, SPLIT_A: tl.constexpr):
-    """``acc + v @ phi`` to about FP32 accuracy on TF32 tensor cores: ``phi = high + low`` with both
-    parts rounded to TF32 by the MMA (an error of 2^-21 of phi); 16-bit streams are exact in TF32,
-    FP32 streams (``SPLIT_A``) are split the same way."""
-    phi_hi = _tf32_high(phi)
+def _project(v, phi_hi, phi_lo, acc, SPLIT_A: tl.constexpr):
+    """``acc + v @ phi`` to about FP32 accuracy on TF32 tensor cores, ``phi = phi_hi + phi_lo``
+    (``phi_parts``; the MMA rounds the low part to TF32: an error of 2^-21 of phi); 16-bit streams
+    are exact in TF32, FP32 streams (``SPLIT_A``) are split here the same way."""
     if SPLIT_A:
         v_hi = _tf32_high(v)
         acc = tl.dot(v - v_hi, phi_hi, acc, input_precision="tf32")
         v = v_hi
-    acc = tl.dot(v, phi - phi_hi, acc, input_precision="tf32")
+    acc = tl.dot(v, phi_lo, acc, input_precision="tf32")
     return tl.dot(v, phi_hi, acc, input_precision="tf32")
 
 
 @triton.jit
 def _stream_pass(
-    x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, b, s, T,
+    x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, b, s, T,
     sxt, sxn, sxc, syt, syc, sot, son, soc,
     N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
-    UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, CASTS: tl.constexpr,
+    UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CASTS: tl.constexpr,
 ):
     row0 = b.to(tl.int64) * BT
     # Block-local offsets stay in int32 (BT tokens' streams); the int64 base is in the pointers.
@@ -205,8 +211,16 @@ def _stream_pass(
             else:
                 v = _load_rows(x_ptr + i * sxn, tt, c, m2, sxt, sxc)
             ssq += tl.sum(v * v, axis=1)
-            phi = tl.load(phi_ptr + (i * C + c)[:, None] * K + kk[None, :], mask=cm[:, None] & km[None, :], other=0.0)
-            acc = _project(v, phi, acc, SPLIT_A)
+            pm = cm[:, None] & km[None, :]
+            if PRESPLIT:
+                src = phs_ptr + kk[None, :] * (N * C) + (i * C + c)[:, None]
+                phi_hi = tl.load(src, mask=pm, other=0.0)
+                phi_lo = tl.load(src + N * C * K, mask=pm, other=0.0)
+            else:
+                phi = tl.load(phi_ptr + (i * C + c)[:, None] * K + kk[None, :], mask=pm, other=0.0)
+                phi_hi = _tf32_high(phi)
+                phi_lo = phi - phi_hi
+            acc = _project(v, phi_hi, phi_lo, acc, SPLIT_A)
     # Column K (never a coefficient) carries the sum of squares.
     acc = tl.where(kk[None, :] == K, ssq[:, None], acc)
     dst = part_ptr + (row0 + tt)[:, None] * (S * KP) + s * KP + kk[None, :]
@@ -332,7 +346,7 @@ def _finish(
 
 @triton.jit
 def mhc_boundary_kernel(
-    x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
+    x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
     out_ptr, hpo_ptr, hro_ptr, part_ptr, cnt_ptr,
     T, NB, LAG,
     sxt, sxn, sxc, syt, syc, sot, son, soc, sw, sit, sic,
@@ -340,8 +354,8 @@ def mhc_boundary_kernel(
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr,
     BC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr,
-    UPDATE: tl.constexpr,
-    SPLIT_A: tl.constexpr, CHUNKED: tl.constexpr, MODE: tl.constexpr, CASTS: tl.constexpr,
+    UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CHUNKED: tl.constexpr,
+    MODE: tl.constexpr, CASTS: tl.constexpr,
 ):
     if MODE == 0:
         ticket = tl.atomic_add(cnt_ptr, 1)
@@ -349,9 +363,9 @@ def mhc_boundary_kernel(
         k = ticket % (S + RB)
         if k < S:
             if r < NB:
-                _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, r, k, T,
+                _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                              sxt, sxn, sxc, syt, syc, sot, son, soc,
-                             N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, CASTS)
+                             N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS)
                 # Every thread's stores, then one release: what the finish acquires.
                 tl.debug_barrier()
                 tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
@@ -366,9 +380,9 @@ def mhc_boundary_kernel(
                         N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS)
     elif MODE == 1:
         pid = tl.program_id(0)
-        _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, part_ptr, pid // S, pid % S, T,
+        _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
                      sxt, sxn, sxc, syt, syc, sot, son, soc,
-                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, CASTS)
+                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS)
     else:
         pid = tl.program_id(0)
         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
@@ -414,7 +428,8 @@ class BoundaryConfig:
     ``slice_cols`` (CS) columns each, ``finish_tokens`` (TB) a finish, ``finishers`` (RB = BT / TB)
     finishes a block, ``lag`` rounds between a block's stream passes and its finishes,
     ``row_tile`` (CP) the finish's row tile, ``chunked`` when the row is wider than MAX_TILE,
-    ``stages`` the chunks a stream pass has in flight (Triton's software pipelining).
+    ``stages`` the chunks a stream pass has in flight (Triton's software pipelining),
+    ``presplit`` whether the stream passes read phi's TF32 parts split beforehand (``phi_parts``).
     """
 
     block_tokens: int
@@ -428,6 +443,7 @@ class BoundaryConfig:
     chunked: bool
     num_warps: int
     stages: int
+    presplit: bool
 
     def slice_batch(self, padded_columns: int) -> int:
         """Slices a finish sums per load: a [TB, SB, KP] tile of at most 4K values."""
@@ -463,6 +479,13 @@ class BoundaryConfig:
 # - STAGE_BYTES: shared memory the pipelined loads of a stream pass may take (of 227 KiB).
 DECODE_TOKENS = 16
 MID_TOKENS = 1024
+PRESPLIT_TOKENS = 32  # blocks of at most this many tokens read phi split beforehand (module docstring)
+# Calls of at most this many tokens take the cooperative launch when the caller does not choose.
+# Two launches were faster at every size measured on an H200 (CUDA graphs, n = 4, H = 4096, bf16:
+# 17.6 / 38.2 / 115 / 607 µs against 19.0 / 40.1 / 140 / 735 at T = 1 / 128 / 1024 / 8192): a
+# finish holds an SM while it waits, and a stream pass competes with finishes for the SMs. At
+# decode sizes one launch is kept: 1.4 µs in a graph against a second host launch in eager mode.
+COOPERATIVE_TOKENS = DECODE_TOKENS
 BLOCK_TOKENS = (16, 32, 64)
 SLICE_COLS = (128, 256, 256)
 FINISH_TOKENS = 8
@@ -484,13 +507,16 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int) -> Boundary
         tb = min(FINISH_TOKENS, bt)
         cp = triton.next_power_of_2(hidden)
         chunked = cp > MAX_TILE
-        # A chunk's loads: n + 1 stream tiles and n tiles of phi ([BC, KP] FP32), each stage
-        # buffered in shared memory; phi dominates at large n (KP = 128 at n = 8).
-        chunk_bytes = bt * bc * itemsize * (n + 1) + n * bc * coefficient_columns(n)[1] * 4
+        presplit = bt <= PRESPLIT_TOKENS
+        # A chunk's loads: n + 1 stream tiles and n tiles of phi ([BC, KP] FP32, two with
+        # presplit), each stage buffered in shared memory; phi dominates at large n (KP = 128 at n = 8).
+        phi_tiles = n * (1 + presplit)
+        chunk_bytes = bt * bc * itemsize * (n + 1) + phi_tiles * bc * coefficient_columns(n)[1] * 4
         stages = max(1, min(3, STAGE_BYTES // chunk_bytes))
         cfg = _CONFIGS[key] = BoundaryConfig(
             block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
             lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=8, stages=stages,
+            presplit=presplit,
         )
     return cfg
 
@@ -510,6 +536,14 @@ def update_config(n: int, hidden: int, itemsize: int) -> tuple[int, int, int]:
         warps = max(1, min(8, bt * bc * itemsize // 512))
         cfg = _UPDATE_CONFIGS[key] = (bt, bc, warps)
     return cfg
+
+
+def phi_parts(phi: torch.Tensor) -> torch.Tensor:
+    """``[2, K, n C]``: phi's TF32 high part (11 leading significant bits, as ``_tf32_high``) and
+    the rest, exact in FP32, transposed; their sum is phi bit for bit."""
+    phi = phi.detach().t()
+    high = (phi.view(torch.int32) & -8192).view(torch.float32)
+    return torch.stack((high, phi - high))
 
 
 def coefficient_columns(n: int) -> tuple[int, int]:

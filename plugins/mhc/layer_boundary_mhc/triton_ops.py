@@ -21,6 +21,7 @@ CUDA graph captures like any other allocation, and never synchronizes with the h
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -28,6 +29,7 @@ from torch.library import triton_op, wrap_triton
 
 from .accuracy import TOLERANCE  # re-exported: the kernels' tolerances live with their comparison
 from .coefficients import SINKHORN_ITERS
+from . import triton_mhc
 from .triton_mhc import (
     CASTS,
     COOPERATIVE,
@@ -39,6 +41,7 @@ from .triton_mhc import (
     coefficient_columns,
     mhc_boundary_kernel,
     mhc_update_kernel,
+    phi_parts,
     update_config,
 )
 
@@ -57,7 +60,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _launch_boundary(
     kernel: Any, x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor],
-    h_res: Optional[torch.Tensor], streams_out: Optional[torch.Tensor], phi: torch.Tensor, alpha: torch.Tensor,
+    h_res: Optional[torch.Tensor], streams_out: Optional[torch.Tensor], phi: torch.Tensor, phi_split: torch.Tensor,
+    alpha: torch.Tensor,
     b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor, norm_weight: torch.Tensor,
     out: torch.Tensor, h_post_out: torch.Tensor, h_res_out: torch.Tensor,
     eps: float, norm_eps: float, norm_offset: float, iters: int, cooperative: bool,
@@ -78,7 +82,7 @@ def _launch_boundary(
         y_strides, so_strides = (0, 0), (0, 0, 0)
     counters = torch.zeros(blocks + 1, dtype=torch.int32, device=x.device) if cooperative else part
     args = (
-        x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res, norm_weight,
+        x, y, h_post, h_res, streams_out, phi, phi_split, alpha, b_pre, b_post, b_res, norm_weight,
         out, h_post_out, h_res_out, part, counters,
         tokens, blocks, cfg.lag_for(tokens),
         x.stride(0), x.stride(1), x.stride(2), *y_strides, *so_strides,
@@ -88,8 +92,8 @@ def _launch_boundary(
     meta = dict(
         N=n, NP=max(2, _pow2(n)), K=k, KP=kp, C=hidden, CP=cfg.row_tile, S=cfg.slices, SB=cfg.slice_batch(kp),
         CS=cfg.slice_cols, BT=cfg.block_tokens, BC=cfg.block_cols, STAGES=cfg.stages, TB=cfg.finish_tokens, RB=cfg.finishers,
-        ITERS=int(iters), UPDATE=update, SPLIT_A=x.dtype == torch.float32, CHUNKED=cfg.chunked,
-        CASTS=CASTS,
+        ITERS=int(iters), UPDATE=update, SPLIT_A=x.dtype == torch.float32, PRESPLIT=cfg.presplit,
+        CHUNKED=cfg.chunked, CASTS=CASTS,
         num_warps=cfg.num_warps,
     )
     if cooperative:
@@ -122,13 +126,14 @@ def _pow2(v: int) -> int:
 
 def _boundary_body(
     x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
-    phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor,
-    norm_weight: torch.Tensor, eps: float, norm_eps: float, norm_offset: float, iters: int, cooperative: bool,
+    phi: torch.Tensor, phi_split: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
+    b_res: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_eps: float, norm_offset: float, iters: int,
+    cooperative: bool,
     streams_out: Optional[torch.Tensor], out: torch.Tensor, h_post_out: torch.Tensor, h_res_out: torch.Tensor,
 ) -> None:
     kernel = mhc_boundary_kernel if INTERPRETED else wrap_triton(mhc_boundary_kernel)
-    _launch_boundary(kernel, x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res, norm_weight,
-                     out, h_post_out, h_res_out, eps, norm_eps, norm_offset, iters, cooperative)
+    _launch_boundary(kernel, x, y, h_post, h_res, streams_out, phi, phi_split, alpha, b_pre, b_post, b_res,
+                     norm_weight, out, h_post_out, h_res_out, eps, norm_eps, norm_offset, iters, cooperative)
 
 
 def _update_body(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
@@ -200,8 +205,29 @@ def _param_tensors(params: Any, n: int, c: int) -> tuple[torch.Tensor, ...]:
     _check_shape(params.phi, (n * c, k), "phi")
     # Indexed as contiguous by the kernels (a no-op for the usual parameters): phi's row stride is
     # then the constant K, which lets its rows load as 16-byte vectors.
-    return (params.phi.contiguous(), params.alpha.contiguous(), params.b_pre.contiguous(), params.b_post.contiguous(),
+    phi = params.phi.contiguous()
+    return (phi, _phi_parts(phi), params.alpha.contiguous(), params.b_pre.contiguous(), params.b_post.contiguous(),
             params.b_res.contiguous())
+
+
+# id(phi) -> (weak reference to phi, its version counter, its TF32 parts). Split once per parameter
+# version, not per call: a split is two elementwise kernels over phi, more than a decode step's
+# launch overhead. The parts hold twice phi's memory (3 MiB a stage at n = 4, C = 4096).
+_PHI_PARTS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _phi_parts(phi: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return phi_parts(phi)  # traced into the graph
+    key = id(phi)
+    hit = _PHI_PARTS.get(key)
+    if hit is not None and hit[0]() is phi and hit[1] == phi._version:
+        return hit[2]
+    parts = phi_parts(phi)
+    # While a CUDA graph is captured the split's kernels do not run: keep no split made then.
+    if not (phi.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _PHI_PARTS[key] = (weakref.ref(phi, lambda _, k=key: _PHI_PARTS.pop(k, None)), phi._version, parts)
+    return parts
 
 
 def _dest(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor,
@@ -223,11 +249,11 @@ def _coefficient_dest(t: Optional[torch.Tensor], shape: tuple[int, ...], like: t
 
 def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor],
               h_res: Optional[torch.Tensor], params: Any, norm_weight: torch.Tensor, norm_eps: float,
-              norm_offset: float, iters: int, cooperative: bool, streams_out: Optional[torch.Tensor],
+              norm_offset: float, iters: int, cooperative: Optional[bool], streams_out: Optional[torch.Tensor],
               out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor],
               h_res_out: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     t, n, c = _check_streams(x)
-    phi, alpha, b_pre, b_post, b_res = _param_tensors(params, n, c)
+    phi, phi_split, alpha, b_pre, b_post, b_res = _param_tensors(params, n, c)
     _check_shape(norm_weight, (c,), "the norm weight")
     if y is not None:
         _check_update(x, y, h_post, h_res)
@@ -237,14 +263,16 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
     h_post_out = _coefficient_dest(h_post_out, (t, n), x, "h_post")
     h_res_out = _coefficient_dest(h_res_out, (t, n, n), x, "h_res")
     eps = float(params.eps)
+    if cooperative is None:
+        cooperative = t <= triton_mhc.COOPERATIVE_TOKENS
     # Dynamo sees is_compiling() as True: the compiled graph gets the operator; eager bypasses it.
     if torch.compiler.is_compiling():
-        torch.ops.layer_boundary_mhc.boundary(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_weight,
-                                              eps, float(norm_eps), float(norm_offset), int(iters), cooperative,
+        torch.ops.layer_boundary_mhc.boundary(x, y, h_post, h_res, phi, phi_split, alpha, b_pre, b_post, b_res,
+                                              norm_weight, eps, float(norm_eps), float(norm_offset), int(iters), cooperative,
                                               streams_out, out, h_post_out, h_res_out)
     else:
-        _launch_boundary(mhc_boundary_kernel, x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res,
-                         norm_weight, out, h_post_out, h_res_out, eps, float(norm_eps), float(norm_offset),
+        _launch_boundary(mhc_boundary_kernel, x, y, h_post, h_res, streams_out, phi, phi_split, alpha, b_pre, b_post,
+                         b_res, norm_weight, out, h_post_out, h_res_out, eps, float(norm_eps), float(norm_offset),
                          int(iters), cooperative)
     return streams_out, out, h_post_out, h_res_out
 
@@ -254,10 +282,12 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
 def mhc_read_triton(
     x: torch.Tensor, params: Any, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
     iters: int = SINKHORN_ITERS, out: Optional[torch.Tensor] = None, h_post: Optional[torch.Tensor] = None,
-    h_res: Optional[torch.Tensor] = None, cooperative: bool = True,
+    h_res: Optional[torch.Tensor] = None, cooperative: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input [T, C], H_post [T, n], H_res [T, n, n])`` of streams ``x`` (``mhc_read_ref``).
-    ``cooperative=False`` runs the stream passes and the finishes as two launches."""
+    ``cooperative=False`` runs the stream passes and the finishes as two launches, ``True`` as one;
+    ``None`` picks one launch up to ``triton_mhc.COOPERATIVE_TOKENS`` tokens, two above (faster
+    there on an H200). Both give the same bits."""
     _, inp, hp, hr = _boundary(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters,
                                cooperative, None, out, h_post, h_res)
     return inp, hp, hr
@@ -268,10 +298,11 @@ def mhc_update_read_triton(
     norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS,
     streams_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
     h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,
-    cooperative: bool = True,
+    cooperative: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x', input, H_post', H_res')``: the producer's update ``x' = H_res x + H_post^T y`` and this
-    stage's read of the rounded ``x'``, in one launch (``mhc_update_read_ref``)."""
+    stage's read of the rounded ``x'``, fused (``mhc_update_read_ref``); ``cooperative`` as for
+    ``mhc_read_triton``."""
     streams, inp, hp, hr = _boundary(x, y, h_post, h_res, params, norm_weight, norm_eps, norm_offset, iters,
                                      cooperative, streams_out, out, h_post_out, h_res_out)
     assert streams is not None
