@@ -318,6 +318,8 @@ def _bind_candidates(plan: StagePlan, context: Any) -> None:
     if not cands:
         return  # no provider offers anything here (e.g. nothing is owed on one rank): no row
     for variant, entry in list(plan.entries.items()):
+        if entry.scatter is not None:
+            continue  # a row slice reduce-scatters what it owes: no candidate runs there
         local = replace(entry.local, candidates=tuple(accepted)) if entry.local is not None else None
         plan.entries[variant] = replace(entry, candidates=tuple(accepted), local=local)  # type: ignore[index]
         context.report.add(Selection(
