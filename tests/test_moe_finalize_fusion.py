@@ -285,3 +285,18 @@ class TestTritonFinalizeConformance(TestReferenceFinalizeConformance):
     @pytest.fixture
     def device(self):
         return "cuda"
+
+
+def test_one_provider_serves_two_models_each_with_its_own_final_norm():
+    provider = MoeFinalizeFusion(kernel="reference")
+    a, b = _model(provider), _model(provider)
+    with torch.no_grad():
+        b.model.norm.weight.add_(0.5)  # a different final norm: its own eps/weight must be used
+    install_finalize_fusion(a, MoeFinalizeFusion, terminal_finalize=True)
+    install_finalize_fusion(b, MoeFinalizeFusion, terminal_finalize=True)
+    ref_b = _model()
+    with torch.no_grad():
+        ref_b.model.norm.weight.add_(0.5)
+    torch.testing.assert_close(_logits(a), _logits(_model()), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_logits(b), _logits(ref_b), rtol=1e-12, atol=1e-12)
+    assert provider.fused_calls == 6

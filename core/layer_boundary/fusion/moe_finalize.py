@@ -123,7 +123,11 @@ class MoeFinalizeFusion:
         self.terminal_finalize = False
         # FFN plan -> whether its exit may defer (set by install: a fusing consumer follows it).
         self._defers: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
-        self._final: Optional[tuple[GroupInfo, float]] = None  # the terminal FFN's group, norm eps
+        # Final norm weight -> (the terminal FFN's group, the norm's eps), per installed model: a
+        # provider a context's plugin offers is shared by every model built from that context,
+        # and finalize() knows its model by the weight the final norm passes.
+        # Keyed by id (tensors compare elementwise); the weak reference confirms the identity.
+        self._finals: dict[int, tuple[Any, GroupInfo, float]] = {}
         # (group ranks, hidden, dtype) -> workspace, made by prepare() for every group offered.
         self._groups: dict[tuple[Any, ...], tuple[GroupInfo, int, torch.dtype]] = {}
         self._workspaces: dict[tuple[Any, ...], Any] = {}
@@ -181,7 +185,7 @@ class MoeFinalizeFusion:
         group = owed.group if owed is not None else GroupInfo.solo()
         why = self._group_refusal(group, params[0].dtype, int(params[0].shape[0]))
         if why is None:
-            self._final = (group, params[1])
+            self._finals[id(params[0])] = (weakref.ref(params[0]), group, params[1])
             self._want(group, int(params[0].shape[0]), params[0].dtype, 1.0)
         return why
 
@@ -199,12 +203,13 @@ class MoeFinalizeFusion:
     def finalize(self, handoff: HandoffOutput, residual: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
         """Finalize ``handoff``, complete its owed sum, add it to ``residual`` (in place) and
         return the Gemma RMSNorm (weight ``gamma`` + 1) of the sum: the terminal layer's work."""
-        if self._final is None:
+        final = self._finals.get(id(gamma))
+        if final is None or final[0]() is not gamma:
             raise RuntimeError(
-                f"{self.name}: finalize() needs install(..., terminal_finalize=True) with a Gemma "
-                "RMSNorm final norm; the terminal FFN exit would not have deferred otherwise"
+                f"{self.name}: finalize() needs install(..., terminal_finalize=True) with this Gemma "
+                "RMSNorm as the final norm; the terminal FFN exit would not have deferred otherwise"
             )
-        group, eps = self._final
+        _, group, eps = final
         norm = (gamma, eps, 1.0)
         out = self.run(handoff, residual, group, norm)
         if out is None:  # not fusable here (rows over the workspace, payload layout): unfused
