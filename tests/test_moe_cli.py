@@ -53,3 +53,17 @@ def test_help_describes_the_moe_options():
     text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
     assert "--moe" in text and "Qwen3-MoE" in text and "--defer-moe-finalize" in text
     assert "model_type" in text
+
+
+def test_fused_finalize_on_the_command_line(tmp_path, capsys):
+    """``--fused-finalize``: Gemma norms, the handoffs fused (torch reference kernel on CPU),
+    checked against the single-rank model on two ranks; misuse refused with the reason."""
+    rc = main(["run", "--moe", "--fused-finalize", "--check", "--input-ids", "3,1,4,1,5;9,2"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "Gemma norms, fused MoE finalize handoffs" in text and "check:    ok" in text
+    assert "consumer fusion [attention_input] -> moe finalize + all-reduce + add + rmsnorm (reference)" in text
+    assert main(["run", "--fused-finalize", "--tp", "1"]) == 2
+    assert "--fused-finalize needs a Qwen3-MoE model" in capsys.readouterr().err
+    assert main(["run", "--moe", "--fused-finalize", "--defer-moe-finalize", "--tp", "1"]) == 2
+    assert "drop --defer-moe-finalize" in capsys.readouterr().err
