@@ -17,7 +17,12 @@ H = 4096, bf16) and each T:
   stream passes alone, the finishes alone and the update kernel alone, each with its own bytes
   (x' re-read by the finishes counted) and its share of the copy bandwidth: which phase is slow.
 
-Run: python benchmarks/sweeps/mhc_check.py [--tokens T ...] [--hidden H]   (default 1 128 8192, 4096)
+``--set NAME=VALUE ...`` sets launch-shape constants of ``triton_mhc`` first, as ``bench mhc --tune``
+does, and also those ``--tune`` does not know yet (``BF16_PHI``, ``PRESPLIT_TOKENS``); the check
+then covers that variant.
+
+Run: python benchmarks/sweeps/mhc_check.py [--tokens T ...] [--hidden H] [--set NAME=VALUE ...]
+(default 1 128 8192, 4096)
 (on CPU under the interpreter, slowly: TRITON_INTERPRET=1 ... --device cpu --tokens 16 --hidden 256)
 """
 
@@ -136,15 +141,36 @@ def phases(i: bench.Inputs, copy_gbps: float) -> None:
         print(f"  time {name:13}: {us:8.1f} µs  {gbps:7.0f} GB/s  {100 * gbps / copy_gbps:5.1f} % of copy")
 
 
+def apply_settings(settings: list[str]) -> dict[str, object]:
+    """``NAME=VALUE`` (an integer, or integers by comma for the per-bucket tuples) on ``triton_mhc``'s
+    launch-shape constants; the cached shapes are cleared."""
+    applied: dict[str, object] = {}
+    for s in settings:
+        name, _, value = s.partition("=")
+        old = getattr(tm, name, None)
+        if not name.isupper() or not isinstance(old, (int, tuple)) or not value:
+            raise SystemExit(f"--set {s!r}: NAME must be an integer or tuple constant of triton_mhc")
+        parsed = tuple(int(v) for v in value.split(",")) if isinstance(old, tuple) else int(value)
+        if isinstance(old, tuple) and len(parsed) != len(old):
+            raise SystemExit(f"--set {s!r}: {name} takes {len(old)} values")
+        setattr(tm, name, parsed)
+        applied[name] = parsed
+    tm._CONFIGS.clear()
+    return applied
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 8192])
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time", action="store_true", help="also time the phases")
+    ap.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE", help="triton_mhc constants to set first")
     args = ap.parse_args(argv)
+    applied = apply_settings(args.set)
     name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    print(f"{name}, torch {torch.__version__}, n={N}, H={args.hidden}, bf16, bench mhc's inputs")
+    print(f"{name}, torch {torch.__version__}, n={N}, H={args.hidden}, bf16, bench mhc's inputs"
+          + (f"; set {applied}" if applied else ""))
     with torch.no_grad():
         ok = [run(t, args.hidden, args.device) for t in args.tokens]
         if args.time:

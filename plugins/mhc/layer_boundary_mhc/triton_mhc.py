@@ -15,7 +15,7 @@ next read (``UPDATE=True``). Its programs work on blocks of ``BT`` tokens, in tw
 
 the operation order of ``layer_boundary_mhc.reference`` (the projection of the normalized
 streams is ``rstd`` times the projection of the streams). ``phi`` is FP32: the projection runs on
-tensor cores as TF32 products of ``phi``'s high and low parts (``_project``), about 2^-21 of
+tensor cores as TF32 products of ``phi``'s high and low parts (``projection``), about 2^-21 of
 each term, near the accuracy of an FP32 product; 16-bit streams are exact in TF32. Blocks of up
 to ``PRESPLIT_TOKENS`` tokens (``mma.sync``) take the parts split once, transposed (``phi_parts``,
 [2, K, n C]: the MMA's B operand K-major, loaded by 16-byte cp.async): split in the stream pass,
@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .projection import project_bf16, project_tf32, split_tf32
 from .selection import MAX_STREAMS
 
 __all__ = [
@@ -91,7 +92,7 @@ _TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the reference's floor o
 
 @triton.jit
 def _store_cast(ptr, v, mask, CASTS: tl.constexpr):
-    """Store ``v`` (FP32) rounded to nearest even to ``ptr``'s dtype; returns the rounded value in FP32."""
+    """Store ``v`` (FP32) rounded to nearest even to ``ptr``'s dtype; returns the rounded value, in that dtype."""
     if CASTS == 1:  # CAST_EXACT
         # Triton 3.6's interpreter converts FP32 to bf16 by truncation, a GPU to nearest even:
         # round the FP32 bit pattern to 16 significant bits first, then the conversion is exact
@@ -118,7 +119,7 @@ def _store_cast(ptr, v, mask, CASTS: tl.constexpr):
     else:
         r = v.to(ptr.dtype.element_ty)
     tl.store(ptr, r, mask=mask)
-    return r.to(tl.float32)
+    return r
 
 
 @triton.jit
@@ -147,31 +148,13 @@ def _mixed_stream(y, xs, hp, hr, N: tl.constexpr):
 
 
 @triton.jit
-def _tf32_high(v):
-    # The 11 leading significant bits: exact in TF32, and v - high is exact in FP32.
-    return (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _project(v, phi_hi, phi_lo, acc, SPLIT_A: tl.constexpr):
-    """``acc + v @ phi`` to about FP32 accuracy on TF32 tensor cores, ``phi = phi_hi + phi_lo``
-    (``phi_parts``; the MMA rounds the low part to TF32: an error of 2^-21 of phi); 16-bit streams
-    are exact in TF32, FP32 streams (``SPLIT_A``) are split here the same way."""
-    if SPLIT_A:
-        v_hi = _tf32_high(v)
-        acc = tl.dot(v - v_hi, phi_hi, acc, input_precision="tf32")
-        v = v_hi
-    acc = tl.dot(v, phi_lo, acc, input_precision="tf32")
-    return tl.dot(v, phi_hi, acc, input_precision="tf32")
-
-
-@triton.jit
 def _stream_pass(
     x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, b, s, T,
     sxt, sxn, sxc, syt, syc, sot, son, soc,
     N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CASTS: tl.constexpr,
+    BF16_PHI: tl.constexpr,
 ):
     row0 = b.to(tl.int64) * BT
     # Block-local offsets stay in int32 (BT tokens' streams); the int64 base is in the pointers.
@@ -207,20 +190,23 @@ def _stream_pass(
             if UPDATE:
                 v = _mixed_stream(y, xs, coefs[i][0], coefs[i][1], N)
                 # The read sees the rounded streams, as the reference does.
-                v = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS)
+                a = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS)
             else:
-                v = _load_rows(x_ptr + i * sxn, tt, c, m2, sxt, sxc)
+                a = tl.load(x_ptr + i * sxn + tt[:, None] * sxt + c[None, :] * sxc, mask=m2, other=0.0)
+            v = a.to(tl.float32)
             ssq += tl.sum(v * v, axis=1)
             pm = cm[:, None] & km[None, :]
             if PRESPLIT:
                 src = phs_ptr + kk[None, :] * (N * C) + (i * C + c)[:, None]
-                phi_hi = tl.load(src, mask=pm, other=0.0)
-                phi_lo = tl.load(src + N * C * K, mask=pm, other=0.0)
+                acc = project_tf32(v, tl.load(src, mask=pm, other=0.0), tl.load(src + N * C * K, mask=pm, other=0.0),
+                                   acc, SPLIT_A)
             else:
                 phi = tl.load(phi_ptr + (i * C + c)[:, None] * K + kk[None, :], mask=pm, other=0.0)
-                phi_hi = _tf32_high(phi)
-                phi_lo = phi - phi_hi
-            acc = _project(v, phi_hi, phi_lo, acc, SPLIT_A)
+                if not BF16_PHI:
+                    phi_hi, phi_lo = split_tf32(phi)
+                    acc = project_tf32(v, phi_hi, phi_lo, acc, SPLIT_A)
+                else:  # bf16 streams only (triton_ops): the stored tile is the MMA's operand
+                    acc = project_bf16(a, phi, acc, CASTS == 1)
     # Column K (never a coefficient) carries the sum of squares.
     acc = tl.where(kk[None, :] == K, ssq[:, None], acc)
     dst = part_ptr + (row0 + tt)[:, None] * (S * KP) + s * KP + kk[None, :]
@@ -355,7 +341,7 @@ def mhc_boundary_kernel(
     CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr,
     BC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CHUNKED: tl.constexpr,
-    MODE: tl.constexpr, CASTS: tl.constexpr,
+    MODE: tl.constexpr, CASTS: tl.constexpr, BF16_PHI: tl.constexpr,
 ):
     if MODE == 0:
         ticket = tl.atomic_add(cnt_ptr, 1)
@@ -365,7 +351,7 @@ def mhc_boundary_kernel(
             if r < NB:
                 _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                              sxt, sxn, sxc, syt, syc, sot, son, soc,
-                             N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS)
+                             N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI)
                 # Every thread's stores, then one release: what the finish acquires.
                 tl.debug_barrier()
                 tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
@@ -382,7 +368,7 @@ def mhc_boundary_kernel(
         pid = tl.program_id(0)
         _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
                      sxt, sxn, sxc, syt, syc, sot, son, soc,
-                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS)
+                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI)
     else:
         pid = tl.program_id(0)
         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
@@ -429,7 +415,9 @@ class BoundaryConfig:
     finishes a block, ``lag`` rounds between a block's stream passes and its finishes,
     ``row_tile`` (CP) the finish's row tile, ``chunked`` when the row is wider than MAX_TILE,
     ``stages`` the chunks a stream pass has in flight (Triton's software pipelining),
-    ``presplit`` whether the stream passes read phi's TF32 parts split beforehand (``phi_parts``).
+    ``presplit`` whether the stream passes read phi's TF32 parts split beforehand (``phi_parts``),
+    ``bf16_phi`` whether the stream passes of bf16 streams project on phi cut into three bf16 parts
+    instead of the TF32 pair (``projection``; blocks that do not presplit only).
     """
 
     block_tokens: int
@@ -444,6 +432,7 @@ class BoundaryConfig:
     num_warps: int
     stages: int
     presplit: bool
+    bf16_phi: bool = False
 
     def slice_batch(self, padded_columns: int) -> int:
         """Slices a finish sums per load: a [TB, SB, KP] tile of at most 4K values."""
@@ -491,6 +480,10 @@ SLICE_COLS = (128, 256, 256)
 FINISH_TOKENS = 8
 LAG = 4
 STAGE_BYTES = 112 * 1024
+# Experimental, for timing (PERFORMANCE.md): 1 projects bf16 streams on phi cut into three bf16 parts
+# (``projection``: 128 registers at BT = 64 on sm_90, not 170) in blocks of more than PRESPLIT_TOKENS
+# tokens; 0 keeps the TF32 pair. Not the same bits, and not measured: hence off.
+BF16_PHI = 0
 _CONFIGS: dict[tuple[int, int, int, int], BoundaryConfig] = {}
 
 
@@ -516,7 +509,7 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int) -> Boundary
         cfg = _CONFIGS[key] = BoundaryConfig(
             block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
             lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=8, stages=stages,
-            presplit=presplit,
+            presplit=presplit, bf16_phi=bool(BF16_PHI) and not presplit,
         )
     return cfg
 

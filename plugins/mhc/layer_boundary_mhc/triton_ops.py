@@ -93,7 +93,7 @@ def _launch_boundary(
         N=n, NP=max(2, _pow2(n)), K=k, KP=kp, C=hidden, CP=cfg.row_tile, S=cfg.slices, SB=cfg.slice_batch(kp),
         CS=cfg.slice_cols, BT=cfg.block_tokens, BC=cfg.block_cols, STAGES=cfg.stages, TB=cfg.finish_tokens, RB=cfg.finishers,
         ITERS=int(iters), UPDATE=update, SPLIT_A=x.dtype == torch.float32, PRESPLIT=cfg.presplit,
-        CHUNKED=cfg.chunked, CASTS=CASTS,
+        CHUNKED=cfg.chunked, CASTS=CASTS, BF16_PHI=cfg.bf16_phi and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
     )
     if cooperative:
