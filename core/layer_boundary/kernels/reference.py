@@ -26,7 +26,13 @@ import torch
 
 from ..quant import FP8_E4M3_MAX, FP8_SCALE_FLOOR, QuantizedRows
 
-__all__ = ["rmsnorm_ref", "fused_add_rmsnorm_ref", "rmsnorm_fp8_ref", "fused_add_rmsnorm_fp8_ref"]
+__all__ = ["check_rows", "rmsnorm_ref", "fused_add_rmsnorm_ref", "rmsnorm_fp8_ref", "fused_add_rmsnorm_fp8_ref"]
+
+
+def check_rows(x: torch.Tensor, residual: torch.Tensor) -> None:
+    """Every fused add + norm kernel's first check: the contribution has the residual's shape."""
+    if x.shape != residual.shape:
+        raise ValueError(f"contribution shape {tuple(x.shape)} does not match residual {tuple(residual.shape)}")
 
 
 def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -77,8 +83,7 @@ def fused_add_rmsnorm_ref(
     ``out`` and ``residual_out`` are optional destinations (``residual_out=residual`` updates the
     residual in place, as fused kernels do).
     """
-    if x.shape != residual.shape:
-        raise ValueError(f"contribution shape {tuple(x.shape)} does not match residual {tuple(residual.shape)}")
+    check_rows(x, residual)
     acc = _acc_dtype(x.dtype, residual.dtype)
     s = x.to(acc) + residual.to(acc)
     y = _normalize(s, weight, eps, weight_offset).to(x.dtype)
@@ -131,8 +136,7 @@ def fused_add_rmsnorm_fp8_ref(
 ) -> tuple[QuantizedRows, torch.Tensor]:
     """``fused_add_rmsnorm_ref`` whose normalized output is per-token FP8 e4m3; the residual keeps
     its dtype."""
-    if x.shape != residual.shape:
-        raise ValueError(f"contribution shape {tuple(x.shape)} does not match residual {tuple(residual.shape)}")
+    check_rows(x, residual)
     acc = _acc_dtype(x.dtype, residual.dtype)
     s = x.to(acc) + residual.to(acc)
     q = _quantize_fp8(_normalize(s, weight, eps, weight_offset), out)

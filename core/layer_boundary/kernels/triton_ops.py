@@ -30,6 +30,7 @@ from torch.library import triton_op, wrap_triton
 
 from ..quant import QuantizedRows
 from ..residual.add_norm import NormKernels
+from .reference import check_rows
 from .triton_norm import INTERPRETED, launch, norm_rows_kernel
 
 __all__ = [
@@ -140,8 +141,7 @@ def _run(
 
 
 def _check_residual(x: torch.Tensor, residual: torch.Tensor, residual_out: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    if residual.shape != x.shape:
-        raise ValueError(f"contribution shape {tuple(x.shape)} does not match residual {tuple(residual.shape)}")
+    check_rows(x, residual)
     # The operator may not receive one tensor as two written arguments: in place is residual_out=None.
     if residual_out is residual or residual_out is None:
         return None

@@ -28,10 +28,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary.kernels.reference import check_rows, fused_add_rmsnorm_ref, rmsnorm_ref
 from layer_boundary.kernels.fallback import FallbackNotice
+from layer_boundary.kernels.refusals import cuda_half_norm_refusal
 from layer_boundary.providers import NormRequest
-from layer_boundary.quant import QUANT_FORMATS
 from layer_boundary.residual.add_norm import NormKernels
 
 from .shape import MAX_PER_THREAD, VEC, launch_shape
@@ -90,8 +90,7 @@ def cutedsl_kernels(hidden: int, dtype: torch.dtype, weight_offset: float, plain
     def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                           weight_offset: float = 0.0, out: Optional[torch.Tensor] = None,
                           residual_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.shape != residual.shape:
-            raise ValueError(f"contribution shape {tuple(x.shape)} does not match residual {tuple(residual.shape)}")
+        check_rows(x, residual)
         if residual_out is None:
             residual_out = residual
         why = _why_not(x, weight, weight_offset, hidden, dtype, want_offset=_offset)
@@ -185,19 +184,10 @@ class CuTeDSLNormProvider:
         self._failed: dict[tuple[int, torch.dtype, float], str] = {}
 
     def refuse(self, request: NormRequest) -> Optional[str]:
-        if request.device_type != self.device_type:
-            return f"runs on CUDA devices only, not {request.device_type}"
-        if torch.version.hip is not None:
-            return f"runs on NVIDIA GPUs only, not a ROCm build of torch (torch {torch.__version__})"
-        if request.quant is not None:
-            if request.quant == "fp8_e4m3":
-                return FP8_REFUSAL
-            return f"unknown quantized output {request.quant!r} (known: {', '.join(QUANT_FORMATS)})"
-        if request.dtype not in DTYPES:
-            return f"{_short(request.dtype)} is not supported: the CuTe DSL kernel takes bf16 and fp16 only"
-        if request.weight_offset not in (0.0, 1.0):
-            return (f"weight offset {request.weight_offset} is not offered: RMSNorm (offset 0) and "
-                    "Gemma RMSNorm (offset 1) only")
+        why = cuda_half_norm_refusal(request, takes="the CuTe DSL kernel takes", fp8_refusal=FP8_REFUSAL,
+                                     offers="RMSNorm (offset 0) and Gemma RMSNorm (offset 1) only")
+        if why is not None:
+            return why
         h = request.hidden_size
         if h > MAX_HIDDEN:
             return f"hidden size {h} is over {MAX_HIDDEN}: the kernel keeps a row's FP32 sum in registers"
@@ -255,7 +245,7 @@ class CuTeDSLNormProvider:
 
 def _self_check(table: NormKernels, hidden: int, dtype: torch.dtype, offset: float,
                 tol: tuple[float, float]) -> None:
-    from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+    from layer_boundary.kernels.reference import check_rows, fused_add_rmsnorm_ref, rmsnorm_ref
 
     g = torch.Generator(device="cuda").manual_seed(hidden)
     x = torch.randn(5, hidden, generator=g, device="cuda").to(dtype)

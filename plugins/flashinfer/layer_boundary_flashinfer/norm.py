@@ -39,10 +39,10 @@ from typing import Any, Optional
 
 import torch
 
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary.kernels.reference import check_rows, fused_add_rmsnorm_ref, rmsnorm_ref
 from layer_boundary.kernels.fallback import FallbackNotice
+from layer_boundary.kernels.refusals import cuda_half_norm_refusal
 from layer_boundary.providers import NormRequest
-from layer_boundary.quant import QUANT_FORMATS
 from layer_boundary.residual.add_norm import NormKernels
 
 __all__ = ["FlashInferNormProvider", "FP8_REFUSAL", "flashinfer_kernels"]
@@ -102,8 +102,7 @@ def flashinfer_kernels(fi: Any) -> NormKernels:
     def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                           weight_offset: float = 0.0, out: Optional[torch.Tensor] = None,
                           residual_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.shape != residual.shape:
-            raise ValueError(f"contribution shape {tuple(x.shape)} does not match residual {tuple(residual.shape)}")
+        check_rows(x, residual)
         if residual_out is None:
             residual_out = residual
         fn = fused.get(weight_offset)
@@ -170,17 +169,10 @@ class FlashInferNormProvider:
         self._kernels: Optional[NormKernels] = None
 
     def refuse(self, request: NormRequest) -> Optional[str]:
-        if request.device_type != self.device_type:
-            return f"runs on CUDA devices only, not {request.device_type}"
-        if request.quant is not None:
-            if request.quant == "fp8_e4m3":
-                return FP8_REFUSAL
-            return f"unknown quantized output {request.quant!r} (known: {', '.join(QUANT_FORMATS)})"
-        if request.dtype not in DTYPES:
-            return f"{_short(request.dtype)} is not supported: FlashInfer's norm kernels take bf16 and fp16 only"
-        if request.weight_offset not in (0.0, 1.0):
-            return (f"weight offset {request.weight_offset} is not offered: FlashInfer has RMSNorm "
-                    "(offset 0) and Gemma RMSNorm (offset 1)")
+        why = cuda_half_norm_refusal(request, takes="FlashInfer's norm kernels take", fp8_refusal=FP8_REFUSAL,
+                                     offers="FlashInfer has RMSNorm (offset 0) and Gemma RMSNorm (offset 1)")
+        if why is not None:
+            return why
         if request.hidden_size > self.max_hidden:
             return (f"hidden size {request.hidden_size} is over {self.max_hidden}: the fused kernel "
                     "keeps a row in shared memory")

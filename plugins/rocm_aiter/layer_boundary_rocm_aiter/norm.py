@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary.kernels.reference import check_rows, fused_add_rmsnorm_ref, rmsnorm_ref
 from layer_boundary.providers import NormRequest
 from layer_boundary.residual.add_norm import NormKernels
 
@@ -124,8 +124,7 @@ class AiterNormKernels:
         def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                               weight_offset: float = 0.0, out: Optional[torch.Tensor] = None,
                               residual_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-            if x.shape != residual.shape:
-                raise ValueError(f"contribution shape {tuple(x.shape)} does not match residual {tuple(residual.shape)}")
+            check_rows(x, residual)
             if weight_offset or not (x.dtype is residual.dtype is weight.dtype):
                 return fused_add_rmsnorm_ref(x, residual, weight, eps, weight_offset=weight_offset,
                                              out=out, residual_out=residual_out)
