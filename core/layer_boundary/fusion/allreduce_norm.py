@@ -165,6 +165,18 @@ class RefusedCandidate:
         return None
 
 
+def limits_refusal(limits: Any, world: int, dtype: torch.dtype, hidden: int) -> Optional[str]:
+    """A fused kernel's shape limits, read from ``limits`` (``max_world``, ``dtypes``,
+    ``max_hidden``, as the providers declare them): ``None`` when the group and rows fit."""
+    if world > limits.max_world:
+        return f"group of {world} ranks is over its limit of {limits.max_world}"
+    if dtype not in limits.dtypes:
+        return f"dtype {str(dtype).replace('torch.', '')} is not supported"
+    if hidden > limits.max_hidden:
+        return f"hidden size {hidden} is over its limit of {limits.max_hidden}"
+    return None
+
+
 def owed_sum(plan: Any) -> Optional[tuple[SumGroup, GroupInfo]]:
     """The single sum a stage's ordinary input completes, or ``None`` (stack entry, one rank)."""
     entry = plan.entries.get(BatchVariant.ORDINARY)
@@ -303,12 +315,9 @@ class AllReduceNormProvider:
         backend = group_backend(fused.group)
         if backend not in self.backends:
             return f"needs a {'/'.join(sorted(self.backends))} group; {fused.sum_group.value} uses {backend}"
-        if fused.group.size > self.max_world:
-            return f"group of {fused.group.size} ranks is over its limit of {self.max_world}"
-        if fused.dtype not in self.dtypes:
-            return f"dtype {str(fused.dtype).replace('torch.', '')} is not supported"
-        if fused.hidden_size > self.max_hidden:
-            return f"hidden size {fused.hidden_size} is over its limit of {self.max_hidden}"
+        why = limits_refusal(self, fused.group.size, fused.dtype, fused.hidden_size)
+        if why is not None:
+            return why
         if fused.weight_offset not in self.weight_offsets:
             return "Gemma RMSNorm (weight + 1) is not offered" if fused.weight_offset == 1.0 else \
                 f"weight offset {fused.weight_offset} is not offered"

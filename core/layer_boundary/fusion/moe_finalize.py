@@ -40,7 +40,7 @@ from ..kernels.reference import _acc_dtype, fused_add_rmsnorm_ref
 from ..layout import BatchVariant
 from ..output import HandoffOutput
 from ..topology import GroupInfo
-from .allreduce_norm import RefusedCandidate, agree, group_backend, owed_sum
+from .allreduce_norm import RefusedCandidate, agree, group_backend, limits_refusal, owed_sum
 
 __all__ = ["MoeFinalizeFusion", "FinalizeCandidate", "finalize_partial_ref", "FINALIZE_TOLERANCE"]
 
@@ -300,13 +300,7 @@ class MoeFinalizeFusion:
             return "no CUDA device in this process"
         if group.size > 1 and group_backend(group) != "nccl":
             return f"the Triton kernel needs an nccl group; this one uses {group_backend(group)}"
-        if group.size > self.max_world:
-            return f"group of {group.size} ranks is over its limit of {self.max_world}"
-        if dtype not in self.dtypes:
-            return f"dtype {str(dtype).replace('torch.', '')} is not supported"
-        if hidden > self.max_hidden:
-            return f"hidden size {hidden} is over its limit of {self.max_hidden}"
-        return None
+        return limits_refusal(self, group.size, dtype, hidden)
 
     def _want(self, group: GroupInfo, hidden: int, dtype: torch.dtype, offset: float) -> None:
         self._groups[(group.ranks, hidden, dtype)] = (group, hidden, dtype)
