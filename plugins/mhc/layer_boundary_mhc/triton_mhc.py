@@ -231,6 +231,17 @@ def _sinkhorn(logits, valid, im, ITERS: tl.constexpr):
 
 
 @triton.jit
+def _mix(base, cols, cm, sn, sc, hp, i, N: tl.constexpr, CP: tl.constexpr):
+    # The mixed input sum_j H_pre[j] x_j over one chunk of columns, in FP32 (the norm's two
+    # passes each recompute it rather than hold a whole row).
+    acc = tl.zeros([CP], dtype=tl.float32)
+    for j in tl.static_range(N):
+        xj = tl.load(base + j * sn + cols * sc, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc += _pick(hp, i, j) * xj
+    return acc
+
+
+@triton.jit
 def _pick(v, kk, col):
     # v[..., col] along the last axis, exactly (a sum of one value and zeros).
     return tl.sum(tl.where(kk == col, v, 0.0), axis=-1)
@@ -302,30 +313,19 @@ def _finish(
         base = src + row * st
         if not CHUNKED:
             cm = (c < C) & live
-            acc = tl.zeros([CP], dtype=tl.float32)
-            for j in tl.static_range(N):
-                xj = tl.load(base + j * sn + c * sc, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-                acc += _pick(hp, i, j) * xj
+            acc = _mix(base, c, cm, sn, sc, hp, i, N, CP)
             r2 = tl.rsqrt(tl.sum(acc * acc, axis=0) / C + norm_eps)
             _store_cast(out_ptr + row * sit + c * sic, acc * r2 * w, cm, CASTS)
         else:
             sq = tl.zeros([CP], dtype=tl.float32)
             for c0 in tl.range(0, C, CP):
                 cm = (c0 + c < C) & live
-                acc = tl.zeros([CP], dtype=tl.float32)
-                for j in tl.static_range(N):
-                    xj = tl.load(base + j * sn + (c0 + c) * sc, mask=cm, other=0.0,
-                                 cache_modifier=".cg").to(tl.float32)
-                    acc += _pick(hp, i, j) * xj
+                acc = _mix(base, c0 + c, cm, sn, sc, hp, i, N, CP)
                 sq += acc * acc
             r2 = tl.rsqrt(tl.sum(sq, axis=0) / C + norm_eps)
             for c0 in tl.range(0, C, CP):
                 cm = (c0 + c < C) & live
-                acc = tl.zeros([CP], dtype=tl.float32)
-                for j in tl.static_range(N):
-                    xj = tl.load(base + j * sn + (c0 + c) * sc, mask=cm, other=0.0,
-                                 cache_modifier=".cg").to(tl.float32)
-                    acc += _pick(hp, i, j) * xj
+                acc = _mix(base, c0 + c, cm, sn, sc, hp, i, N, CP)
                 wc = tl.load(w_ptr + (c0 + c) * sw, mask=cm, other=0.0).to(tl.float32) + offset
                 _store_cast(out_ptr + row * sit + (c0 + c) * sic, acc * r2 * wc, cm, CASTS)
 
