@@ -120,7 +120,6 @@ class MoeFinalizeFusion:
         self.max_tokens = int(max_tokens)
         self.workspace_bytes = workspace_bytes
         self.installed = False
-        self.terminal_finalize = False
         # FFN plan -> whether its exit may defer (set by install: a fusing consumer follows it).
         self._defers: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
         # Final norm weight -> (the terminal FFN's group, the norm's eps), per installed model: a
@@ -135,7 +134,7 @@ class MoeFinalizeFusion:
         # backend's own kernels are built for in prepare().
         self._norms: set[tuple[int, int, torch.dtype, float]] = set()
         self._warned: set[str] = set()
-        self.fused_calls = 0  # handoffs this provider finished (tests and the run report read it)
+        self.fused_calls = 0  # handoffs this provider finished (a count for tests and operators)
 
     # -- FusionProvider ---------------------------------------------------------------------
 
@@ -171,7 +170,6 @@ class MoeFinalizeFusion:
                     getattr(c, "_service", None) is self for c in entry.candidates)
             elif terminal_finalize:
                 self._defers[plan] = plan.declaration.terminal and self._terminal_refusal(plan, final_norm) is None
-        self.terminal_finalize = bool(terminal_finalize)
         self.installed = True
         return self
 
