@@ -133,6 +133,9 @@ def launch(ws: SymmWorkspace, x: torch.Tensor, residual: torch.Tensor, weight: t
     combined (plus ``shared``) first: a MoE finalize handoff."""
     from .symm_mem_kernel import allreduce_add_rmsnorm_kernel
 
+    if residual.shape[0] > ws.max_tokens:  # past the buffers: peers' rows would be overwritten
+        raise ValueError(f"{residual.shape[0]} rows exceed the workspace's {ws.max_tokens}; callers decline "
+                         "such batches before launching")
     hidden = residual.shape[-1]
     block = 1 << (hidden - 1).bit_length()
     topk = 0 if topk_weights is None else topk_weights.shape[1]
