@@ -17,6 +17,8 @@
 #   d  (no carry; on 2 GPUs the timings run beside the suite, on one they share it): the MHC GPU
 #      suite to completion (it compiles many Triton
 #      variants: a call of its own) and the BF16_PHI prefill experiment (plugins/mhc/PERFORMANCE.md)
+#   e  (no carry): the MHC GPU suite beside a sweep of launch-shape variants (the arguments
+#      after "e", each a quoted "NAME=VALUE ..."; "" the defaults) and ncu of the stream pass
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -106,5 +108,27 @@ d)
   pt 540 -m gpu tests/test_mhc_kernels.py tests/test_mhc.py --durations=10 > "$OUT/d-mhc-suite.log" 2>&1
   tail -15 "$OUT/d-mhc-suite.log"; wait
   grep -h "check:\|time " "$OUT"/mhc-check-*.log; tail -6 "$OUT/bench-mhc-bf16phi.log"
+  ;;
+e)
+  # MHC launch-shape variants (benchmarks/sweeps/mhc_variants.py) and ncu on the stream pass on
+  # GPU 0, the MHC GPU suite on GPU 1 (two GPUs), one after the other on one.
+  versions | tee "$OUT/versions-e.txt"
+  two=$([ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && echo 1 || echo 0)
+  suite() { CUDA_VISIBLE_DEVICES=$two pt 520 -m gpu tests/test_mhc_kernels.py tests/test_mhc.py --durations=10 \
+    > "$OUT/e-mhc-suite.log" 2>&1; }
+  [ "$two" = 1 ] && suite &
+  ( cd benchmarks/sweeps && export CUDA_VISIBLE_DEVICES=0
+    [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
+    timeout 330 python3 mhc_variants.py --tokens 8192 "${vs[@]}" > "$OUT/mhc-variants.log" 2>&1
+    for v in "" "BF16_PHI=1"; do
+      timeout 90 ncu --clock-control none -k regex:mhc_boundary --launch-count 1 --section SpeedOfLight \
+        --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
+        python3 mhc_variants.py --once --tokens 8192 "$v" > "$OUT/ncu-stream-${v:-defaults}.txt" 2>&1
+    done )
+  [ "$two" = 1 ] || suite
+  wait; cat "$OUT/mhc-variants.log"; tail -15 "$OUT/e-mhc-suite.log"
+  grep -h "Duration\|Issue Slots Busy\|Registers Per\|Achieved Occupancy\|Stall\|Memory Throughput" \
+    "$OUT"/ncu-stream-*.txt | head -60
   ;;
 esac

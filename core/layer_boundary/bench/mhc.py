@@ -57,7 +57,7 @@ EPS = 1e-6
 COPY_BYTES = {"cuda": (1 << 30, 1 << 28), "cpu": (1 << 26, 1 << 24)}  # (full, quick)
 # Launch-shape constants of layer_boundary_mhc.triton_mhc that --tune may set.
 TUNABLE = ("BLOCK_TOKENS", "DECODE_TOKENS", "MID_TOKENS", "SLICE_COLS", "FINISH_TOKENS", "LAG", "STAGE_BYTES",
-           "BF16_PHI")
+           "BF16_PHI", "NUM_WARPS")
 PLUGIN_MISSING = ("layer-boundary bench mhc needs the MHC plugin (distribution layer-boundary-mhc), which is not "
                   "installed here: pip install -e plugins/mhc")
 

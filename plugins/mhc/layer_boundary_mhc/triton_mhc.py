@@ -484,6 +484,8 @@ STAGE_BYTES = 112 * 1024
 # (``projection``: 128 registers at BT = 64 on sm_90, not 170) in blocks of more than PRESPLIT_TOKENS
 # tokens; 0 keeps the TF32 pair. Not the same bits, and not measured: hence off.
 BF16_PHI = 0
+# Warps of a boundary program (stream pass and finish share the launch's program size).
+NUM_WARPS = 8
 _CONFIGS: dict[tuple[int, int, int, int], BoundaryConfig] = {}
 
 
@@ -508,7 +510,7 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int) -> Boundary
         stages = max(1, min(3, STAGE_BYTES // chunk_bytes))
         cfg = _CONFIGS[key] = BoundaryConfig(
             block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
-            lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=8, stages=stages,
+            lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=NUM_WARPS, stages=stages,
             presplit=presplit, bf16_phi=bool(BF16_PHI) and not presplit,
         )
     return cfg

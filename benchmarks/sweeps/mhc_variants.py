@@ -1,0 +1,113 @@
+"""Launch-shape variants of the MHC boundary kernel on one GPU, in one process: for each variant and
+T, whether it passes ``accuracy.compare``, the compiled stream pass's registers, spills and shared
+memory, and CUDA-graph medians of the stream passes, the finishes, the two launches (and with ``--coop`` the
+cooperative launch), with the two launches' share of the byte roofline (``bench mhc``'s model).
+
+A variant is one argument of ``NAME=VALUE`` settings of ``triton_mhc`` constants separated by
+spaces (``""`` is the defaults); each starts from the defaults.
+
+Run: python benchmarks/sweeps/mhc_variants.py --tokens 1024 8192 "" "BF16_PHI=1" "NUM_WARPS=4"
+(CPU, interpreter: TRITON_INTERPRET=1 ... --device cpu --tokens 16 --hidden 256 "")
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import mhc_check
+from layer_boundary.bench import mhc as bench
+from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call
+from layer_boundary_mhc import accuracy, triton_ops
+from layer_boundary_mhc import triton_mhc as tm
+
+N, BF16 = 4, torch.bfloat16
+
+
+class _Mode:
+    """Stands in for the boundary kernel: launches the MODEs in ``modes`` and keeps the compiled
+    stream pass (registers, spills, shared memory)."""
+
+    def __init__(self, modes: tuple[int, ...]) -> None:
+        self.modes, self.compiled = modes, {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            if meta["MODE"] in self.modes:
+                self.compiled[meta["MODE"]] = tm.mhc_boundary_kernel[grid](*args, **meta)
+        return launch
+
+
+def _kernel_facts(k) -> str:
+    if k is None:
+        return "-"
+    return f"{k.n_regs} regs, {k.n_spills} spill, {k.metadata.shared // 1024} KiB"
+
+
+def measure(t: int, hidden: int, copy_gbps: float, device: str, once: bool = False,
+            coop: bool = False) -> str:
+    i = bench._inputs(t, N, hidden, BF16, device)
+    got = triton_ops.mhc_update_read_triton(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS, cooperative=False)
+    devs = accuracy.compare("update+read", got, i.x, y=i.y, h_post=i.h_post, h_res=i.h_res, params=i.params,
+                            norm_weight=i.w, norm_eps=bench.EPS)
+    ok = all(d.ok for d in devs)
+    _, n, c = i.x.shape
+    streams, out = torch.empty_like(i.x), i.x.new_empty((t, c))
+    hp, hr = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
+    params = triton_ops._param_tensors(i.params, n, c)
+
+    def launch(kernel, coop: bool):
+        return lambda: triton_ops._launch_boundary(kernel, i.x, i.y, i.h_post, i.h_res, streams, *params, i.w, out,
+                                                   hp, hr, i.params.eps, bench.EPS, 0.0, 20, coop)
+
+    probe = _Mode((tm.STREAM_PASS,))
+    launch(probe, False)()
+    if once:  # for a profiler: one stream pass (after the compile and check above), no timing
+        torch.cuda.synchronize()
+        facts = _kernel_facts(probe.compiled.get(tm.STREAM_PASS))
+        return f"T={t:5d} {'ok  ' if ok else 'FAIL'} one stream pass launched [{facts}]"
+    plan = TimingPlan(replays=20, max_calls=50)
+    us = {name: time_call(fn, device, plan).median_us for name, fn in (
+        ("stream", launch(_Mode((tm.STREAM_PASS,)), False)),
+        ("finish", launch(_Mode((tm.FINISH,)), False)),
+        ("two", launch(tm.mhc_boundary_kernel, False)),
+        *((("coop", launch(tm.mhc_boundary_kernel, True)),) if coop else ()))}
+    roof = bench.bytes_moved("update+read", t, n, c, 2) / (copy_gbps * 1e3)
+    return (f"T={t:5d} {'ok  ' if ok else 'FAIL'} stream {us['stream']:7.1f}  finish {us['finish']:6.1f}  "
+            f"two {us['two']:7.1f} ({100 * roof / us['two']:4.1f} % roofline)  "
+            + (f"coop {us['coop']:7.1f}  " if coop else "")
+            + f"[{_kernel_facts(probe.compiled.get(tm.STREAM_PASS))}]")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", nargs="+", help='"NAME=VALUE NAME=VALUE" of triton_mhc constants; "" = defaults')
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--coop", action="store_true", help="also time the cooperative launch (one more compile)")
+    ap.add_argument("--once", action="store_true", help="launch each stream pass once, untimed (under ncu)")
+    args = ap.parse_args(argv)
+    defaults = {k: getattr(tm, k) for k in dir(tm) if k.isupper() and isinstance(getattr(tm, k), (int, tuple))}
+    copy = copy_bandwidth(args.device, 1 << (30 if args.device == "cuda" else 22))["gbps"]
+    name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(f"{name}, torch {torch.__version__}, n={N}, H={args.hidden}, bf16; "
+          f"copy {copy:.0f} GB/s")
+    with torch.no_grad():
+        for v in args.variants:
+            for k, val in defaults.items():
+                setattr(tm, k, val)
+            applied = mhc_check.apply_settings(v.split())
+            print(f"variant {applied or 'defaults'}", flush=True)
+            for t in args.tokens:
+                try:
+                    print("  " + measure(t, args.hidden, copy, args.device, args.once, args.coop), flush=True)
+                except Exception as e:  # one variant that does not compile must not end the sweep
+                    print(f"  T={t}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
