@@ -17,7 +17,7 @@
 #   d  (no carry; on 2 GPUs the timings run beside the suite, on one they share it): the MHC GPU
 #      suite to completion (it compiles many Triton
 #      variants: a call of its own) and the BF16_PHI prefill experiment (plugins/mhc/PERFORMANCE.md)
-#   e  (no carry): the MHC GPU suite beside a sweep of launch-shape variants (the arguments
+#   e  (no carry): the MHC GPU suite (MHC_SUITE_K: a pytest -k filter) beside a sweep of launch-shape variants (the arguments
 #      after "e", each a quoted "NAME=VALUE ..."; "" the defaults) and ncu of the stream pass
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
@@ -115,16 +115,16 @@ e)
   versions | tee "$OUT/versions-e.txt"
   two=$([ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && echo 1 || echo 0)
   suite() { CUDA_VISIBLE_DEVICES=$two pt 520 -m gpu tests/test_mhc_kernels.py tests/test_mhc.py --durations=10 \
-    > "$OUT/e-mhc-suite.log" 2>&1; }
+    ${MHC_SUITE_K:+-k "$MHC_SUITE_K"} > "$OUT/e-mhc-suite.log" 2>&1; }
   [ "$two" = 1 ] && suite &
   ( cd benchmarks/sweeps && export CUDA_VISIBLE_DEVICES=0
     [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
-    timeout 330 python3 mhc_variants.py --tokens 8192 "${vs[@]}" > "$OUT/mhc-variants.log" 2>&1
-    for v in "" "BF16_PHI=1"; do
+    timeout 330 python3 mhc_variants.py "${vs[@]}" --coop --tokens 8192 > "$OUT/mhc-variants.log" 2>&1
+    for v in "" "JOINED=0,0,1"; do
       timeout 90 ncu --clock-control none -k regex:mhc_boundary --launch-count 1 --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
-        python3 mhc_variants.py --once --tokens 8192 "$v" > "$OUT/ncu-stream-${v:-defaults}.txt" 2>&1
+        python3 mhc_variants.py "$v" --once --tokens 8192 > "$OUT/ncu-stream-$(echo "${v:-defaults}" | tr -c "A-Za-z0-9_\n" _).txt" 2>&1
     done )
   [ "$two" = 1 ] || suite
   wait; cat "$OUT/mhc-variants.log"; tail -15 "$OUT/e-mhc-suite.log"

@@ -297,3 +297,24 @@ def test_phi_in_bf16_parts_passes_the_check_and_only_where_it_applies(monkeypatc
     matches("update+read", got, i.x, i.params, i.w, i.y, i.h_post, i.h_res)
     assert torch.equal(got[0], split_here[0]) and not torch.equal(got[2], split_here[2])  # other bits
     matches("read", mhc_read_triton(i.x, i.params, i.w, EPS), i.x, i.params, i.w)
+
+
+@pytest.mark.parametrize("joined", [1, 2], ids=["chained", "wide"])
+@pytest.mark.parametrize("t,n,c", [(37, 4, 70), (6, 3, 45), (2, 8, 16), (5, 1, 33)], ids=str)
+def test_joined_stream_pass_and_arrival_launch_match_the_reference(monkeypatch, joined, t, n, c):
+    """bf16 streams through ``stream_joined`` (the n streams one MMA operand, phi's bf16 parts split
+    once; padded streams at n = 1 and 3): within the check; the arrival launch (the last stream pass
+    of a block finishes it) and the ticket launch give the two-launch bits."""
+    monkeypatch.setattr(tm, "JOINED", (joined,) * 3)
+    monkeypatch.setattr(tm, "_CONFIGS", {})
+    x, y, w, hp, hr = inputs(t, n, c, BF16, seed=30 + t)
+    p = params(n, c, seed=31)
+    assert tm.boundary_config(t, n, c, 2, bf16=True).joined == joined
+    assert not tm.boundary_config(t, n, c, 2, bf16=False).joined  # fp16 is not exact in bf16 parts
+    two = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
+    matches("update+read", two, x, p, w, y, hp, hr)
+    for arrival in (0, 1):
+        monkeypatch.setattr(tm, "ARRIVAL_LAUNCH", arrival)
+        one = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
+        assert all(torch.equal(a, b) for a, b in zip(one, two)), arrival
+    matches("read", mhc_read_triton(x, p, w, EPS), x, p, w)

@@ -259,7 +259,7 @@ def _record(t: int, update: bool, cooperative: bool = True, n: int = 4, c: int =
     h_post, h_res = torch.empty(t, n), torch.empty(t, n, n)
     rec = Recorder(tm.mhc_boundary_kernel)
     ops._launch_boundary(rec, x, y if update else None, h_post if update else None, h_res if update else None,
-                         torch.empty_like(x) if update else None, *ops._param_tensors(p, n, c), w,
+                         torch.empty_like(x) if update else None, *ops._param_tensors(p, x), w,
                          torch.empty(t, c, dtype=dtype), torch.empty(t, n), torch.empty(t, n, n), EPS, EPS, 0.0, 20,
                          cooperative)
     return rec
@@ -271,12 +271,13 @@ def test_phi_is_split_once_per_parameter_version():
 
     p = MhcStageParams(2, 8).requires_grad_(False)
     p.init_random(torch.Generator().manual_seed(0))
-    parts = ops._param_tensors(p, 2, 8)[1]
+    x = torch.zeros(1, 2, 8, dtype=BF16)  # a decode-sized block reads phi's TF32 parts
+    parts = ops._param_tensors(p, x)[1]
     assert parts.shape == (2, 8, 16) and torch.equal((parts[0] + parts[1]).t(), p.phi)
     assert (parts[0].view(torch.int32) & 8191).eq(0).all()  # the high part is exact in TF32
-    assert ops._param_tensors(p, 2, 8)[1] is parts
+    assert ops._param_tensors(p, x)[1] is parts
     p.phi.mul_(2)  # a new version: split again
-    again = ops._param_tensors(p, 2, 8)[1]
+    again = ops._param_tensors(p, x)[1]
     assert again is not parts and torch.equal((again[0] + again[1]).t(), p.phi)
 
 
@@ -453,6 +454,30 @@ def _step(x, y, hp, hr, p, w):
     streams, inp, h_post, h_res = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS)
     inp2, h_post2, h_res2 = ops.mhc_read_triton(streams, p, w, EPS, norm_offset=1.0)
     return streams, inp, inp2, ops.mhc_update_triton(streams, inp2, h_post2, h_res2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("joined,arrival", [(1, 0), (1, 1), (2, 1)], ids=str)
+@pytest.mark.parametrize("t,n,c", [(8192, 4, 4096), (4099, 4, 2048), (300, 3, 1000), (64, 8, 512), (17, 2, 129)],
+                         ids=str)
+def test_gpu_joined_stream_pass_and_arrival_launch(monkeypatch, joined, arrival, t, n, c):
+    """bf16 streams through ``stream_joined`` in every bucket, strided streams at T = 17: within the
+    check; the one-launch form (tickets or arrival) gives the two-launch bits, repeatedly."""
+    from layer_boundary_mhc import triton_mhc as tm
+
+    monkeypatch.setattr(tm, "JOINED", (joined,) * 3)
+    monkeypatch.setattr(tm, "ARRIVAL_LAUNCH", arrival)
+    monkeypatch.setattr(tm, "_CONFIGS", {})
+    ops = _ops()
+    x, y, w, hp, hr = _inputs(t, n, c, BF16, seed=t, stride=3 if t == 17 else 0)
+    p = _params(n, c, seed=5)
+    kw = dict(y=y, h_post=hp, h_res=hr, params=p, norm_weight=w, norm_eps=EPS)
+    two = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
+    assert_matches_reference("update+read", two, x, where=f"T={t} n={n} C={c}", **kw)
+    for _ in range(3):
+        one = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
+        assert all(torch.equal(a, b) for a, b in zip(one, two)), "one launch != two launches"
+    assert_matches_reference("read", ops.mhc_read_triton(x, p, w, EPS), x, where=f"T={t} read", **kw)
 
 
 @pytest.mark.gpu

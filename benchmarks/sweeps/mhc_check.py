@@ -122,7 +122,7 @@ def phases(i: bench.Inputs, copy_gbps: float) -> None:
     e = i.x.element_size()
     streams, out = torch.empty_like(i.x), i.x.new_empty((t, c))
     hp, hr = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
-    params = triton_ops._param_tensors(i.params, n, c)
+    params = triton_ops._param_tensors(i.params, i.x)
 
     def launch(kernel, coop: bool):
         return lambda: triton_ops._launch_boundary(kernel, i.x, i.y, i.h_post, i.h_res, streams, *params, i.w, out,
@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
             copy = copy_bandwidth(args.device, 1 << (30 if args.device == "cuda" else 22))["gbps"]
             print(f"copy bandwidth {copy:.0f} GB/s")
             for t in args.tokens:
-                print(f"T={t}: {tm.boundary_config(t, N, args.hidden, 2)}")
+                print(f"T={t}: {tm.boundary_config(t, N, args.hidden, 2, bf16=True)}")
                 phases(bench._inputs(t, N, args.hidden, BF16, args.device), copy)
     return 0 if all(ok) else 1
 

@@ -56,7 +56,7 @@ def measure(t: int, hidden: int, copy_gbps: float, device: str, once: bool = Fal
     _, n, c = i.x.shape
     streams, out = torch.empty_like(i.x), i.x.new_empty((t, c))
     hp, hr = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
-    params = triton_ops._param_tensors(i.params, n, c)
+    params = triton_ops._param_tensors(i.params, i.x)
 
     def launch(kernel, coop: bool):
         return lambda: triton_ops._launch_boundary(kernel, i.x, i.y, i.h_post, i.h_res, streams, *params, i.w, out,

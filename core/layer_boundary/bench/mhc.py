@@ -57,7 +57,7 @@ EPS = 1e-6
 COPY_BYTES = {"cuda": (1 << 30, 1 << 28), "cpu": (1 << 26, 1 << 24)}  # (full, quick)
 # Launch-shape constants of layer_boundary_mhc.triton_mhc that --tune may set.
 TUNABLE = ("BLOCK_TOKENS", "DECODE_TOKENS", "MID_TOKENS", "SLICE_COLS", "FINISH_TOKENS", "LAG", "STAGE_BYTES",
-           "BF16_PHI", "NUM_WARPS")
+           "BF16_PHI", "NUM_WARPS", "JOINED", "ARRIVAL_LAUNCH")
 PLUGIN_MISSING = ("layer-boundary bench mhc needs the MHC plugin (distribution layer-boundary-mhc), which is not "
                   "installed here: pip install -e plugins/mhc")
 
@@ -194,14 +194,14 @@ def _check(method: MhcMethod, got: Sequence[torch.Tensor], i: Inputs) -> dict[st
             "worst": str(worst), "deviations": {d.output: {"max_abs": d.max_abs, "tol": d.worst} for d in devs}}
 
 
-def _config(method: MhcMethod, tokens: int, n: int, hidden: int, itemsize: int) -> Optional[str]:
+def _config(method: MhcMethod, tokens: int, n: int, hidden: int, dtype: torch.dtype) -> Optional[str]:
     if not method.name.startswith("triton") or method.op == "update":
         return None
     from layer_boundary_mhc import triton_mhc as tm
 
-    c = tm.boundary_config(tokens, n, hidden, itemsize)
+    c = tm.boundary_config(tokens, n, hidden, dtype.itemsize, dtype == torch.bfloat16)
     return (f"BT={c.block_tokens} BC={c.block_cols} S={c.slices}x{c.slice_cols} TB={c.finish_tokens} "
-            f"lag={c.lag_for(tokens)} stages={c.stages} warps={c.num_warps}")
+            f"lag={c.lag_for(tokens)} stages={c.stages} warps={c.num_warps}" + (" joined" if c.joined else ""))
 
 
 COLUMNS = [
@@ -235,7 +235,7 @@ def measure(method: MhcMethod, inputs: Inputs, plan: TimingPlan, device: str, n:
         return row
     moved = bytes_moved(method.op, t, n, c, inputs.x.element_size())
     row.update(us=m.median_us, min_us=m.min_us, calls=m.calls, replays=m.replays, bytes=moved,
-               gbps=moved / m.median_us / 1e3, config=_config(method, t, n, c, inputs.x.element_size()))
+               gbps=moved / m.median_us / 1e3, config=_config(method, t, n, c, inputs.x.dtype))
     return row
 
 

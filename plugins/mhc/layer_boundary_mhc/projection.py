@@ -75,3 +75,25 @@ def project_bf16(a, phi, acc, INTERPRETED: tl.constexpr):
     acc = _dot_bf16(a, rest - mid, acc, INTERPRETED)
     acc = _dot_bf16(a, mid, acc, INTERPRETED)
     return _dot_bf16(a, hi, acc, INTERPRETED)
+
+
+def bf16_parts(phi: "torch.Tensor", n: int, np_: int, kp: int, wide: bool = False) -> "torch.Tensor":
+    """``[3, C NP, KP]`` bf16: FP32 ``phi`` ([n C, K]) cut by truncation into its high, middle and low
+    bf16 parts (as ``project_bf16``), rows reordered to ``c NP + i`` for stream ``i``'s column ``c``
+    (``stream_joined``), zero rows for padding streams and zero columns past K. The three parts
+    sum to phi bit for bit."""
+    import torch
+
+    k = phi.shape[1]
+    c = phi.shape[0] // n
+    full = phi.new_zeros((c, np_, kp))
+    full[:, :n, :k] = phi.detach().view(n, c, k).transpose(0, 1)
+
+    def high(v: torch.Tensor) -> torch.Tensor:
+        return (v.view(torch.int32) & -65536).view(torch.float32)
+
+    hi = high(full)
+    rest = full - hi
+    mid = high(rest)
+    parts = torch.stack((hi, mid, rest - mid)).to(torch.bfloat16).view(3, c * np_, kp)
+    return parts.transpose(0, 1).contiguous() if wide else parts

@@ -57,6 +57,9 @@ from triton.runtime.jit import JITFunction
 
 from .projection import project_bf16, project_tf32, split_tf32
 from .selection import MAX_STREAMS
+from .stream_joined import stream_pass_joined
+from .triton_tiles import (CAST_EXACT, CAST_PLAIN, CAST_PTX, CAST_PTX_PURE, _load_rows, _mixed_stream, _store_cast,
+                           _stream_coefficients)
 
 __all__ = [
     "mhc_boundary_kernel",
@@ -66,6 +69,7 @@ __all__ = [
     "update_config",
     "coefficient_columns",
     "phi_parts",
+    "padded_streams",
     "INTERPRETED",
     "MAX_STREAMS",
     "MAX_TILE",
@@ -74,77 +78,21 @@ __all__ = [
     "CAST_PLAIN",
     "CAST_EXACT",
     "CAST_PTX",
+    "CAST_PTX_PURE",
+    "CASTS_PURE",
     "COOPERATIVE",
     "STREAM_PASS",
     "FINISH",
+    "ARRIVAL",
 ]
 
 # Widest row a finish holds in registers (combination, weight and one stream: 96 FP32 values a
 # thread over 8 warps); wider rows are normalized in CHUNK-wide pieces, read twice.
 MAX_TILE = 8192
 CHUNK = 4096
-COOPERATIVE, STREAM_PASS, FINISH = 0, 1, 2
-# How _store_cast rounds FP32 to the stored dtype (the CASTS constexpr, fixed at import below).
-CAST_PLAIN, CAST_EXACT, CAST_PTX = 0, 1, 2
+COOPERATIVE, STREAM_PASS, FINISH, ARRIVAL = 0, 1, 2, 3
 
 _TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the reference's floor on exp(logits)
-
-
-@triton.jit
-def _store_cast(ptr, v, mask, CASTS: tl.constexpr):
-    """Store ``v`` (FP32) rounded to nearest even to ``ptr``'s dtype; returns the rounded value, in that dtype."""
-    if CASTS == 1:  # CAST_EXACT
-        # Triton 3.6's interpreter converts FP32 to bf16 by truncation, a GPU to nearest even:
-        # round the FP32 bit pattern to 16 significant bits first, then the conversion is exact
-        # (finite values only, which is all a kernel here stores).
-        if ptr.dtype.element_ty == tl.bfloat16:
-            bits = v.to(tl.int32, bitcast=True)
-            half = 0x7FFF + ((bits >> 16) & 1)
-            v = ((bits + half) & -65536).to(tl.float32, bitcast=True)
-        r = v.to(ptr.dtype.element_ty)
-    elif CASTS == 2:  # CAST_PTX
-        # The instruction .to() emits, made opaque (not pure): the stream pass uses the rounded
-        # mix in two register layouts (the store's and the projection MMA's), and Triton would
-        # otherwise recompute the whole mix, loads and FMAs, in each. On sm_90 at n = 4, 64
-        # tokens: 1387 -> 674 instructions a chunk and 245 -> 170 registers (with the
-        # coefficients loaded once a stream pass).
-        if ptr.dtype.element_ty == tl.bfloat16:
-            r = tl.inline_asm_elementwise("cvt.rn.bf16.f32 $0, $1;", "=h,r", [v], dtype=tl.bfloat16,
-                                          is_pure=False, pack=1)
-        elif ptr.dtype.element_ty == tl.float16:
-            r = tl.inline_asm_elementwise("cvt.rn.f16.f32 $0, $1;", "=h,r", [v], dtype=tl.float16,
-                                          is_pure=False, pack=1)
-        else:
-            r = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=False, pack=1)
-    else:
-        r = v.to(ptr.dtype.element_ty)
-    tl.store(ptr, r, mask=mask)
-    return r
-
-
-@triton.jit
-def _load_rows(ptr, tt, c, m2, st, sc):
-    return tl.load(ptr + tt[:, None] * st + c[None, :] * sc, mask=m2, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _stream_coefficients(hp_ptr, hr_ptr, tt, tm, i: tl.constexpr, N: tl.constexpr):
-    """``(H_post[:, i], (H_res[:, i, j] for j))`` of the rows ``tt``, [BT] each, from contiguous
-    coefficients."""
-    hr = ()
-    for j in tl.static_range(N):
-        hr = hr + (tl.load(hr_ptr + tt * (N * N) + i * N + j, mask=tm, other=0.0),)
-    return tl.load(hp_ptr + tt * N + i, mask=tm, other=0.0), hr
-
-
-@triton.jit
-def _mixed_stream(y, xs, hp, hr, N: tl.constexpr):
-    """A stream of ``H_post y + H_res x`` in FP32, [BT, BC], of the tiles ``y`` and ``xs`` and
-    that stream's coefficients (``_stream_coefficients``)."""
-    v = hp[:, None] * y
-    for j in tl.static_range(N):
-        v += hr[j][:, None] * xs[j]
-    return v
 
 
 @triton.jit
@@ -331,6 +279,25 @@ def _finish(
 
 
 @triton.jit
+def _any_stream_pass(
+    x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, b, s, T,
+    sxt, sxn, sxc, syt, syc, sot, son, soc,
+    N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
+    S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
+    UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CASTS: tl.constexpr,
+    BF16_PHI: tl.constexpr, JOINED: tl.constexpr,
+):
+    if JOINED:  # bf16 streams; phs_ptr holds projection.bf16_parts
+        stream_pass_joined(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phs_ptr, part_ptr, b, s, T,
+                           sxt, sxn, sxc, syt, syc, sot, son, soc,
+                           N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, CASTS, JOINED == 2)
+    else:
+        _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, b, s, T,
+                     sxt, sxn, sxc, syt, syc, sot, son, soc,
+                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI)
+
+
+@triton.jit
 def mhc_boundary_kernel(
     x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
     out_ptr, hpo_ptr, hro_ptr, part_ptr, cnt_ptr,
@@ -341,7 +308,7 @@ def mhc_boundary_kernel(
     CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr,
     BC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CHUNKED: tl.constexpr,
-    MODE: tl.constexpr, CASTS: tl.constexpr, BF16_PHI: tl.constexpr,
+    MODE: tl.constexpr, CASTS: tl.constexpr, BF16_PHI: tl.constexpr, JOINED: tl.constexpr,
 ):
     if MODE == 0:
         ticket = tl.atomic_add(cnt_ptr, 1)
@@ -349,9 +316,10 @@ def mhc_boundary_kernel(
         k = ticket % (S + RB)
         if k < S:
             if r < NB:
-                _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
-                             sxt, sxn, sxc, syt, syc, sot, son, soc,
-                             N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI)
+                _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
+                                 sxt, sxn, sxc, syt, syc, sot, son, soc,
+                                 N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
+                                 BF16_PHI, JOINED)
                 # Every thread's stores, then one release: what the finish acquires.
                 tl.debug_barrier()
                 tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
@@ -364,11 +332,26 @@ def mhc_boundary_kernel(
                         out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, k - S, T,
                         sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
                         N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS)
+    elif MODE == 3:
+        # Arrival: the last stream pass of a block to arrive finishes the block; nothing waits.
+        pid = tl.program_id(0)
+        blk = pid // S
+        _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, blk, pid % S, T,
+                         sxt, sxn, sxc, syt, syc, sot, son, soc,
+                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI, JOINED)
+        tl.debug_barrier()
+        # Release this pass's stores; the last arrival acquires every other pass's.
+        if tl.atomic_add(cnt_ptr + 1 + blk, 1, sem="acq_rel", scope="gpu") == S - 1:
+            for q in tl.range(0, RB):
+                _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
+                        out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, q, T,
+                        sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
+                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS)
     elif MODE == 1:
         pid = tl.program_id(0)
-        _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
-                     sxt, sxn, sxc, syt, syc, sot, son, soc,
-                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI)
+        _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
+                         sxt, sxn, sxc, syt, syc, sot, son, soc,
+                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI, JOINED)
     else:
         pid = tl.program_id(0)
         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
@@ -404,6 +387,10 @@ def mhc_update_kernel(
 INTERPRETED = not isinstance(mhc_boundary_kernel, JITFunction)
 # PTX only for NVIDIA; ROCm builds of torch report their GPUs as cuda devices too.
 CASTS = CAST_EXACT if INTERPRETED else CAST_PLAIN if torch.version.hip else CAST_PTX
+# For kernels whose rounded tiles feed one layout (the joined stream pass, the update alone): pure,
+# so that torch.compile's analysis of which arguments a kernel writes can read it (impure inline
+# assembly makes it assume every argument written, and copy each before the launch).
+CASTS_PURE = CAST_EXACT if INTERPRETED else CAST_PLAIN if torch.version.hip else CAST_PTX_PURE
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,7 +404,8 @@ class BoundaryConfig:
     ``stages`` the chunks a stream pass has in flight (Triton's software pipelining),
     ``presplit`` whether the stream passes read phi's TF32 parts split beforehand (``phi_parts``),
     ``bf16_phi`` whether the stream passes of bf16 streams project on phi cut into three bf16 parts
-    instead of the TF32 pair (``projection``; blocks that do not presplit only).
+    instead of the TF32 pair (``projection``; blocks that do not presplit only), ``joined`` whether
+    bf16 streams take ``stream_joined``'s stream pass (which reads ``projection.bf16_parts``).
     """
 
     block_tokens: int
@@ -433,6 +421,7 @@ class BoundaryConfig:
     stages: int
     presplit: bool
     bf16_phi: bool = False
+    joined: int = 0
 
     def slice_batch(self, padded_columns: int) -> int:
         """Slices a finish sums per load: a [TB, SB, KP] tile of at most 4K values."""
@@ -448,7 +437,7 @@ class BoundaryConfig:
         nb = self.blocks(tokens)
         if mode == COOPERATIVE:
             return (nb + self.lag_for(tokens)) * (self.slices + self.finishers)
-        return nb * (self.slices if mode == STREAM_PASS else self.finishers)
+        return nb * (self.finishers if mode == FINISH else self.slices)
 
 
 # Launch shapes by token count: up to DECODE_TOKENS, up to MID_TOKENS, past it (index 0, 1, 2 of
@@ -484,15 +473,21 @@ STAGE_BYTES = 112 * 1024
 # (``projection``: 128 registers at BT = 64 on sm_90, not 170) in blocks of more than PRESPLIT_TOKENS
 # tokens; 0 keeps the TF32 pair. Not the same bits, and not measured: hence off.
 BF16_PHI = 0
+# Per bucket: 1 sends bf16 streams through stream_joined's stream pass (one MMA a part of phi for
+# the n streams, on phi's bf16 parts split once).
+JOINED = (0, 0, 0)
+# 1: the one-launch form is ARRIVAL (the last stream pass of a block finishes it), 0: COOPERATIVE.
+ARRIVAL_LAUNCH = 0
 # Warps of a boundary program (stream pass and finish share the launch's program size).
 NUM_WARPS = 8
 _CONFIGS: dict[tuple[int, int, int, int], BoundaryConfig] = {}
 
 
-def boundary_config(tokens: int, n: int, hidden: int, itemsize: int) -> BoundaryConfig:
-    """The cached launch shape for ``tokens`` rows of ``n`` streams of ``hidden`` columns."""
+def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool = False) -> BoundaryConfig:
+    """The cached launch shape for ``tokens`` rows of ``n`` streams of ``hidden`` columns
+    (``bf16``: the streams are bf16, which the joined stream pass needs)."""
     bucket = 0 if tokens <= DECODE_TOKENS else 1 if tokens <= MID_TOKENS else 2
-    key = (bucket, n, hidden, itemsize)
+    key = (bucket, n, hidden, itemsize, bf16)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         bt = BLOCK_TOKENS[bucket]
@@ -502,18 +497,26 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int) -> Boundary
         tb = min(FINISH_TOKENS, bt)
         cp = triton.next_power_of_2(hidden)
         chunked = cp > MAX_TILE
-        presplit = bt <= PRESPLIT_TOKENS
-        # A chunk's loads: n + 1 stream tiles and n tiles of phi ([BC, KP] FP32, two with
-        # presplit), each stage buffered in shared memory; phi dominates at large n (KP = 128 at n = 8).
-        phi_tiles = n * (1 + presplit)
-        chunk_bytes = bt * bc * itemsize * (n + 1) + phi_tiles * bc * coefficient_columns(n)[1] * 4
+        joined = JOINED[bucket] if bf16 else 0
+        presplit = bt <= PRESPLIT_TOKENS and not joined
+        kp = coefficient_columns(n)[1]
+        # A chunk's loads: n + 1 stream tiles and phi, each stage buffered in shared memory: n
+        # [BC, KP] FP32 tiles (two with presplit), or joined three bf16 [NP BC, KP] tiles; phi
+        # dominates at large n (KP = 128 at n = 8).
+        phi_bytes = 3 * padded_streams(n) * bc * kp * 2 if joined else n * (1 + presplit) * bc * kp * 4
+        chunk_bytes = bt * bc * itemsize * (n + 1) + phi_bytes
         stages = max(1, min(3, STAGE_BYTES // chunk_bytes))
         cfg = _CONFIGS[key] = BoundaryConfig(
             block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
             lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=NUM_WARPS, stages=stages,
-            presplit=presplit, bf16_phi=bool(BF16_PHI) and not presplit,
+            presplit=presplit, bf16_phi=bool(BF16_PHI) and bt > PRESPLIT_TOKENS and not joined, joined=joined,
         )
     return cfg
+
+
+def padded_streams(n: int) -> int:
+    """NP: the streams padded to a power of two, at least 2 (the kernels' stream axis)."""
+    return max(2, 1 << max(0, int(n) - 1).bit_length())
 
 
 _UPDATE_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}

@@ -29,9 +29,12 @@ from torch.library import triton_op, wrap_triton
 
 from .accuracy import TOLERANCE  # re-exported: the kernels' tolerances live with their comparison
 from .coefficients import SINKHORN_ITERS
+from .projection import bf16_parts
 from . import triton_mhc
 from .triton_mhc import (
+    ARRIVAL,
     CASTS,
+    CASTS_PURE,
     COOPERATIVE,
     FINISH,
     INTERPRETED,
@@ -41,6 +44,7 @@ from .triton_mhc import (
     coefficient_columns,
     mhc_boundary_kernel,
     mhc_update_kernel,
+    padded_streams,
     phi_parts,
     update_config,
 )
@@ -70,17 +74,25 @@ def _launch_boundary(
     if tokens == 0:
         return  # an empty grid is not a valid launch
     hidden = int(hidden)  # constexpr: pins the width (the parameters fix it anyway)
-    cfg = boundary_config(tokens, n, hidden, x.element_size())
+    cfg = boundary_config(tokens, n, hidden, x.element_size(), x.dtype == torch.bfloat16)
     k, kp = coefficient_columns(n)
     blocks = cfg.blocks(tokens)
     part = torch.empty((blocks * cfg.block_tokens, cfg.slices, kp), dtype=torch.float32, device=x.device)
     update = y is not None
+    # Placeholders the kernel never touches are a tensor of their own: under torch.compile the
+    # launches are functionalized, and where Triton's mutation analysis gives up (it does not read
+    # inline assembly) every argument counts as written; an argument aliasing the workspace could
+    # then stand for its new value, and the finishes read a copy the stream passes never wrote.
+    unused = torch.empty(1, dtype=torch.float32, device=x.device)
     if update:
         y_strides, so_strides = y.stride(), streams_out.stride()
-    else:  # placeholders the kernel never touches (an internal tensor: no caller's input aliases)
-        y, h_post, h_res, streams_out = part, part, part, part
+    else:
+        y, h_post, h_res, streams_out = unused, unused, unused, unused
         y_strides, so_strides = (0, 0), (0, 0, 0)
-    counters = torch.zeros(blocks + 1, dtype=torch.int32, device=x.device) if cooperative else part
+    if phi_split is phi:  # not read by this launch shape
+        phi_split = unused
+    counters = torch.zeros(blocks + 1, dtype=torch.int32, device=x.device) if cooperative else unused
+    one_launch = ARRIVAL if triton_mhc.ARRIVAL_LAUNCH else COOPERATIVE
     args = (
         x, y, h_post, h_res, streams_out, phi, phi_split, alpha, b_pre, b_post, b_res, norm_weight,
         out, h_post_out, h_res_out, part, counters,
@@ -90,14 +102,14 @@ def _launch_boundary(
         eps, norm_eps, norm_offset,
     )
     meta = dict(
-        N=n, NP=max(2, _pow2(n)), K=k, KP=kp, C=hidden, CP=cfg.row_tile, S=cfg.slices, SB=cfg.slice_batch(kp),
+        N=n, NP=padded_streams(n), K=k, KP=kp, C=hidden, CP=cfg.row_tile, S=cfg.slices, SB=cfg.slice_batch(kp),
         CS=cfg.slice_cols, BT=cfg.block_tokens, BC=cfg.block_cols, STAGES=cfg.stages, TB=cfg.finish_tokens, RB=cfg.finishers,
         ITERS=int(iters), UPDATE=update, SPLIT_A=x.dtype == torch.float32, PRESPLIT=cfg.presplit,
-        CHUNKED=cfg.chunked, CASTS=CASTS, BF16_PHI=cfg.bf16_phi and x.dtype == torch.bfloat16,
+        CHUNKED=cfg.chunked, CASTS=CASTS_PURE if cfg.joined else CASTS, BF16_PHI=cfg.bf16_phi and x.dtype == torch.bfloat16, JOINED=cfg.joined,
         num_warps=cfg.num_warps,
     )
     if cooperative:
-        kernel[(cfg.grid(tokens, COOPERATIVE),)](*args, MODE=COOPERATIVE, **meta)
+        kernel[(cfg.grid(tokens, one_launch),)](*args, MODE=one_launch, **meta)
     else:
         kernel[(cfg.grid(tokens, STREAM_PASS),)](*args, MODE=STREAM_PASS, **meta)
         kernel[(cfg.grid(tokens, FINISH),)](*args, MODE=FINISH, **meta)
@@ -114,12 +126,8 @@ def _launch_update(kernel: Any, x: torch.Tensor, y: torch.Tensor, h_post: torch.
     kernel[grid](
         x, y, h_post, h_res, out, tokens,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        N=n, C=hidden, BT=bt, BC=bc, CASTS=CASTS, num_warps=warps,
+        N=n, C=hidden, BT=bt, BC=bc, CASTS=CASTS_PURE, num_warps=warps,
     )
-
-
-def _pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
 
 
 # -- the operators ----------------------------------------------------------------------------------
@@ -195,8 +203,10 @@ def _check_update(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res:
     _check_shape(h_res, (t, n, n), "H_res", torch.float32)
 
 
-def _param_tensors(params: Any, n: int, c: int) -> tuple[torch.Tensor, ...]:
-    k, _ = coefficient_columns(n)
+def _param_tensors(params: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(phi, phi's split for the launch shape of streams x, alpha, b_pre, b_post, b_res)``."""
+    t, n, c = x.shape
+    k, kp = coefficient_columns(n)
     if params.n != n or params.hidden_size != c:
         raise ValueError(f"the MHC parameters are for n={params.n}, hidden={params.hidden_size}; the streams "
                          f"have n={n}, hidden={c}")
@@ -206,24 +216,36 @@ def _param_tensors(params: Any, n: int, c: int) -> tuple[torch.Tensor, ...]:
     # Indexed as contiguous by the kernels (a no-op for the usual parameters): phi's row stride is
     # then the constant K, which lets its rows load as 16-byte vectors.
     phi = params.phi.contiguous()
-    return (phi, _phi_parts(phi), params.alpha.contiguous(), params.b_pre.contiguous(), params.b_post.contiguous(),
+    cfg = boundary_config(max(int(t), 1), n, int(c), x.element_size(), x.dtype == torch.bfloat16)
+    if cfg.joined:
+        split = _phi_split(phi, ("bf16", n, padded_streams(n), kp, cfg.joined == 2))
+    elif cfg.presplit:
+        split = _phi_split(phi, ("tf32",))
+    else:
+        split = phi  # not read
+    return (phi, split, params.alpha.contiguous(), params.b_pre.contiguous(), params.b_post.contiguous(),
             params.b_res.contiguous())
 
 
-# id(phi) -> (weak reference to phi, its version counter, its TF32 parts). Split once per parameter
-# version, not per call: a split is two elementwise kernels over phi, more than a decode step's
-# launch overhead. The parts hold twice phi's memory (3 MiB a stage at n = 4, C = 4096).
-_PHI_PARTS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+# (id(phi), kind) -> (weak reference to phi, its version counter, its split). Split once per
+# parameter version, not per call: a split is a few elementwise kernels over phi, more than a decode
+# step's launch overhead. The TF32 parts hold twice phi's memory (3 MiB a stage at n = 4, C = 4096),
+# the bf16 parts 1.5 times (with the padding columns, 2 at n = 4).
+_PHI_PARTS: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
-def _phi_parts(phi: torch.Tensor) -> torch.Tensor:
+def _split(phi: torch.Tensor, kind: tuple) -> torch.Tensor:
+    return phi_parts(phi) if kind[0] == "tf32" else bf16_parts(phi, *kind[1:])
+
+
+def _phi_split(phi: torch.Tensor, kind: tuple) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        return phi_parts(phi)  # traced into the graph
-    key = id(phi)
+        return _split(phi, kind)  # traced into the graph
+    key = (id(phi), kind)
     hit = _PHI_PARTS.get(key)
     if hit is not None and hit[0]() is phi and hit[1] == phi._version:
         return hit[2]
-    parts = phi_parts(phi)
+    parts = _split(phi, kind)
     # While a CUDA graph is captured the split's kernels do not run: keep no split made then.
     if not (phi.is_cuda and torch.cuda.is_current_stream_capturing()):
         _PHI_PARTS[key] = (weakref.ref(phi, lambda _, k=key: _PHI_PARTS.pop(k, None)), phi._version, parts)
@@ -253,7 +275,7 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
               out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor],
               h_res_out: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     t, n, c = _check_streams(x)
-    phi, phi_split, alpha, b_pre, b_post, b_res = _param_tensors(params, n, c)
+    phi, phi_split, alpha, b_pre, b_post, b_res = _param_tensors(params, x)
     _check_shape(norm_weight, (c,), "the norm weight")
     if y is not None:
         _check_update(x, y, h_post, h_res)
