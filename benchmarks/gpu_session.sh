@@ -17,6 +17,7 @@
 #   d  (no carry; on 2 GPUs the timings run beside the suite, on one they share it): the MHC GPU
 #      suite to completion (it compiles many Triton
 #      variants: a call of its own) and the BF16_PHI prefill experiment (plugins/mhc/PERFORMANCE.md)
+#   f  (no carry, two GPUs): as e without ncu, the suite split over both GPUs
 #   e  (no carry): the MHC GPU suite (MHC_SUITE_K: a pytest -k filter) beside a sweep of launch-shape variants (the arguments
 #      after "e", each a quoted "NAME=VALUE ..."; "" the defaults) and ncu of the stream pass
 # Logs and results go to $OUT (the device tool brings them back).
@@ -130,5 +131,17 @@ e)
   wait; cat "$OUT/mhc-variants.log"; tail -15 "$OUT/e-mhc-suite.log"
   grep -h "Duration\|Issue Slots Busy\|Registers Per\|Achieved Occupancy\|Stall\|Memory Throughput" \
     "$OUT"/ncu-stream-*.txt | head -60
+  ;;
+f)
+  # Two GPUs: the MHC GPU suite but the joined-pass cases on GPU 1; on GPU 0 the variants sweep
+  # (the arguments after "f", as for e), then the joined-pass cases.
+  versions | tee "$OUT/versions-f.txt"
+  CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu tests/test_mhc_kernels.py tests/test_mhc.py -k "not joined_stream_pass" \
+    --durations=5 > "$OUT/f-mhc-suite.log" 2>&1 &
+  ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 mhc_variants.py "${vs[@]}" --coop --tokens 8192 \
+      > "$OUT/mhc-variants.log" 2>&1 )
+  CUDA_VISIBLE_DEVICES=0 pt 230 -m gpu tests/test_mhc_kernels.py -k joined_stream_pass > "$OUT/f-joined.log" 2>&1
+  wait; cat "$OUT/mhc-variants.log"; tail -3 "$OUT/f-joined.log"; tail -9 "$OUT/f-mhc-suite.log"
   ;;
 esac

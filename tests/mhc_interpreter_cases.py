@@ -301,11 +301,14 @@ def test_phi_in_bf16_parts_passes_the_check_and_only_where_it_applies(monkeypatc
 
 @pytest.mark.parametrize("joined", [1, 2], ids=["chained", "wide"])
 @pytest.mark.parametrize("t,n,c", [(37, 4, 70), (6, 3, 45), (2, 8, 16), (5, 1, 33)], ids=str)
-def test_joined_stream_pass_and_arrival_launch_match_the_reference(monkeypatch, joined, t, n, c):
+def test_joined_stream_pass_and_one_launch_forms_match_the_reference(monkeypatch, joined, t, n, c):
     """bf16 streams through ``stream_joined`` (the n streams one MMA operand, phi's bf16 parts split
-    once; padded streams at n = 1 and 3): within the check; the arrival launch (the last stream pass
-    of a block finishes it) and the ticket launch give the two-launch bits."""
+    once; padded streams at n = 1 and 3): within the check; the one-launch forms (tickets; arrival: the
+    last stream pass of a block finishes it; folded: a stream pass then finishes an earlier block)
+    give the two-launch bits. The wide variant's
+    finishes normalize two tokens at once."""
     monkeypatch.setattr(tm, "JOINED", (joined,) * 3)
+    monkeypatch.setattr(tm, "FINISH_ROWS", joined)
     monkeypatch.setattr(tm, "_CONFIGS", {})
     x, y, w, hp, hr = inputs(t, n, c, BF16, seed=30 + t)
     p = params(n, c, seed=31)
@@ -313,8 +316,8 @@ def test_joined_stream_pass_and_arrival_launch_match_the_reference(monkeypatch, 
     assert not tm.boundary_config(t, n, c, 2, bf16=False).joined  # fp16 is not exact in bf16 parts
     two = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
     matches("update+read", two, x, p, w, y, hp, hr)
-    for arrival in (0, 1):
-        monkeypatch.setattr(tm, "ARRIVAL_LAUNCH", arrival)
+    for form in (tm.COOPERATIVE, tm.ARRIVAL, tm.FOLDED):
+        monkeypatch.setattr(tm, "ONE_LAUNCH", (form,) * 3)
         one = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
-        assert all(torch.equal(a, b) for a, b in zip(one, two)), arrival
+        assert all(torch.equal(a, b) for a, b in zip(one, two)), form
     matches("read", mhc_read_triton(x, p, w, EPS), x, p, w)

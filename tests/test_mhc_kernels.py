@@ -302,11 +302,12 @@ def test_one_launch_at_decode_sizes_two_above_unless_chosen(monkeypatch):
 
 @needs_triton
 @pytest.mark.slow
-def test_kernels_compile_for_sm90_with_wide_accesses_and_no_spills():
+def test_kernels_compile_for_sm90_with_wide_accesses_and_no_spills(monkeypatch):
     """The cooperative kernel at a decode and a prefill size, and the update alone, compiled for
     Hopper: loads of streams, outputs and phi are 16-byte vectors (ld.global.v4 or cp.async of
     16 bytes), stores of x' and of the input too; the prefill projection runs on wgmma; the
-    finish acquires what the stream passes release; nothing spills at the prefill size."""
+    finish acquires what the stream passes release; nothing spills at the prefill size. The TF32
+    pair's stream pass at every size (the joined one: test_joined_stream_pass_compiles_...)."""
     pytest.importorskip("triton.compiler")
     from layer_boundary_mhc import triton_mhc as tm
     from layer_boundary_mhc import triton_ops as ops
@@ -314,6 +315,9 @@ def test_kernels_compile_for_sm90_with_wide_accesses_and_no_spills():
 
     if tm.INTERPRETED:
         pytest.skip("TRITON_INTERPRET=1 is set: the kernels are interpreted, not compiled")
+    monkeypatch.setattr(tm, "JOINED", (0, 0, 0))
+    monkeypatch.setattr(tm, "NUM_WARPS", (8, 8, 8))
+    monkeypatch.setattr(tm, "_CONFIGS", {})
     try:
         decode, prefill = (compile_launches(_record(t, update=True))[0] for t in (1, 8192))
     except AttributeError as e:  # the binder and _pack_args are Triton internals
@@ -355,6 +359,8 @@ def test_phi_in_bf16_parts_compiles_to_two_programs_an_sm(monkeypatch):
 
     if tm.INTERPRETED:
         pytest.skip("TRITON_INTERPRET=1 is set: the kernels are interpreted, not compiled")
+    monkeypatch.setattr(tm, "JOINED", (0, 0, 0))
+    monkeypatch.setattr(tm, "NUM_WARPS", (8, 8, 8))
     assert tm.BF16_PHI == 0 and not tm.boundary_config(8192, 4, 4096, 2).bf16_phi
     monkeypatch.setattr(tm, "BF16_PHI", 1)
     monkeypatch.setattr(tm, "_CONFIGS", {})
@@ -365,6 +371,36 @@ def test_phi_in_bf16_parts_compiles_to_two_programs_an_sm(monkeypatch):
     assert stream_pass.meta["BF16_PHI"] and stream_pass.count(r"wgmma\.mma_async[^ ]*\.bf16\.bf16") > 0
     assert stream_pass.spill_bytes == 0 and stream_pass.registers <= 128, (
         f"{stream_pass.registers} registers, {stream_pass.spill_bytes} B spilled")
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("warps", [4, 8])
+def test_joined_stream_pass_compiles_to_two_programs_an_sm(monkeypatch, warps):
+    """``stream_joined`` at the prefill size (BT = 64, the default 4 warps and 8): bf16 wgmma, no
+    spills, registers for two programs an SM (128 at 8 warps); and, for the folded launch, the
+    stream pass and finish in one kernel within the same count."""
+    from layer_boundary_mhc import triton_mhc as tm
+    from mhc_sm90 import compile_launches
+
+    if tm.INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1 is set: the kernels are interpreted, not compiled")
+    monkeypatch.setattr(tm, "JOINED", (0, 0, 1))
+    monkeypatch.setattr(tm, "NUM_WARPS", (8, 8, warps))
+    monkeypatch.setattr(tm, "ONE_LAUNCH", (0, 0, tm.FOLDED))
+    monkeypatch.setattr(tm, "_CONFIGS", {})
+    try:
+        stream_pass, finish = compile_launches(_record(8192, update=True, cooperative=False))
+        (folded,) = compile_launches(_record(8192, update=True, cooperative=True))
+    except AttributeError as e:
+        pytest.skip(f"this Triton's JIT internals differ ({e}); the GPU tests compile the kernels")
+    assert stream_pass.meta["JOINED"] == 1 and stream_pass.count(r"wgmma\.mma_async[^ ]*\.bf16\.bf16") > 0
+    assert folded.meta["MODE"] == tm.FOLDED
+    for k in (stream_pass, folded):
+        assert k.spill_bytes == 0 and k.registers * 32 * warps * 2 <= 65536, (
+            f"{k.registers} registers, {k.spill_bytes} B spilled")
+    # Pure roundings only (torch.compile's analysis of written arguments reads no impure assembly).
+    assert stream_pass.meta["CASTS"] != tm.CAST_PTX and finish.meta["CASTS"] != tm.CAST_PTX
 
 
 # -- GPU ----------------------------------------------------------------------------------------------
@@ -456,17 +492,20 @@ def _step(x, y, hp, hr, p, w):
     return streams, inp, inp2, ops.mhc_update_triton(streams, inp2, h_post2, h_res2)
 
 
+JOINED_CASES = [(j, 4, t, n, c) for j in (1, 2)
+                for (t, n, c) in ((8192, 4, 4096), (4099, 4, 2048), (300, 3, 1000), (64, 8, 512), (17, 2, 129))]
+JOINED_CASES += [(1, form, 4099, 4, 2048) for form in (0, 3)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("joined,arrival", [(1, 0), (1, 1), (2, 1)], ids=str)
-@pytest.mark.parametrize("t,n,c", [(8192, 4, 4096), (4099, 4, 2048), (300, 3, 1000), (64, 8, 512), (17, 2, 129)],
-                         ids=str)
-def test_gpu_joined_stream_pass_and_arrival_launch(monkeypatch, joined, arrival, t, n, c):
+@pytest.mark.parametrize("joined,form,t,n,c", JOINED_CASES, ids=str)
+def test_gpu_joined_stream_pass_and_one_launch_forms(monkeypatch, joined, form, t, n, c):
     """bf16 streams through ``stream_joined`` in every bucket, strided streams at T = 17: within the
-    check; the one-launch form (tickets or arrival) gives the two-launch bits, repeatedly."""
+    check; the one-launch form (0 tickets, 3 arrival, 4 folded) gives the two-launch bits, repeatedly."""
     from layer_boundary_mhc import triton_mhc as tm
 
     monkeypatch.setattr(tm, "JOINED", (joined,) * 3)
-    monkeypatch.setattr(tm, "ARRIVAL_LAUNCH", arrival)
+    monkeypatch.setattr(tm, "ONE_LAUNCH", (form,) * 3)
     monkeypatch.setattr(tm, "_CONFIGS", {})
     ops = _ops()
     x, y, w, hp, hr = _inputs(t, n, c, BF16, seed=t, stride=3 if t == 17 else 0)
@@ -507,11 +546,12 @@ def test_gpu_cuda_graph_replay_equals_eager(t):
 @pytest.mark.gpu
 def test_gpu_compiled_fullgraph_matches_eager():
     """Dynamo sends the wrappers to the layer_boundary_mhc operators and Inductor inlines the
-    kernels; two token counts (the second recompiles with a dynamic T)."""
+    kernels; token counts of two launch shapes (the second recompiles with a dynamic T), the
+    last the prefill shape."""
     torch._dynamo.reset()
     p = _params(4, 4096, seed=9)
     compiled = torch.compile(lambda x, y, hp, hr, w: _step(x, y, hp, hr, p, w), fullgraph=True)
-    for t in (64, 200):
+    for t in (64, 200, 2048):
         x, y, w, hp, hr = _inputs(t, 4, 4096, BF16, seed=t)
         want = _step(x, y, hp, hr, p, w)
         got = compiled(x, y, hp, hr, w)

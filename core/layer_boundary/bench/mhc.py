@@ -57,7 +57,10 @@ EPS = 1e-6
 COPY_BYTES = {"cuda": (1 << 30, 1 << 28), "cpu": (1 << 26, 1 << 24)}  # (full, quick)
 # Launch-shape constants of layer_boundary_mhc.triton_mhc that --tune may set.
 TUNABLE = ("BLOCK_TOKENS", "DECODE_TOKENS", "MID_TOKENS", "SLICE_COLS", "FINISH_TOKENS", "LAG", "STAGE_BYTES",
-           "BF16_PHI", "NUM_WARPS", "JOINED", "ARRIVAL_LAUNCH")
+           "BF16_PHI", "NUM_WARPS", "JOINED", "ONE_LAUNCH", "PREFILL_ONE_LAUNCH", "FINISH_ROWS",
+           "JOINED_PROGRAMS")
+# Of those, the ones with a value per token bucket (decode, mid, large).
+PER_BUCKET = ("BLOCK_TOKENS", "SLICE_COLS", "NUM_WARPS", "JOINED", "ONE_LAUNCH")
 PLUGIN_MISSING = ("layer-boundary bench mhc needs the MHC plugin (distribution layer-boundary-mhc), which is not "
                   "installed here: pip install -e plugins/mhc")
 
@@ -309,7 +312,7 @@ def _apply_tuning(settings: Sequence[str]) -> dict[str, Any]:
         name, _, value = s.partition("=")
         if name not in TUNABLE or not value:
             raise ValueError(f"--tune {s!r}: give NAME=VALUE with NAME one of {', '.join(TUNABLE)}")
-        per_bucket = name in ("BLOCK_TOKENS", "SLICE_COLS")
+        per_bucket = name in PER_BUCKET
         try:
             parsed: Any = tuple(int(v) for v in value.split(",")) if per_bucket else int(value)
         except ValueError:

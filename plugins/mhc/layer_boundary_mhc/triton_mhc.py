@@ -84,13 +84,14 @@ __all__ = [
     "STREAM_PASS",
     "FINISH",
     "ARRIVAL",
+    "FOLDED",
 ]
 
 # Widest row a finish holds in registers (combination, weight and one stream: 96 FP32 values a
 # thread over 8 warps); wider rows are normalized in CHUNK-wide pieces, read twice.
 MAX_TILE = 8192
 CHUNK = 4096
-COOPERATIVE, STREAM_PASS, FINISH, ARRIVAL = 0, 1, 2, 3
+COOPERATIVE, STREAM_PASS, FINISH, ARRIVAL, FOLDED = 0, 1, 2, 3, 4
 
 _TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the reference's floor on exp(logits)
 
@@ -179,13 +180,14 @@ def _sinkhorn(logits, valid, im, ITERS: tl.constexpr):
 
 
 @triton.jit
-def _mix(base, cols, cm, sn, sc, hp, i, N: tl.constexpr, CP: tl.constexpr):
-    # The mixed input sum_j H_pre[j] x_j over one chunk of columns, in FP32 (the norm's two
-    # passes each recompute it rather than hold a whole row).
-    acc = tl.zeros([CP], dtype=tl.float32)
+def _mix(src, rows, st, cols, m2, sn, sc, hp, i, N: tl.constexpr):
+    # The mixed input sum_j H_pre[:, j] x_j of FR tokens' rows over one chunk of columns, [FR, CP]
+    # in FP32 (the norm's two passes each recompute it rather than hold a whole row).
+    ptr = src + rows[:, None] * st + cols[None, :] * sc
+    acc = tl.zeros(m2.shape, dtype=tl.float32)
     for j in tl.static_range(N):
-        xj = tl.load(base + j * sn + cols * sc, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc += _pick(hp, i, j) * xj
+        xj = tl.load(ptr + j * sn, mask=m2, other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc += _pick(hp, i[None, :], j)[:, None] * xj
     return acc
 
 
@@ -202,7 +204,7 @@ def _finish(
     sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr, TB: tl.constexpr,
-    ITERS: tl.constexpr, UPDATE: tl.constexpr, CHUNKED: tl.constexpr, CASTS: tl.constexpr,
+    ITERS: tl.constexpr, UPDATE: tl.constexpr, CHUNKED: tl.constexpr, CASTS: tl.constexpr, FR: tl.constexpr,
 ):
     row0 = b.to(tl.int64) * BT + q * TB
     tt = tl.arange(0, TB)
@@ -252,30 +254,34 @@ def _finish(
         sn = sxn
         sc = sxc
     c = tl.arange(0, CP)
+    fr = tl.arange(0, FR)
     if not CHUNKED:
         w = tl.load(w_ptr + c * sw, mask=c < C, other=0.0).to(tl.float32) + offset
-    for p in tl.static_range(TB):
-        row = row0 + p
-        live = row < T
-        hp = tl.sum(tl.where(tt[:, None] == p, h_pre, 0.0), axis=0)  # [NP]
-        base = src + row * st
+    # FR tokens a step: their rows' loads are in flight together (one token a step waits for
+    # each row's L2 round trip and block-wide reduction in turn).
+    for p0 in tl.static_range(0, TB, FR):
+        rows = row0 + p0 + fr
+        live = rows < T
+        sel = tt[:, None] == (p0 + fr)[None, :]  # [TB, FR]
+        hp = tl.sum(tl.where(sel[:, :, None], h_pre[:, None, :], 0.0), axis=0)  # [FR, NP]
+        dst = out_ptr + rows[:, None] * sit
         if not CHUNKED:
-            cm = (c < C) & live
-            acc = _mix(base, c, cm, sn, sc, hp, i, N, CP)
-            r2 = tl.rsqrt(tl.sum(acc * acc, axis=0) / C + norm_eps)
-            _store_cast(out_ptr + row * sit + c * sic, acc * r2 * w, cm, CASTS)
+            m2 = live[:, None] & (c < C)[None, :]
+            acc = _mix(src, rows, st, c, m2, sn, sc, hp, i, N)
+            r2 = tl.rsqrt(tl.sum(acc * acc, axis=1) / C + norm_eps)
+            _store_cast(dst + c[None, :] * sic, acc * r2[:, None] * w[None, :], m2, CASTS)
         else:
-            sq = tl.zeros([CP], dtype=tl.float32)
+            sq = tl.zeros([FR, CP], dtype=tl.float32)
             for c0 in tl.range(0, C, CP):
-                cm = (c0 + c < C) & live
-                acc = _mix(base, c0 + c, cm, sn, sc, hp, i, N, CP)
+                m2 = live[:, None] & (c0 + c < C)[None, :]
+                acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N)
                 sq += acc * acc
-            r2 = tl.rsqrt(tl.sum(sq, axis=0) / C + norm_eps)
+            r2 = tl.rsqrt(tl.sum(sq, axis=1) / C + norm_eps)
             for c0 in tl.range(0, C, CP):
-                cm = (c0 + c < C) & live
-                acc = _mix(base, c0 + c, cm, sn, sc, hp, i, N, CP)
-                wc = tl.load(w_ptr + (c0 + c) * sw, mask=cm, other=0.0).to(tl.float32) + offset
-                _store_cast(out_ptr + row * sit + (c0 + c) * sic, acc * r2 * wc, cm, CASTS)
+                m2 = live[:, None] & (c0 + c < C)[None, :]
+                acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N)
+                wc = tl.load(w_ptr + (c0 + c) * sw, mask=c0 + c < C, other=0.0).to(tl.float32) + offset
+                _store_cast(dst + (c0 + c)[None, :] * sic, acc * r2[:, None] * wc[None, :], m2, CASTS)
 
 
 @triton.jit
@@ -308,7 +314,7 @@ def mhc_boundary_kernel(
     CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr,
     BC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CHUNKED: tl.constexpr,
-    MODE: tl.constexpr, CASTS: tl.constexpr, BF16_PHI: tl.constexpr, JOINED: tl.constexpr,
+    MODE: tl.constexpr, CASTS: tl.constexpr, BF16_PHI: tl.constexpr, JOINED: tl.constexpr, FR: tl.constexpr,
 ):
     if MODE == 0:
         ticket = tl.atomic_add(cnt_ptr, 1)
@@ -331,7 +337,7 @@ def mhc_boundary_kernel(
                 _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                         out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, k - S, T,
                         sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS)
+                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR)
     elif MODE == 3:
         # Arrival: the last stream pass of a block to arrive finishes the block; nothing waits.
         pid = tl.program_id(0)
@@ -346,18 +352,43 @@ def mhc_boundary_kernel(
                 _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                         out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, q, T,
                         sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS)
+                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR)
+    elif MODE == 4:
+        # Folded: tickets as MODE 0, but a round's S programs each do a stream pass of block r and
+        # then finishes of block r - LAG (finish q by program q mod S), whose x' is still in L2.
+        ticket = tl.atomic_add(cnt_ptr, 1)
+        r = ticket // S
+        k = ticket % S
+        if r < NB:
+            _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
+                             sxt, sxn, sxc, syt, syc, sot, son, soc,
+                             N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
+                             BF16_PHI, JOINED)
+            tl.debug_barrier()
+            tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
+        if r >= LAG:
+            blk = r - LAG
+            if k < RB:
+                while tl.atomic_add(cnt_ptr + 1 + blk, 0, sem="acquire", scope="gpu") < S:
+                    pass
+                for q0 in tl.range(0, RB, S):
+                    if q0 + k < RB:
+                        _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
+                                out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, q0 + k, T,
+                                sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
+                                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR)
     elif MODE == 1:
         pid = tl.program_id(0)
         _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
                          sxt, sxn, sxc, syt, syc, sot, son, soc,
                          N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI, JOINED)
     else:
+        # Last blocks first: the stream passes wrote them last, and part of their x' is in L2.
         pid = tl.program_id(0)
         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
-                out_ptr, hpo_ptr, hro_ptr, part_ptr, pid // RB, pid % RB, T,
+                out_ptr, hpo_ptr, hro_ptr, part_ptr, NB - 1 - pid // RB, pid % RB, T,
                 sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS)
+                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR)
 
 
 @triton.jit
@@ -405,7 +436,10 @@ class BoundaryConfig:
     ``presplit`` whether the stream passes read phi's TF32 parts split beforehand (``phi_parts``),
     ``bf16_phi`` whether the stream passes of bf16 streams project on phi cut into three bf16 parts
     instead of the TF32 pair (``projection``; blocks that do not presplit only), ``joined`` whether
-    bf16 streams take ``stream_joined``'s stream pass (which reads ``projection.bf16_parts``).
+    bf16 streams take ``stream_joined``'s stream pass (which reads ``projection.bf16_parts``; 2: as
+    one wide MMA of the three parts), ``finish_rows`` (FR) the tokens a finish normalizes at once,
+    ``max_registers`` a cap on a thread's registers (0: ptxas decides), ``one_launch`` the MODE
+    of a one-launch call.
     """
 
     block_tokens: int
@@ -422,6 +456,9 @@ class BoundaryConfig:
     presplit: bool
     bf16_phi: bool = False
     joined: int = 0
+    finish_rows: int = 1
+    max_registers: int = 0
+    one_launch: int = COOPERATIVE
 
     def slice_batch(self, padded_columns: int) -> int:
         """Slices a finish sums per load: a [TB, SB, KP] tile of at most 4K values."""
@@ -437,6 +474,8 @@ class BoundaryConfig:
         nb = self.blocks(tokens)
         if mode == COOPERATIVE:
             return (nb + self.lag_for(tokens)) * (self.slices + self.finishers)
+        if mode == FOLDED:
+            return (nb + self.lag_for(tokens)) * self.slices
         return nb * (self.finishers if mode == FINISH else self.slices)
 
 
@@ -474,12 +513,29 @@ STAGE_BYTES = 112 * 1024
 # tokens; 0 keeps the TF32 pair. Not the same bits, and not measured: hence off.
 BF16_PHI = 0
 # Per bucket: 1 sends bf16 streams through stream_joined's stream pass (one MMA a part of phi for
-# the n streams, on phi's bf16 parts split once).
-JOINED = (0, 0, 0)
-# 1: the one-launch form is ARRIVAL (the last stream pass of a block finishes it), 0: COOPERATIVE.
-ARRIVAL_LAUNCH = 0
-# Warps of a boundary program (stream pass and finish share the launch's program size).
-NUM_WARPS = 8
+# the n streams, on phi's bf16 parts split once), 2 as one wide MMA of the three parts. H200, n = 4,
+# H = 4096, T = 8192, stream passes: 505 µs (TF32 pair), 280 (1, 8 warps), 333 (2), 218 (1, 4 warps).
+# The mid bucket's mma.sync form compiles to twice the instructions (sm_90): not taken there.
+JOINED = (0, 0, 1)
+# The one-launch form by bucket: COOPERATIVE (tickets; finishes are programs of their own), ARRIVAL
+# (the last stream pass of a block finishes it) or FOLDED (tickets; a stream pass then finishes a
+# block LAG rounds back, whose x' is still in L2).
+ONE_LAUNCH = (COOPERATIVE, COOPERATIVE, COOPERATIVE)
+# 1: calls past MID_TOKENS take one launch when the caller does not choose (two launches: 0).
+PREFILL_ONE_LAUNCH = 0
+# Tokens a finish normalizes at once (a divisor of FINISH_TOKENS).
+FINISH_ROWS = 1
+# Programs an SM that the chained joined kernels (JOINED 1) keep room for: their registers are
+# capped at 64K / (this x the program's threads). Two 8-warp programs: 128, where a one-launch
+# form's finish, compiled into the same kernel, would otherwise raise the count (sm_90: 144 at
+# FR = 1, 190 at FR = 2; no spills at 128); 4-warp programs need no cap for two (238, the most
+# ptxas gives is 255). 0: no cap.
+JOINED_PROGRAMS = 2
+# Warps of a boundary program by bucket (stream pass and finish share the program size). At
+# prefill one warpgroup takes the 64-token MMA whole: 8 warps split its columns and pass the
+# accumulator between the chained MMAs through shared memory (barriers each chunk). H200: 218 µs
+# against 280 for the joined stream passes, 93 against 105 for the finishes (T = 8192).
+NUM_WARPS = (8, 8, 4)
 _CONFIGS: dict[tuple[int, int, int, int], BoundaryConfig] = {}
 
 
@@ -508,10 +564,19 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
         stages = max(1, min(3, STAGE_BYTES // chunk_bytes))
         cfg = _CONFIGS[key] = BoundaryConfig(
             block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
-            lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=NUM_WARPS, stages=stages,
+            lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=NUM_WARPS[bucket], stages=stages,
             presplit=presplit, bf16_phi=bool(BF16_PHI) and bt > PRESPLIT_TOKENS and not joined, joined=joined,
+            finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, NUM_WARPS[bucket]),
+            one_launch=ONE_LAUNCH[bucket],
         )
     return cfg
+
+
+def _register_cap(joined: int, warps: int) -> int:
+    if joined != 1 or not JOINED_PROGRAMS:
+        return 0
+    cap = 65536 // (JOINED_PROGRAMS * 32 * warps) // 8 * 8
+    return cap if cap < 255 else 0
 
 
 def padded_streams(n: int) -> int:

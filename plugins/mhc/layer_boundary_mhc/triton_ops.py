@@ -13,8 +13,9 @@ output ``y [T, C]`` are bf16, fp16 or fp32 of one dtype, ``n <= 8``; coefficient
 Destinations (``out=``, ...) are written and returned; missing ones are allocated contiguous.
 
 Eager calls launch the kernels directly (the dispatcher costs more than a decode-sized kernel);
-under ``torch.compile`` they call ``layer_boundary_mhc::boundary`` / ``::update``, whose schemas
-declare the destinations they write. Each call allocates its workspace (FP32 partial sums, and
+under ``torch.compile`` they call ``layer_boundary_mhc::boundary`` / ``::update``, opaque custom
+operators whose schemas declare the destinations they write (``_define`` says why not
+``triton_op``). Each call allocates its workspace (FP32 partial sums, and
 for the cooperative launch a zeroed counter per token block) from the caching allocator, which a
 CUDA graph captures like any other allocation, and never synchronizes with the host.
 """
@@ -25,14 +26,12 @@ import weakref
 from typing import Any, Optional
 
 import torch
-from torch.library import triton_op, wrap_triton
 
 from .accuracy import TOLERANCE  # re-exported: the kernels' tolerances live with their comparison
 from .coefficients import SINKHORN_ITERS
 from .projection import bf16_parts
 from . import triton_mhc
 from .triton_mhc import (
-    ARRIVAL,
     CASTS,
     CASTS_PURE,
     COOPERATIVE,
@@ -92,7 +91,7 @@ def _launch_boundary(
     if phi_split is phi:  # not read by this launch shape
         phi_split = unused
     counters = torch.zeros(blocks + 1, dtype=torch.int32, device=x.device) if cooperative else unused
-    one_launch = ARRIVAL if triton_mhc.ARRIVAL_LAUNCH else COOPERATIVE
+    one_launch = cfg.one_launch
     args = (
         x, y, h_post, h_res, streams_out, phi, phi_split, alpha, b_pre, b_post, b_res, norm_weight,
         out, h_post_out, h_res_out, part, counters,
@@ -105,9 +104,12 @@ def _launch_boundary(
         N=n, NP=padded_streams(n), K=k, KP=kp, C=hidden, CP=cfg.row_tile, S=cfg.slices, SB=cfg.slice_batch(kp),
         CS=cfg.slice_cols, BT=cfg.block_tokens, BC=cfg.block_cols, STAGES=cfg.stages, TB=cfg.finish_tokens, RB=cfg.finishers,
         ITERS=int(iters), UPDATE=update, SPLIT_A=x.dtype == torch.float32, PRESPLIT=cfg.presplit,
-        CHUNKED=cfg.chunked, CASTS=CASTS_PURE if cfg.joined else CASTS, BF16_PHI=cfg.bf16_phi and x.dtype == torch.bfloat16, JOINED=cfg.joined,
+        CHUNKED=cfg.chunked, CASTS=CASTS_PURE if cfg.joined else CASTS,
+        BF16_PHI=cfg.bf16_phi and x.dtype == torch.bfloat16, JOINED=cfg.joined, FR=cfg.finish_rows,
         num_warps=cfg.num_warps,
     )
+    if cfg.max_registers and not INTERPRETED:
+        meta["maxnreg"] = cfg.max_registers
     if cooperative:
         kernel[(cfg.grid(tokens, one_launch),)](*args, MODE=one_launch, **meta)
     else:
@@ -134,20 +136,19 @@ def _launch_update(kernel: Any, x: torch.Tensor, y: torch.Tensor, h_post: torch.
 
 def _boundary_body(
     x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
-    phi: torch.Tensor, phi_split: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
+    phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
     b_res: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_eps: float, norm_offset: float, iters: int,
     cooperative: bool,
     streams_out: Optional[torch.Tensor], out: torch.Tensor, h_post_out: torch.Tensor, h_res_out: torch.Tensor,
 ) -> None:
-    kernel = mhc_boundary_kernel if INTERPRETED else wrap_triton(mhc_boundary_kernel)
-    _launch_boundary(kernel, x, y, h_post, h_res, streams_out, phi, phi_split, alpha, b_pre, b_post, b_res,
-                     norm_weight, out, h_post_out, h_res_out, eps, norm_eps, norm_offset, iters, cooperative)
+    _launch_boundary(mhc_boundary_kernel, x, y, h_post, h_res, streams_out, phi, _split_for(phi, x), alpha, b_pre,
+                     b_post, b_res, norm_weight, out, h_post_out, h_res_out, eps, norm_eps, norm_offset, iters,
+                     cooperative)
 
 
 def _update_body(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
                  out: torch.Tensor) -> None:
-    kernel = mhc_update_kernel if INTERPRETED else wrap_triton(mhc_update_kernel)
-    _launch_update(kernel, x, y, h_post, h_res, out)
+    _launch_update(mhc_update_kernel, x, y, h_post, h_res, out)
 
 
 def _writes_only(*args: object) -> None:
@@ -155,12 +156,11 @@ def _writes_only(*args: object) -> None:
 
 
 def _define(name: str, body: object, writes: set[str]) -> None:
-    if not INTERPRETED:
-        # triton_op traces the body (wrap_triton) into the graph, so Inductor sees the kernels.
-        triton_op(name, body, mutates_args=writes)
-        return
-    # The interpreter's kernels run on CPU tensors, which wrap_triton cannot trace: a plain custom
-    # operator with the same schema keeps the compiled path testable on a CPU.
+    # Opaque to the compiler: the body runs as in eager mode, its launches and workspaces included.
+    # torch.library.triton_op (the body traced into the graph, the launches functionalized) gave
+    # wrong inputs on an H200 (torch 2.11, Triton 3.6: the finishes read garbage partial sums at
+    # T = 64), and copies every argument of a kernel holding impure inline assembly, which its
+    # analysis of the written arguments cannot read.
     op = torch.library.custom_op(name, body, mutates_args=writes)
     op.register_fake(_writes_only)
 
@@ -205,8 +205,14 @@ def _check_update(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res:
 
 def _param_tensors(params: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(phi, phi's split for the launch shape of streams x, alpha, b_pre, b_post, b_res)``."""
+    phi, *rest = _checked_params(params, x)
+    return (phi, _split_for(phi, x), *rest)
+
+
+def _checked_params(params: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(phi, alpha, b_pre, b_post, b_res)`` of ``params``, checked against streams ``x``."""
     t, n, c = x.shape
-    k, kp = coefficient_columns(n)
+    k, _ = coefficient_columns(n)
     if params.n != n or params.hidden_size != c:
         raise ValueError(f"the MHC parameters are for n={params.n}, hidden={params.hidden_size}; the streams "
                          f"have n={n}, hidden={c}")
@@ -215,19 +221,23 @@ def _param_tensors(params: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     _check_shape(params.phi, (n * c, k), "phi")
     # Indexed as contiguous by the kernels (a no-op for the usual parameters): phi's row stride is
     # then the constant K, which lets its rows load as 16-byte vectors.
-    phi = params.phi.contiguous()
+    return (params.phi.contiguous(), params.alpha.contiguous(), params.b_pre.contiguous(),
+            params.b_post.contiguous(), params.b_res.contiguous())
+
+
+def _split_for(phi: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """phi's split that the launch shape of streams ``x`` reads (phi itself where it reads none)."""
+    t, n, c = x.shape
     cfg = boundary_config(max(int(t), 1), n, int(c), x.element_size(), x.dtype == torch.bfloat16)
     if cfg.joined:
-        split = _phi_split(phi, ("bf16", n, padded_streams(n), kp, cfg.joined == 2))
-    elif cfg.presplit:
-        split = _phi_split(phi, ("tf32",))
-    else:
-        split = phi  # not read
-    return (phi, split, params.alpha.contiguous(), params.b_pre.contiguous(), params.b_post.contiguous(),
-            params.b_res.contiguous())
+        return _phi_split(phi, ("bf16", n, padded_streams(n), coefficient_columns(n)[1], cfg.joined == 2))
+    if cfg.presplit:
+        return _phi_split(phi, ("tf32",))
+    return phi
 
 
-# (id(phi), kind) -> (weak reference to phi, its version counter, its split). Split once per
+# (id(parameter), data pointer, kind) -> (weak reference to the parameter, its version counter, the
+# split); the parameter is phi's base where phi is a view (as a compiled graph may pass). Split once per
 # parameter version, not per call: a split is a few elementwise kernels over phi, more than a decode
 # step's launch overhead. The TF32 parts hold twice phi's memory (3 MiB a stage at n = 4, C = 4096),
 # the bf16 parts 1.5 times (with the padding columns, 2 at n = 4).
@@ -239,16 +249,15 @@ def _split(phi: torch.Tensor, kind: tuple) -> torch.Tensor:
 
 
 def _phi_split(phi: torch.Tensor, kind: tuple) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return _split(phi, kind)  # traced into the graph
-    key = (id(phi), kind)
+    base = phi if phi._base is None else phi._base
+    key = (id(base), phi.data_ptr(), kind)
     hit = _PHI_PARTS.get(key)
-    if hit is not None and hit[0]() is phi and hit[1] == phi._version:
+    if hit is not None and hit[0]() is base and hit[1] == phi._version:
         return hit[2]
     parts = _split(phi, kind)
     # While a CUDA graph is captured the split's kernels do not run: keep no split made then.
     if not (phi.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _PHI_PARTS[key] = (weakref.ref(phi, lambda _, k=key: _PHI_PARTS.pop(k, None)), phi._version, parts)
+        _PHI_PARTS[key] = (weakref.ref(base, lambda _, k=key: _PHI_PARTS.pop(k, None)), phi._version, parts)
     return parts
 
 
@@ -275,7 +284,7 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
               out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor],
               h_res_out: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     t, n, c = _check_streams(x)
-    phi, phi_split, alpha, b_pre, b_post, b_res = _param_tensors(params, x)
+    phi, alpha, b_pre, b_post, b_res = _checked_params(params, x)
     _check_shape(norm_weight, (c,), "the norm weight")
     if y is not None:
         _check_update(x, y, h_post, h_res)
@@ -286,16 +295,17 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
     h_res_out = _coefficient_dest(h_res_out, (t, n, n), x, "h_res")
     eps = float(params.eps)
     if cooperative is None:
-        cooperative = t <= triton_mhc.COOPERATIVE_TOKENS
+        cooperative = t <= triton_mhc.COOPERATIVE_TOKENS or (t > triton_mhc.MID_TOKENS
+                                                             and bool(triton_mhc.PREFILL_ONE_LAUNCH))
     # Dynamo sees is_compiling() as True: the compiled graph gets the operator; eager bypasses it.
     if torch.compiler.is_compiling():
-        torch.ops.layer_boundary_mhc.boundary(x, y, h_post, h_res, phi, phi_split, alpha, b_pre, b_post, b_res,
+        torch.ops.layer_boundary_mhc.boundary(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res,
                                               norm_weight, eps, float(norm_eps), float(norm_offset), int(iters), cooperative,
                                               streams_out, out, h_post_out, h_res_out)
     else:
-        _launch_boundary(mhc_boundary_kernel, x, y, h_post, h_res, streams_out, phi, phi_split, alpha, b_pre, b_post,
-                         b_res, norm_weight, out, h_post_out, h_res_out, eps, float(norm_eps), float(norm_offset),
-                         int(iters), cooperative)
+        _launch_boundary(mhc_boundary_kernel, x, y, h_post, h_res, streams_out, phi, _split_for(phi, x), alpha,
+                         b_pre, b_post, b_res, norm_weight, out, h_post_out, h_res_out, eps, float(norm_eps),
+                         float(norm_offset), int(iters), cooperative)
     return streams_out, out, h_post_out, h_res_out
 
 
