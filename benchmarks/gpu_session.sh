@@ -14,17 +14,16 @@
 #      kernels, bench norm, bench finalize, bench mhc
 #   c  (carry .whl):   FlashInfer: JIT builds beside bench decode, then its GPU tests and the
 #      fused candidate in bench allreduce
-#   d  (no carry; on 2 GPUs the timings run beside the suite, on one they share it): the MHC GPU
-#      suite to completion (it compiles many Triton
-#      variants: a call of its own) and the BF16_PHI prefill experiment (plugins/mhc/PERFORMANCE.md)
-#   f  (no carry, two GPUs): as e without ncu, the suite split over both GPUs
-#   e  (no carry): the MHC GPU suite (MHC_SUITE_K: a pytest -k filter) beside a sweep of launch-shape variants (the arguments
-#      after "e", each a quoted "NAME=VALUE ..."; "" the defaults) and ncu of the stream pass
+# and for the MHC kernels (no carry):
+#   e  the MHC GPU suite (MHC_SUITE_K: a pytest -k filter) beside a sweep of launch-shape variants
+#      (the arguments after "e", each a quoted "NAME=VALUE ..."; "" the defaults) and ncu of the
+#      stream pass
+#   f  as e without ncu, the suite split over both GPUs
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-stage=${1:?stage a, b, c or d}
+stage=${1:?stage a, b, c, e or f}
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/mhc -e plugins/flashinfer \
   -e plugins/cutedsl -e plugins/rocm_aiter >/dev/null 2>&1 || { echo "editable install failed"; exit 1; }
 cute_env() {
@@ -97,18 +96,6 @@ from flashinfer.jit.comm import gen_trtllm_comm_module; gen_trtllm_comm_module()
   pt 120 -m gpu tests/test_flashinfer_gpu.py > "$OUT/c-flashinfer.log" 2>&1; tail -5 "$OUT/c-flashinfer.log"
   timeout 120 layer-boundary bench allreduce --quick --out "$OUT" > "$OUT/bench-allreduce.log" 2>&1
   tail -30 "$OUT/bench-allreduce.log"
-  ;;
-d)
-  versions | tee "$OUT/versions-d.txt"
-  ( timeout 150 python3 benchmarks/sweeps/mhc_check.py --tokens 8192 --time > "$OUT/mhc-check-tf32.log" 2>&1
-    timeout 150 python3 benchmarks/sweeps/mhc_check.py --tokens 8192 --time --set BF16_PHI=1 \
-      > "$OUT/mhc-check-bf16phi.log" 2>&1
-    timeout 120 layer-boundary bench mhc --kernels triton --tokens 1024 8192 --hidden 4096 --ops update+read \
-      --tune BF16_PHI=1 --out "$OUT/bf16phi" > "$OUT/bench-mhc-bf16phi.log" 2>&1 ) &
-  [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && export CUDA_VISIBLE_DEVICES=1
-  pt 540 -m gpu tests/test_mhc_kernels.py tests/test_mhc.py --durations=10 > "$OUT/d-mhc-suite.log" 2>&1
-  tail -15 "$OUT/d-mhc-suite.log"; wait
-  grep -h "check:\|time " "$OUT"/mhc-check-*.log; tail -6 "$OUT/bench-mhc-bf16phi.log"
   ;;
 e)
   # MHC launch-shape variants (benchmarks/sweeps/mhc_variants.py) and ncu on the stream pass on

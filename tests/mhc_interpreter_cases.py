@@ -273,32 +273,6 @@ def test_bench_methods_run_the_kernels_into_their_destinations():
         assert all(torch.equal(a, b) for a, b in zip(again, got)), m
 
 
-def test_phi_in_bf16_parts_passes_the_check_and_only_where_it_applies(monkeypatch):
-    """``BF16_PHI`` (an experiment, off by default): bf16 streams in blocks that split phi in the
-    stream pass project on three bf16 parts of phi: within the check on the bench's inputs (read
-    and update+read); fp16 streams and pre-split blocks keep the TF32 pair, bit for bit."""
-    from layer_boundary.bench import mhc as bench
-
-    i = bench._inputs(17, 4, 48, BF16, "cpu")
-    f16 = inputs(17, 4, 48, FP16, seed=20)
-    pair = mhc_update_read_triton(f16[0], f16[1], f16[3], f16[4], i.params, f16[2], EPS)
-    split_here = mhc_update_read_triton(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS)
-    monkeypatch.setattr(tm, "BF16_PHI", 1)
-    monkeypatch.setattr(tm, "_CONFIGS", {})
-    assert not tm.boundary_config(17, 4, 48, 2).bf16_phi  # 16-token blocks take phi pre-split
-    assert all(torch.equal(a, b) for a, b in zip(split_here, mhc_update_read_triton(
-        i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS)))
-    monkeypatch.setattr(tm, "PRESPLIT_TOKENS", 0)
-    monkeypatch.setattr(tm, "_CONFIGS", {})
-    assert tm.boundary_config(17, 4, 48, 2).bf16_phi
-    assert all(torch.equal(a, b) for a, b in zip(pair, mhc_update_read_triton(
-        f16[0], f16[1], f16[3], f16[4], i.params, f16[2], EPS)))
-    got = mhc_update_read_triton(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS)
-    matches("update+read", got, i.x, i.params, i.w, i.y, i.h_post, i.h_res)
-    assert torch.equal(got[0], split_here[0]) and not torch.equal(got[2], split_here[2])  # other bits
-    matches("read", mhc_read_triton(i.x, i.params, i.w, EPS), i.x, i.params, i.w)
-
-
 @pytest.mark.parametrize("joined", [1, 2], ids=["chained", "wide"])
 @pytest.mark.parametrize("t,n,c", [(37, 4, 70), (6, 3, 45), (2, 8, 16), (5, 1, 33)], ids=str)
 def test_joined_stream_pass_and_one_launch_forms_match_the_reference(monkeypatch, joined, t, n, c):

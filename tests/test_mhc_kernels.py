@@ -351,30 +351,6 @@ def test_kernels_compile_for_sm90_with_wide_accesses_and_no_spills(monkeypatch):
 
 @needs_triton
 @pytest.mark.slow
-def test_phi_in_bf16_parts_compiles_to_two_programs_an_sm(monkeypatch):
-    """The ``BF16_PHI`` experiment at the prefill size (BT = 64): bf16 wgmma, no spills, at most
-    128 registers (two 8-warp programs an SM; 170 with the TF32 pair); off by default."""
-    from layer_boundary_mhc import triton_mhc as tm
-    from mhc_sm90 import compile_launches
-
-    if tm.INTERPRETED:
-        pytest.skip("TRITON_INTERPRET=1 is set: the kernels are interpreted, not compiled")
-    monkeypatch.setattr(tm, "JOINED", (0, 0, 0))
-    monkeypatch.setattr(tm, "NUM_WARPS", (8, 8, 8))
-    assert tm.BF16_PHI == 0 and not tm.boundary_config(8192, 4, 4096, 2).bf16_phi
-    monkeypatch.setattr(tm, "BF16_PHI", 1)
-    monkeypatch.setattr(tm, "_CONFIGS", {})
-    try:
-        stream_pass = compile_launches(_record(8192, update=True, cooperative=False))[0]
-    except AttributeError as e:
-        pytest.skip(f"this Triton's JIT internals differ ({e}); the GPU tests compile the kernels")
-    assert stream_pass.meta["BF16_PHI"] and stream_pass.count(r"wgmma\.mma_async[^ ]*\.bf16\.bf16") > 0
-    assert stream_pass.spill_bytes == 0 and stream_pass.registers <= 128, (
-        f"{stream_pass.registers} registers, {stream_pass.spill_bytes} B spilled")
-
-
-@needs_triton
-@pytest.mark.slow
 @pytest.mark.parametrize("warps", [4, 8])
 def test_joined_stream_pass_compiles_to_two_programs_an_sm(monkeypatch, warps):
     """``stream_joined`` at the prefill size (BT = 64, the default 4 warps and 8): bf16 wgmma, no

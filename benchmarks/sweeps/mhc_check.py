@@ -18,7 +18,7 @@ H = 4096, bf16) and each T:
   (x' re-read by the finishes counted) and its share of the copy bandwidth: which phase is slow.
 
 ``--set NAME=VALUE ...`` sets launch-shape constants of ``triton_mhc`` first, as ``bench mhc --tune``
-does, and also those ``--tune`` does not know yet (``BF16_PHI``, ``PRESPLIT_TOKENS``); the check
+does, and also those ``--tune`` does not know (``PRESPLIT_TOKENS``, ``MAX_TILE``); the check
 then covers that variant.
 
 Run: python benchmarks/sweeps/mhc_check.py [--tokens T ...] [--hidden H] [--set NAME=VALUE ...]

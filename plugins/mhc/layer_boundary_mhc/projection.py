@@ -2,21 +2,19 @@
 
 ``phi`` is FP32; tensor cores multiply TF32 or 16-bit operands. Two ways to keep FP32 accuracy:
 
-- **TF32 pair** (the default, ``triton_mhc.BF16_PHI = 0``): phi's TF32 high part (11 leading bits, exact)
-  and the rest, which the MMA rounds to TF32 (2^-21 of each term); 16-bit streams are exact in
-  TF32. The x' tile enters the MMA as FP32: its conversion and its trip through shared memory to
-  the MMA's layout move 4 bytes an element.
-- **bf16 parts** (``BF16_PHI = 1``, bf16 streams only): phi as the sum of three bf16 parts cut
-  by truncation: each has at most 8 significant bits, so the conversions are exact and
-  ``hi + mid + lo == phi`` bit for bit (FP32 has 24); bf16 x bf16 products are exact in the
-  MMA's FP32 accumulator. More exact than the TF32 pair, but not the same bits. The bf16 x' tile
-  enters the MMA as it was stored (2 bytes an element through shared memory) and a bf16 wgmma
-  step covers 16 columns (TF32: 8), so three bf16 MMAs issue fewer wgmma instructions than two
-  TF32 ones. On sm_90 at BT = 64 it compiles to 128 registers against 170 (two 8-warp programs
-  an SM) for 725 instructions a chunk against 675 (PERFORMANCE.md).
+- **TF32 pair** (fp16 and fp32 streams, and bf16 streams at decode and mid sizes): phi's TF32 high
+  part (11 leading bits, exact) and the rest, which the MMA rounds to TF32 (2^-21 of each term);
+  16-bit streams are exact in TF32. The x' tile enters the MMA as FP32.
+- **bf16 parts** (``bf16_parts``, bf16 streams in ``stream_joined``): phi as the sum of three bf16
+  parts cut by truncation: each has at most 8 significant bits, so the conversions are exact and
+  ``hi + mid + lo == phi`` bit for bit (FP32 has 24); bf16 x bf16 products are exact in the MMA's
+  FP32 accumulator. More exact than the TF32 pair, but not the same bits. The bf16 x' tile enters
+  the MMA as it was stored.
 
-Not kept: two bf16 parts (``lo`` dropped, the rest rounded into ``mid``): 693 instructions, 127
-registers, but 17 times the reference's coefficient error from FP64 (7.6e-6 at C = 256).
+Not kept: two bf16 parts (``lo`` dropped, the rest rounded into ``mid``): 17 times the reference's
+coefficient error from FP64 (7.6e-6 at C = 256). Splitting phi into bf16 parts inside the stream
+pass of each stream (the ``BF16_PHI`` experiment): 342 µs of stream passes on an H200 at T = 8192
+against 218 for ``stream_joined`` (PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -29,12 +27,6 @@ import triton.language as tl
 def _tf32_high(v):
     # The 11 leading significant bits: exact in TF32, and v - high is exact in FP32.
     return (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_high(v):
-    # The 8 leading significant bits (truncation): exact in bf16, and v - high is exact in FP32.
-    return (v.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -56,30 +48,9 @@ def split_tf32(phi):
     return hi, phi - hi
 
 
-@triton.jit
-def _dot_bf16(a, part, acc, INTERPRETED: tl.constexpr):
-    if INTERPRETED:
-        # Triton 3.6's interpreter multiplies bf16 tiles as their uint16 bit patterns: take the
-        # (exact) FP32 values instead; the products of two bf16 values are exact in FP32 too.
-        return tl.dot(a.to(tl.float32), part, acc, input_precision="ieee")
-    return tl.dot(a, part.to(tl.bfloat16), acc)
-
-
-@triton.jit
-def project_bf16(a, phi, acc, INTERPRETED: tl.constexpr):
-    """``acc + a @ phi``, ``a`` a bf16 tile, ``phi`` FP32 cut into three bf16 parts here: the
-    smallest part first, as the TF32 pair."""
-    hi = _bf16_high(phi)
-    rest = phi - hi
-    mid = _bf16_high(rest)
-    acc = _dot_bf16(a, rest - mid, acc, INTERPRETED)
-    acc = _dot_bf16(a, mid, acc, INTERPRETED)
-    return _dot_bf16(a, hi, acc, INTERPRETED)
-
-
 def bf16_parts(phi: "torch.Tensor", n: int, np_: int, kp: int, wide: bool = False) -> "torch.Tensor":
     """``[3, C NP, KP]`` bf16: FP32 ``phi`` ([n C, K]) cut by truncation into its high, middle and low
-    bf16 parts (as ``project_bf16``), rows reordered to ``c NP + i`` for stream ``i``'s column ``c``
+    bf16 parts, rows reordered to ``c NP + i`` for stream ``i``'s column ``c``
     (``stream_joined``), zero rows for padding streams and zero columns past K. The three parts
     sum to phi bit for bit."""
     import torch

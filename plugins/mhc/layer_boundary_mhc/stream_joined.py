@@ -9,8 +9,8 @@ order (``projection.bf16_parts``: ``[3, C NP, KP]``, phi cut into three bf16 par
 per parameter version), so a chunk's B operands are contiguous tiles that the pipeliner copies
 straight into shared memory: no split, no register trip for phi, one operand conversion a chunk.
 
-The arithmetic is ``projection.project_bf16``'s: bf16 x bf16 products exact in the FP32
-accumulator, the smallest part first; the sum of squares is kept per column and reduced once.
+The arithmetic: bf16 x bf16 products exact in the FP32 accumulator, the smallest part first
+(``projection``); the sum of squares is kept per column and reduced once.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .projection import project_bf16, project_tf32, split_tf32
+from .projection import project_tf32, split_tf32
 from .selection import MAX_STREAMS
 from .stream_joined import stream_pass_joined
 from .triton_tiles import (CAST_EXACT, CAST_PLAIN, CAST_PTX, CAST_PTX_PURE, _load_rows, _mixed_stream, _store_cast,
@@ -103,7 +103,6 @@ def _stream_pass(
     N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CASTS: tl.constexpr,
-    BF16_PHI: tl.constexpr,
 ):
     row0 = b.to(tl.int64) * BT
     # Block-local offsets stay in int32 (BT tokens' streams); the int64 base is in the pointers.
@@ -151,11 +150,8 @@ def _stream_pass(
                                    acc, SPLIT_A)
             else:
                 phi = tl.load(phi_ptr + (i * C + c)[:, None] * K + kk[None, :], mask=pm, other=0.0)
-                if not BF16_PHI:
-                    phi_hi, phi_lo = split_tf32(phi)
-                    acc = project_tf32(v, phi_hi, phi_lo, acc, SPLIT_A)
-                else:  # bf16 streams only (triton_ops): the stored tile is the MMA's operand
-                    acc = project_bf16(a, phi, acc, CASTS == 1)
+                phi_hi, phi_lo = split_tf32(phi)
+                acc = project_tf32(v, phi_hi, phi_lo, acc, SPLIT_A)
     # Column K (never a coefficient) carries the sum of squares.
     acc = tl.where(kk[None, :] == K, ssq[:, None], acc)
     dst = part_ptr + (row0 + tt)[:, None] * (S * KP) + s * KP + kk[None, :]
@@ -291,7 +287,7 @@ def _any_stream_pass(
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CASTS: tl.constexpr,
-    BF16_PHI: tl.constexpr, JOINED: tl.constexpr,
+    JOINED: tl.constexpr,
 ):
     if JOINED:  # bf16 streams; phs_ptr holds projection.bf16_parts
         stream_pass_joined(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phs_ptr, part_ptr, b, s, T,
@@ -300,7 +296,7 @@ def _any_stream_pass(
     else:
         _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, b, s, T,
                      sxt, sxn, sxc, syt, syc, sot, son, soc,
-                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI)
+                     N, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS)
 
 
 @triton.jit
@@ -314,7 +310,7 @@ def mhc_boundary_kernel(
     CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr,
     BC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CHUNKED: tl.constexpr,
-    MODE: tl.constexpr, CASTS: tl.constexpr, BF16_PHI: tl.constexpr, JOINED: tl.constexpr, FR: tl.constexpr,
+    MODE: tl.constexpr, CASTS: tl.constexpr, JOINED: tl.constexpr, FR: tl.constexpr,
 ):
     if MODE == 0:
         ticket = tl.atomic_add(cnt_ptr, 1)
@@ -324,8 +320,7 @@ def mhc_boundary_kernel(
             if r < NB:
                 _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                                  sxt, sxn, sxc, syt, syc, sot, son, soc,
-                                 N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
-                                 BF16_PHI, JOINED)
+                                 N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, JOINED)
                 # Every thread's stores, then one release: what the finish acquires.
                 tl.debug_barrier()
                 tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
@@ -344,7 +339,7 @@ def mhc_boundary_kernel(
         blk = pid // S
         _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, blk, pid % S, T,
                          sxt, sxn, sxc, syt, syc, sot, son, soc,
-                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI, JOINED)
+                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, JOINED)
         tl.debug_barrier()
         # Release this pass's stores; the last arrival acquires every other pass's.
         if tl.atomic_add(cnt_ptr + 1 + blk, 1, sem="acq_rel", scope="gpu") == S - 1:
@@ -362,8 +357,7 @@ def mhc_boundary_kernel(
         if r < NB:
             _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                              sxt, sxn, sxc, syt, syc, sot, son, soc,
-                             N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
-                             BF16_PHI, JOINED)
+                             N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, JOINED)
             tl.debug_barrier()
             tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
         if r >= LAG:
@@ -381,7 +375,7 @@ def mhc_boundary_kernel(
         pid = tl.program_id(0)
         _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
                          sxt, sxn, sxc, syt, syc, sot, son, soc,
-                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, BF16_PHI, JOINED)
+                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, JOINED)
     else:
         # Last blocks first: the stream passes wrote them last, and part of their x' is in L2.
         pid = tl.program_id(0)
@@ -434,8 +428,7 @@ class BoundaryConfig:
     ``row_tile`` (CP) the finish's row tile, ``chunked`` when the row is wider than MAX_TILE,
     ``stages`` the chunks a stream pass has in flight (Triton's software pipelining),
     ``presplit`` whether the stream passes read phi's TF32 parts split beforehand (``phi_parts``),
-    ``bf16_phi`` whether the stream passes of bf16 streams project on phi cut into three bf16 parts
-    instead of the TF32 pair (``projection``; blocks that do not presplit only), ``joined`` whether
+    ``joined`` whether
     bf16 streams take ``stream_joined``'s stream pass (which reads ``projection.bf16_parts``; 2: as
     one wide MMA of the three parts), ``finish_rows`` (FR) the tokens a finish normalizes at once,
     ``max_registers`` a cap on a thread's registers (0: ptxas decides), ``one_launch`` the MODE
@@ -454,7 +447,6 @@ class BoundaryConfig:
     num_warps: int
     stages: int
     presplit: bool
-    bf16_phi: bool = False
     joined: int = 0
     finish_rows: int = 1
     max_registers: int = 0
@@ -508,10 +500,6 @@ SLICE_COLS = (128, 256, 256)
 FINISH_TOKENS = 8
 LAG = 4
 STAGE_BYTES = 112 * 1024
-# Experimental, for timing (PERFORMANCE.md): 1 projects bf16 streams on phi cut into three bf16 parts
-# (``projection``: 128 registers at BT = 64 on sm_90, not 170) in blocks of more than PRESPLIT_TOKENS
-# tokens; 0 keeps the TF32 pair. Not the same bits, and not measured: hence off.
-BF16_PHI = 0
 # Per bucket: 1 sends bf16 streams through stream_joined's stream pass (one MMA a part of phi for
 # the n streams, on phi's bf16 parts split once), 2 as one wide MMA of the three parts. H200, n = 4,
 # H = 4096, T = 8192, stream passes: 505 µs (TF32 pair), 280 (1, 8 warps), 333 (2), 218 (1, 4 warps).
@@ -565,7 +553,7 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
         cfg = _CONFIGS[key] = BoundaryConfig(
             block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
             lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=NUM_WARPS[bucket], stages=stages,
-            presplit=presplit, bf16_phi=bool(BF16_PHI) and bt > PRESPLIT_TOKENS and not joined, joined=joined,
+            presplit=presplit, joined=joined,
             finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, NUM_WARPS[bucket]),
             one_launch=ONE_LAUNCH[bucket],
         )

@@ -105,7 +105,7 @@ def _launch_boundary(
         CS=cfg.slice_cols, BT=cfg.block_tokens, BC=cfg.block_cols, STAGES=cfg.stages, TB=cfg.finish_tokens, RB=cfg.finishers,
         ITERS=int(iters), UPDATE=update, SPLIT_A=x.dtype == torch.float32, PRESPLIT=cfg.presplit,
         CHUNKED=cfg.chunked, CASTS=CASTS_PURE if cfg.joined else CASTS,
-        BF16_PHI=cfg.bf16_phi and x.dtype == torch.bfloat16, JOINED=cfg.joined, FR=cfg.finish_rows,
+        JOINED=cfg.joined, FR=cfg.finish_rows,
         num_warps=cfg.num_warps,
     )
     if cfg.max_registers and not INTERPRETED:
