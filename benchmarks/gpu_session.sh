@@ -19,6 +19,7 @@
 #      (the arguments after "e", each a quoted "NAME=VALUE ..."; "" the defaults) and ncu of the
 #      stream pass
 #   f  as e without ncu, the suite split over both GPUs
+#   g  bench mhc (the dated record) beside variants at T = 1024 and 8192
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -130,5 +131,15 @@ f)
       > "$OUT/mhc-variants.log" 2>&1 )
   CUDA_VISIBLE_DEVICES=0 pt 230 -m gpu tests/test_mhc_kernels.py -k joined_stream_pass > "$OUT/f-joined.log" 2>&1
   wait; cat "$OUT/mhc-variants.log"; tail -3 "$OUT/f-joined.log"; tail -9 "$OUT/f-mhc-suite.log"
+  ;;
+g)
+  # Two GPUs: the dated bench mhc record on GPU 1; variants (as for e) at T = 1024 and 8192 on GPU 0.
+  versions | tee "$OUT/versions-g.txt"
+  CUDA_VISIBLE_DEVICES=1 timeout 340 layer-boundary bench mhc --tokens 1 128 1024 8192 32768 --hidden 4096 7168 \
+    --ops update+read --out "$OUT" > "$OUT/bench-mhc.log" 2>&1 &
+  ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
+    CUDA_VISIBLE_DEVICES=0 timeout 320 python3 mhc_variants.py "${vs[@]}" --tokens 1024 8192 \
+      > "$OUT/mhc-variants.log" 2>&1 )
+  wait; cat "$OUT/mhc-variants.log"; tail -32 "$OUT/bench-mhc.log"
   ;;
 esac

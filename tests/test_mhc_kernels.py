@@ -560,11 +560,18 @@ def test_gpu_model_selects_triton_and_matches_the_torch_reference(dtype):
         read.read(torch.zeros(2, 4, read.params.hidden_size, dtype=dtype))  # CPU streams
 
 
-def test_auto_keeps_the_torch_reference_on_gpus_until_the_kernels_are_verified(monkeypatch):
+def test_auto_runs_the_kernels_on_nvidia_gpus_and_keeps_the_reference_on_rocm(monkeypatch):
+    """The GPU suite passed on an H200: "auto" loads the kernels where CUDA is NVIDIA's; on a ROCm
+    build of torch, where they have not run, it keeps the torch reference and says why."""
     from layer_boundary_mhc import selection
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(selection, "_load", lambda: ("ops", None))
+    monkeypatch.setattr(torch.version, "hip", None)
+    sel = selection.select_kernels("auto", 4, "rmsnorm")
+    assert sel.ops == "ops" and sel.refused is None and sel.why_not("cuda", torch.bfloat16) is None
+    monkeypatch.setattr(torch.version, "hip", "6.4")
     sel = selection.select_kernels("auto", 4, "rmsnorm")
     assert sel.ops is None and sel.refused == selection.UNVERIFIED
     assert sel.reason("cuda", torch.bfloat16) == f"torch reference: {selection.UNVERIFIED}"

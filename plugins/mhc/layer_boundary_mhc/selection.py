@@ -3,10 +3,10 @@
 ``MhcSemantics(kernels=...)``:
 
 =========  ===================================================================================
-``auto``   the torch reference on GPUs for now (the Triton kernels are opt-in until verified
-           there, see ``UNVERIFIED``); under the Triton interpreter, Triton where it serves the
-           call (bf16, fp16 or fp32 streams, an RMSNorm-like stage norm, n <= 8); ``reason()``
-           says which and why
+``auto``   the Triton kernels on NVIDIA GPUs (and under the Triton interpreter) where they serve
+           the call (bf16, fp16 or fp32 streams, an RMSNorm-like stage norm, n <= 8), the torch
+           reference elsewhere: on ROCm GPUs too, where the kernels have not run (``UNVERIFIED``);
+           ``reason()`` says which and why
 ``triton`` the same, but a call the kernels cannot serve raises with the reason
 ``torch``  the torch reference always
 =========  ===================================================================================
@@ -31,14 +31,11 @@ import torch
 __all__ = ["KERNEL_MODES", "KernelSelection", "select_kernels", "triton_unavailable"]
 
 KERNEL_MODES = ("auto", "triton", "torch")
-# The first H200 run (2026-11-30, benchmarks/results/2026-11-30-mhc-nvidia-h200.json) failed the
-# bench's check at T=128 and 8192 (max |diff| 0.016 and 0.031 in bf16). That check was wrong: it
-# compared the read end to end, and a stream element that rounds the other way (one bf16 ulp,
-# both right) moves its token's coefficients past their FP32 tolerance (see accuracy.py). The
-# corrected check passed on an H200 at T = 1, 128, 1024 and 8192 (second run, same day), and the
-# 18 GPU tests that ran passed; "auto" picks the kernels there once the whole GPU suite has run.
-UNVERIFIED = ("not yet the default on GPUs: the corrected check passed on an H200 at T=1-8192, but the "
-              "GPU test suite has not completed a run yet; MhcSemantics(kernels='triton') runs them")
+# The MHC GPU suite passed in full on an H200 (2026-11-30, third session: eager against the
+# reference at T = 1 to 32768, one and two launches bitwise, CUDA-graph replay, torch.compile);
+# "auto" runs the kernels on NVIDIA GPUs. Not on ROCm, where they have never run.
+UNVERIFIED = ("not the default on ROCm GPUs: the MHC Triton kernels have been verified on NVIDIA GPUs only; "
+              "MhcSemantics(kernels='triton') runs them")
 MAX_STREAMS = 8  # the kernels' limit (n^2 + 2n coefficient columns padded to 128)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -133,8 +130,8 @@ def select_kernels(mode: str, n: int, norm_kind: str) -> KernelSelection:
         refused = (f"the stage norm {norm_kind[len('module:'):]} is not an RMSNorm (weight, eps): the fused "
                    "read applies the norm itself")
     ops = None
-    if refused is None and mode == "auto" and not _interpreting() and torch.cuda.is_available():
-        # On GPUs the kernels are opt-in until a run passes the reference check everywhere.
+    on_rocm = torch.version.hip is not None and torch.cuda.is_available()
+    if refused is None and mode == "auto" and not _interpreting() and on_rocm:
         refused = UNVERIFIED
     if refused is None and (_interpreting() or torch.cuda.is_available()):
         ops, refused = _load()
