@@ -41,7 +41,16 @@ the ``RB`` finishes of block ``r - LAG``. A finish waits (acquire) until the ``S
 of its block have arrived (release). Those hold lower tickets, so they started before it and wait
 for nothing: no deadlock, whatever number of programs is resident; and under the interpreter,
 which runs programs one at a time in ticket order, no finish ever waits. ``MODE = 1`` / ``2`` are
-the same code as two launches (stream passes, then finishes), without tickets or waiting.
+the same code as two launches (stream passes, then finishes, the last blocks first: part of their
+x' is still in L2), without tickets or waiting. Two more one-launch forms, kept for measurement
+(``ONE_LAUNCH``): ``MODE = 3`` (arrival: the last stream pass of a block to arrive finishes it;
+nothing waits, but one program normalizes the block's tokens in turn) and ``MODE = 4`` (folded:
+tickets, each program a stream pass and then finishes of the block ``LAG`` rounds back). On an
+H200 at T = 8192 (n = 4, H = 4096) both were slower than two launches: 345 µs folded, 387 the
+ticket launch, 314 two launches.
+
+bf16 streams at prefill sizes take ``stream_joined``'s stream pass (``JOINED``): the n streams
+one MMA operand against phi's bf16 parts (505 -> 218 µs of stream passes at T = 8192).
 
 ``mhc_update_kernel`` is the update alone (a stage whose streams are not read next).
 """
@@ -57,6 +66,7 @@ from triton.runtime.jit import JITFunction
 
 from .projection import project_tf32, split_tf32
 from .selection import MAX_STREAMS
+from .finish import _finish
 from .stream_joined import stream_pass_joined
 from .triton_tiles import (CAST_EXACT, CAST_PLAIN, CAST_PTX, CAST_PTX_PURE, _load_rows, _mixed_stream, _store_cast,
                            _stream_coefficients)
@@ -93,7 +103,6 @@ MAX_TILE = 8192
 CHUNK = 4096
 COOPERATIVE, STREAM_PASS, FINISH, ARRIVAL, FOLDED = 0, 1, 2, 3, 4
 
-_TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the reference's floor on exp(logits)
 
 
 @triton.jit
@@ -156,128 +165,6 @@ def _stream_pass(
     acc = tl.where(kk[None, :] == K, ssq[:, None], acc)
     dst = part_ptr + (row0 + tt)[:, None] * (S * KP) + s * KP + kk[None, :]
     tl.store(dst, acc, mask=tm[:, None])
-
-
-@triton.jit
-def _sinkhorn(logits, valid, im, ITERS: tl.constexpr):
-    """``[TB, NP, NP]`` logits -> doubly-stochastic matrices (padding rows and columns stay 0):
-    exp after subtracting the maximum, floored at the smallest normal float, then ``ITERS`` times
-    columns then rows, as ``coefficients.sinkhorn``."""
-    lg = tl.where(valid[None, :, :], logits, float("-inf"))
-    top = tl.max(tl.max(lg, axis=2), axis=1)
-    m = tl.exp(lg - top[:, None, None])
-    m = tl.where(valid[None, :, :], tl.maximum(m, _TINY), 0.0)
-    for _ in range(ITERS):
-        col = tl.where(im[None, :], tl.sum(m, axis=1), 1.0)
-        m = m / col[:, None, :]
-        row = tl.where(im[None, :], tl.sum(m, axis=2), 1.0)
-        m = m / row[:, :, None]
-    return m
-
-
-@triton.jit
-def _mix(src, rows, st, cols, m2, sn, sc, hp, i, N: tl.constexpr):
-    # The mixed input sum_j H_pre[:, j] x_j of FR tokens' rows over one chunk of columns, [FR, CP]
-    # in FP32 (the norm's two passes each recompute it rather than hold a whole row).
-    ptr = src + rows[:, None] * st + cols[None, :] * sc
-    acc = tl.zeros(m2.shape, dtype=tl.float32)
-    for j in tl.static_range(N):
-        xj = tl.load(ptr + j * sn, mask=m2, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc += _pick(hp, i[None, :], j)[:, None] * xj
-    return acc
-
-
-@triton.jit
-def _pick(v, kk, col):
-    # v[..., col] along the last axis, exactly (a sum of one value and zeros).
-    return tl.sum(tl.where(kk == col, v, 0.0), axis=-1)
-
-
-@triton.jit
-def _finish(
-    x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
-    out_ptr, hpo_ptr, hro_ptr, part_ptr, b, q, T,
-    sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-    N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
-    CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr, TB: tl.constexpr,
-    ITERS: tl.constexpr, UPDATE: tl.constexpr, CHUNKED: tl.constexpr, CASTS: tl.constexpr, FR: tl.constexpr,
-):
-    row0 = b.to(tl.int64) * BT + q * TB
-    tt = tl.arange(0, TB)
-    tm = row0 + tt < T
-    kk = tl.arange(0, KP)
-    # Sum the slices' partials, SB slices a load, in a fixed order (replays are bitwise). .cg: the
-    # workspace and x' were written by other programs of this launch; read them from L2.
-    sb = tl.arange(0, SB)
-    tot = tl.zeros([TB, KP], dtype=tl.float32)
-    for s0 in tl.range(0, S, SB):
-        sl = s0 + sb
-        src = part_ptr + (row0 + tt)[:, None, None] * (S * KP) + sl[None, :, None] * KP + kk[None, None, :]
-        tot += tl.sum(tl.load(src, mask=tm[:, None, None] & (sl < S)[None, :, None], other=0.0,
-                              cache_modifier=".cg"), axis=1)
-    rstd = tl.rsqrt(_pick(tot, kk[None, :], K) / (N * C) + eps)
-    v = tot * rstd[:, None]
-    i = tl.arange(0, NP)
-    im = i < N
-    k3 = kk[None, None, :]
-    v3 = v[:, None, :]
-    a_pre = tl.load(alpha_ptr)
-    a_post = tl.load(alpha_ptr + 1)
-    a_res = tl.load(alpha_ptr + 2)
-    b_pre = tl.load(bpre_ptr + i, mask=im, other=0.0)
-    b_post = tl.load(bpost_ptr + i, mask=im, other=0.0)
-    h_pre = tl.sigmoid(a_pre * _pick(v3, k3, i[None, :, None]) + b_pre[None, :])  # [TB, NP]
-    h_post = 2.0 * tl.sigmoid(a_post * _pick(v3, k3, N + i[None, :, None]) + b_post[None, :])
-    valid = im[:, None] & im[None, :]
-    col = 2 * N + i[:, None] * N + i[None, :]  # [NP, NP]: the row-major res block
-    b_res = tl.load(bres_ptr + i[:, None] * N + i[None, :], mask=valid, other=0.0)
-    res = _pick(v[:, None, None, :], kk[None, None, None, :], col[None, :, :, None])  # [TB, NP, NP]
-    h_res = _sinkhorn(a_res * res + b_res[None, :, :], valid, im, ITERS)
-    t64 = row0 + tt
-    tl.store(hpo_ptr + t64[:, None] * N + i[None, :], h_post, mask=tm[:, None] & im[None, :])
-    tl.store(hro_ptr + t64[:, None, None] * (N * N) + i[None, :, None] * N + i[None, None, :], h_res,
-             mask=tm[:, None, None] & valid[None, :, :])
-
-    # input = RMSNorm(sum_j H_pre[j] x_j), token by token over the whole row.
-    if UPDATE:
-        src = xo_ptr
-        st = sot
-        sn = son
-        sc = soc
-    else:
-        src = x_ptr
-        st = sxt
-        sn = sxn
-        sc = sxc
-    c = tl.arange(0, CP)
-    fr = tl.arange(0, FR)
-    if not CHUNKED:
-        w = tl.load(w_ptr + c * sw, mask=c < C, other=0.0).to(tl.float32) + offset
-    # FR tokens a step: their rows' loads are in flight together (one token a step waits for
-    # each row's L2 round trip and block-wide reduction in turn).
-    for p0 in tl.static_range(0, TB, FR):
-        rows = row0 + p0 + fr
-        live = rows < T
-        sel = tt[:, None] == (p0 + fr)[None, :]  # [TB, FR]
-        hp = tl.sum(tl.where(sel[:, :, None], h_pre[:, None, :], 0.0), axis=0)  # [FR, NP]
-        dst = out_ptr + rows[:, None] * sit
-        if not CHUNKED:
-            m2 = live[:, None] & (c < C)[None, :]
-            acc = _mix(src, rows, st, c, m2, sn, sc, hp, i, N)
-            r2 = tl.rsqrt(tl.sum(acc * acc, axis=1) / C + norm_eps)
-            _store_cast(dst + c[None, :] * sic, acc * r2[:, None] * w[None, :], m2, CASTS)
-        else:
-            sq = tl.zeros([FR, CP], dtype=tl.float32)
-            for c0 in tl.range(0, C, CP):
-                m2 = live[:, None] & (c0 + c < C)[None, :]
-                acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N)
-                sq += acc * acc
-            r2 = tl.rsqrt(tl.sum(sq, axis=1) / C + norm_eps)
-            for c0 in tl.range(0, C, CP):
-                m2 = live[:, None] & (c0 + c < C)[None, :]
-                acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N)
-                wc = tl.load(w_ptr + (c0 + c) * sw, mask=c0 + c < C, other=0.0).to(tl.float32) + offset
-                _store_cast(dst + (c0 + c)[None, :] * sic, acc * r2[:, None] * wc[None, :], m2, CASTS)
 
 
 @triton.jit
