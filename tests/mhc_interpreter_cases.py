@@ -277,9 +277,8 @@ def test_bench_methods_run_the_kernels_into_their_destinations():
 @pytest.mark.parametrize("t,n,c", [(37, 4, 70), (6, 3, 45), (2, 8, 16), (5, 1, 33)], ids=str)
 def test_joined_stream_pass_and_one_launch_forms_match_the_reference(monkeypatch, joined, t, n, c):
     """bf16 streams through ``stream_joined`` (the n streams one MMA operand, phi's bf16 parts split
-    once; padded streams at n = 1 and 3): within the check; the one-launch forms (tickets; arrival: the
-    last stream pass of a block finishes it; folded: a stream pass then finishes an earlier block)
-    give the two-launch bits. The wide variant's
+    once; padded streams at n = 1 and 3): within the check; the one-launch forms (tickets; folded: a stream
+    pass then finishes an earlier block) give the two-launch bits. The wide variant's
     finishes normalize two tokens at once."""
     monkeypatch.setattr(tm, "JOINED", (joined,) * 3)
     monkeypatch.setattr(tm, "FINISH_ROWS", joined)
@@ -290,7 +289,7 @@ def test_joined_stream_pass_and_one_launch_forms_match_the_reference(monkeypatch
     assert not tm.boundary_config(t, n, c, 2, bf16=False).joined  # fp16 is not exact in bf16 parts
     two = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
     matches("update+read", two, x, p, w, y, hp, hr)
-    for form in (tm.COOPERATIVE, tm.ARRIVAL, tm.FOLDED):
+    for form in (tm.COOPERATIVE, tm.FOLDED):
         monkeypatch.setattr(tm, "ONE_LAUNCH", (form,) * 3)
         one = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
         assert all(torch.equal(a, b) for a, b in zip(one, two)), form

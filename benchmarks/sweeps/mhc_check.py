@@ -117,9 +117,10 @@ class _Only:
         return launch
 
 
-def phases(i: bench.Inputs, copy_gbps: float) -> None:
+def launcher(i: bench.Inputs):
+    """``launch(kernel, coop)``: a call of ``triton_ops._launch_boundary`` with ``kernel`` (or a
+    stand-in) on the update+read of ``i``, into destinations made once."""
     t, n, c = i.x.shape
-    e = i.x.element_size()
     streams, out = torch.empty_like(i.x), i.x.new_empty((t, c))
     hp, hr = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
     params = triton_ops._param_tensors(i.params, i.x)
@@ -127,7 +128,13 @@ def phases(i: bench.Inputs, copy_gbps: float) -> None:
     def launch(kernel, coop: bool):
         return lambda: triton_ops._launch_boundary(kernel, i.x, i.y, i.h_post, i.h_res, streams, *params, i.w, out,
                                                    hp, hr, i.params.eps, bench.EPS, 0.0, 20, coop)
+    return launch, streams, out
 
+
+def phases(i: bench.Inputs, copy_gbps: float) -> None:
+    t, n, c = i.x.shape
+    e = i.x.element_size()
+    launch, streams, _ = launcher(i)
     rows = [("cooperative", launch(tm.mhc_boundary_kernel, True), bench.bytes_moved("update+read", t, n, c, e)),
             ("two launches", launch(tm.mhc_boundary_kernel, False),
              bench.bytes_moved("update+read", t, n, c, e) + t * n * c * e),

@@ -54,14 +54,7 @@ def measure(t: int, hidden: int, copy_gbps: float, device: str, once: bool = Fal
                             norm_weight=i.w, norm_eps=bench.EPS)
     ok = all(d.ok for d in devs)
     _, n, c = i.x.shape
-    streams, out = torch.empty_like(i.x), i.x.new_empty((t, c))
-    hp, hr = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
-    params = triton_ops._param_tensors(i.params, i.x)
-
-    def launch(kernel, coop: bool):
-        return lambda: triton_ops._launch_boundary(kernel, i.x, i.y, i.h_post, i.h_res, streams, *params, i.w, out,
-                                                   hp, hr, i.params.eps, bench.EPS, 0.0, 20, coop)
-
+    launch = mhc_check.launcher(i)[0]
     probe = _Mode((tm.STREAM_PASS,))
     launch(probe, False)()
     if once:  # for a profiler: one stream pass (after the compile and check above), no timing

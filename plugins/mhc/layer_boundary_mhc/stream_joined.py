@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import _load_rows, _mixed_stream, _store_cast, _stream_coefficients
+from .triton_tiles import _block_coefficients, _mixed_stream, _store_cast, _stream_inputs
 
 
 @triton.jit
@@ -66,9 +66,7 @@ def stream_pass_joined(
         hp_ptr += row0 * N
         hr_ptr += row0 * (N * N)
         xo_ptr += row0 * sot
-        coefs = ()
-        for i in tl.static_range(N):
-            coefs = coefs + (_stream_coefficients(hp_ptr, hr_ptr, tt, tm, i, N),)
+        coefs = _block_coefficients(hp_ptr, hr_ptr, tt, tm, N)
     acc = tl.zeros([BT, KP], dtype=tl.float32)
     k4 = tl.arange(0, 4 * KP)
     acc4 = tl.zeros([BT, 4 * KP], dtype=tl.float32)
@@ -80,10 +78,7 @@ def stream_pass_joined(
         cm = c < C
         m2 = tm[:, None] & cm[None, :]
         if UPDATE:
-            y = _load_rows(y_ptr, tt, c, m2, syt, syc)
-            xs = ()
-            for j in tl.static_range(N):
-                xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc),)
+            y, xs = _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N)
         ts = ()
         for i in tl.static_range(N):
             if UPDATE:

@@ -42,12 +42,11 @@ of its block have arrived (release). Those hold lower tickets, so they started b
 for nothing: no deadlock, whatever number of programs is resident; and under the interpreter,
 which runs programs one at a time in ticket order, no finish ever waits. ``MODE = 1`` / ``2`` are
 the same code as two launches (stream passes, then finishes, the last blocks first: part of their
-x' is still in L2), without tickets or waiting. Two more one-launch forms, kept for measurement
-(``ONE_LAUNCH``): ``MODE = 3`` (arrival: the last stream pass of a block to arrive finishes it;
-nothing waits, but one program normalizes the block's tokens in turn) and ``MODE = 4`` (folded:
-tickets, each program a stream pass and then finishes of the block ``LAG`` rounds back). On an
-H200 at T = 8192 (n = 4, H = 4096) both were slower than two launches: 345 µs folded, 387 the
-ticket launch, 314 two launches.
+x' is still in L2), without tickets or waiting. ``MODE = 4`` (folded, ``ONE_LAUNCH``): tickets,
+each program a stream pass and then finishes of the block ``LAG`` rounds back, whose x' may still
+be in L2. On an H200 at T = 8192 (n = 4, H = 4096) it was slower than two launches (345 µs
+against 314; the ticket launch 387), as was an arrival form (the last stream pass of a block
+finishes it: 453 µs and more; removed): PERFORMANCE.md.
 
 bf16 streams at prefill sizes take ``stream_joined``'s stream pass (``JOINED``): the n streams
 one MMA operand against phi's bf16 parts (505 -> 218 µs of stream passes at T = 8192).
@@ -68,8 +67,8 @@ from .projection import project_tf32, split_tf32
 from .selection import MAX_STREAMS
 from .finish import _finish
 from .stream_joined import stream_pass_joined
-from .triton_tiles import (CAST_EXACT, CAST_PLAIN, CAST_PTX, CAST_PTX_PURE, _load_rows, _mixed_stream, _store_cast,
-                           _stream_coefficients)
+from .triton_tiles import (CAST_EXACT, CAST_PLAIN, CAST_PTX, CAST_PTX_PURE, _block_coefficients, _mixed_stream,
+                           _store_cast, _stream_coefficients, _stream_inputs)
 
 __all__ = [
     "mhc_boundary_kernel",
@@ -93,7 +92,6 @@ __all__ = [
     "COOPERATIVE",
     "STREAM_PASS",
     "FINISH",
-    "ARRIVAL",
     "FOLDED",
 ]
 
@@ -101,7 +99,7 @@ __all__ = [
 # thread over 8 warps); wider rows are normalized in CHUNK-wide pieces, read twice.
 MAX_TILE = 8192
 CHUNK = 4096
-COOPERATIVE, STREAM_PASS, FINISH, ARRIVAL, FOLDED = 0, 1, 2, 3, 4
+COOPERATIVE, STREAM_PASS, FINISH, FOLDED = 0, 1, 2, 4
 
 
 
@@ -126,11 +124,7 @@ def _stream_pass(
         hp_ptr += row0 * N
         hr_ptr += row0 * (N * N)
         xo_ptr += row0 * sot
-        # Loaded once a program: inside the column loop the pipeliner would copy all n + n^2 of
-        # them through shared memory for every chunk.
-        coefs = ()
-        for i in tl.static_range(N):
-            coefs = coefs + (_stream_coefficients(hp_ptr, hr_ptr, tt, tm, i, N),)
+        coefs = _block_coefficients(hp_ptr, hr_ptr, tt, tm, N)
     acc = tl.zeros([BT, KP], dtype=tl.float32)
     ssq = tl.zeros([BT], dtype=tl.float32)
     # A fixed trip count: the last slice's chunks past C are masked out.
@@ -139,10 +133,7 @@ def _stream_pass(
         cm = c < C
         m2 = tm[:, None] & cm[None, :]
         if UPDATE:
-            y = _load_rows(y_ptr, tt, c, m2, syt, syc)
-            xs = ()
-            for j in tl.static_range(N):
-                xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc),)
+            y, xs = _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N)
         for i in tl.static_range(N):
             if UPDATE:
                 v = _mixed_stream(y, xs, coefs[i][0], coefs[i][1], N)
@@ -187,6 +178,20 @@ def _any_stream_pass(
 
 
 @triton.jit
+def _arrive(cnt_ptr, blk):
+    # Every thread's stores, then one release: what a finish of the block acquires.
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr + 1 + blk, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _await_block(cnt_ptr, blk, S: tl.constexpr):
+    # Until the block's S stream passes have arrived (acquire: their stores are visible).
+    while tl.atomic_add(cnt_ptr + 1 + blk, 0, sem="acquire", scope="gpu") < S:
+        pass
+
+
+@triton.jit
 def mhc_boundary_kernel(
     x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
     out_ptr, hpo_ptr, hro_ptr, part_ptr, cnt_ptr,
@@ -208,31 +213,13 @@ def mhc_boundary_kernel(
                 _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                                  sxt, sxn, sxc, syt, syc, sot, son, soc,
                                  N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, JOINED)
-                # Every thread's stores, then one release: what the finish acquires.
-                tl.debug_barrier()
-                tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
+                _arrive(cnt_ptr, r)
         else:
             if r >= LAG:
                 blk = r - LAG
-                while tl.atomic_add(cnt_ptr + 1 + blk, 0, sem="acquire", scope="gpu") < S:
-                    pass
+                _await_block(cnt_ptr, blk, S)
                 _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                         out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, k - S, T,
-                        sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR)
-    elif MODE == 3:
-        # Arrival: the last stream pass of a block to arrive finishes the block; nothing waits.
-        pid = tl.program_id(0)
-        blk = pid // S
-        _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, blk, pid % S, T,
-                         sxt, sxn, sxc, syt, syc, sot, son, soc,
-                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, JOINED)
-        tl.debug_barrier()
-        # Release this pass's stores; the last arrival acquires every other pass's.
-        if tl.atomic_add(cnt_ptr + 1 + blk, 1, sem="acq_rel", scope="gpu") == S - 1:
-            for q in tl.range(0, RB):
-                _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
-                        out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, q, T,
                         sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
                         N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR)
     elif MODE == 4:
@@ -245,13 +232,11 @@ def mhc_boundary_kernel(
             _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                              sxt, sxn, sxc, syt, syc, sot, son, soc,
                              N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, JOINED)
-            tl.debug_barrier()
-            tl.atomic_add(cnt_ptr + 1 + r, 1, sem="release", scope="gpu")
+            _arrive(cnt_ptr, r)
         if r >= LAG:
             blk = r - LAG
             if k < RB:
-                while tl.atomic_add(cnt_ptr + 1 + blk, 0, sem="acquire", scope="gpu") < S:
-                    pass
+                _await_block(cnt_ptr, blk, S)
                 for q0 in tl.range(0, RB, S):
                     if q0 + k < RB:
                         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
@@ -284,11 +269,7 @@ def mhc_update_kernel(
     tm = row0 + tt < T
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     m2 = tm[:, None] & (c < C)[None, :]
-    x_ptr += row0 * sxt
-    y = _load_rows(y_ptr + row0 * syt, tt, c, m2, syt, syc)
-    xs = ()
-    for j in tl.static_range(N):
-        xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc),)
+    y, xs = _stream_inputs(y_ptr + row0 * syt, x_ptr + row0 * sxt, tt, c, m2, syt, syc, sxt, sxn, sxc, N)
     for i in tl.static_range(N):
         hp, hr = _stream_coefficients(hp_ptr + row0 * N, hr_ptr + row0 * (N * N), tt, tm, i, N)
         v = _mixed_stream(y, xs, hp, hr, N)
@@ -392,9 +373,8 @@ STAGE_BYTES = 112 * 1024
 # H = 4096, T = 8192, stream passes: 505 µs (TF32 pair), 280 (1, 8 warps), 333 (2), 218 (1, 4 warps).
 # The mid bucket's mma.sync form compiles to twice the instructions (sm_90): not taken there.
 JOINED = (0, 0, 1)
-# The one-launch form by bucket: COOPERATIVE (tickets; finishes are programs of their own), ARRIVAL
-# (the last stream pass of a block finishes it) or FOLDED (tickets; a stream pass then finishes a
-# block LAG rounds back, whose x' is still in L2).
+# The one-launch form by bucket: COOPERATIVE (tickets; finishes are programs of their own) or FOLDED
+# (tickets; a stream pass then finishes a block LAG rounds back, whose x' may still be in L2).
 ONE_LAUNCH = (COOPERATIVE, COOPERATIVE, COOPERATIVE)
 # 1: calls past MID_TOKENS take one launch when the caller does not choose (two launches: 0).
 PREFILL_ONE_LAUNCH = 0

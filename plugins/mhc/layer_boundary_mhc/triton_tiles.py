@@ -76,3 +76,25 @@ def _mixed_stream(y, xs, hp, hr, N: tl.constexpr):
     for j in tl.static_range(N):
         v += hr[j][:, None] * xs[j]
     return v
+
+
+@triton.jit
+def _block_coefficients(hp_ptr, hr_ptr, tt, tm, N: tl.constexpr):
+    """Each stream's ``_stream_coefficients`` of the block's rows ``tt``, loaded once a program:
+    inside the column loop the pipeliner would copy all n + n^2 of them through shared memory for
+    every chunk."""
+    coefs = ()
+    for i in tl.static_range(N):
+        coefs = coefs + (_stream_coefficients(hp_ptr, hr_ptr, tt, tm, i, N),)
+    return coefs
+
+
+@triton.jit
+def _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N: tl.constexpr):
+    """A chunk's stage output tile and the n stream tiles, FP32."""
+    y = _load_rows(y_ptr, tt, c, m2, syt, syc)
+    xs = ()
+    for j in tl.static_range(N):
+        xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc),)
+    return y, xs
+
