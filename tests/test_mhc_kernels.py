@@ -181,6 +181,10 @@ def test_bench_mhc_says_when_the_plugin_is_missing_or_a_setting_is_wrong(monkeyp
 
     assert main(["bench", "mhc", "--device", "cpu", "--tune", "WARPS=4", "--out", str(tmp_path)]) == 2
     assert "--tune 'WARPS=4': give NAME=VALUE with NAME one of BLOCK_TOKENS" in capsys.readouterr().err
+    assert main(["bench", "mhc", "--device", "cpu", "--tune", "NUM_WARPS=4", "--out", str(tmp_path)]) == 2
+    assert "NUM_WARPS takes three values (decode, mid and large token counts)" in capsys.readouterr().err
+    assert bench._apply_tuning([]) == {}
+    assert set(bench.PER_BUCKET) <= set(bench.TUNABLE)
     monkeypatch.setattr(bench, "_plugin", lambda: None)
     assert main(["bench", "mhc", "--device", "cpu", "--out", str(tmp_path)]) == 2
     assert "needs the MHC plugin (distribution layer-boundary-mhc)" in capsys.readouterr().err
