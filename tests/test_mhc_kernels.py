@@ -366,7 +366,7 @@ def test_joined_stream_pass_compiles_to_two_programs_an_sm(monkeypatch, warps):
     if tm.INTERPRETED:
         pytest.skip("TRITON_INTERPRET=1 is set: the kernels are interpreted, not compiled")
     monkeypatch.setattr(tm, "JOINED", (0, 0, 1))
-    monkeypatch.setattr(tm, "NUM_WARPS", (8, 8, warps))
+    monkeypatch.setattr(tm, "JOINED_WARPS", (8, 8, warps))
     monkeypatch.setattr(tm, "ONE_LAUNCH", (0, 0, tm.FOLDED))
     monkeypatch.setattr(tm, "_CONFIGS", {})
     try:

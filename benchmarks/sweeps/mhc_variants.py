@@ -6,7 +6,7 @@ cooperative launch), with the two launches' share of the byte roofline (``bench 
 A variant is one argument of ``NAME=VALUE`` settings of ``triton_mhc`` constants separated by
 spaces (``""`` is the defaults); each starts from the defaults.
 
-Run: python benchmarks/sweeps/mhc_variants.py "" "ONE_LAUNCH=0,0,4 LAG=16" "NUM_WARPS=8,8,8" --coop --tokens 8192
+Run: python benchmarks/sweeps/mhc_variants.py "" "ONE_LAUNCH=0,0,4 LAG=16" "JOINED_WARPS=8,8,8" --coop --tokens 8192
 (CPU, interpreter: TRITON_INTERPRET=1 ... --device cpu --tokens 16 --hidden 256 "")
 """
 

@@ -386,11 +386,14 @@ FINISH_ROWS = 1
 # FR = 1, 190 at FR = 2; no spills at 128); 4-warp programs need no cap for two (238, the most
 # ptxas gives is 255). 0: no cap.
 JOINED_PROGRAMS = 2
-# Warps of a boundary program by bucket (stream pass and finish share the program size). At
-# prefill one warpgroup takes the 64-token MMA whole: 8 warps split its columns and pass the
-# accumulator between the chained MMAs through shared memory (barriers each chunk). H200: 218 µs
-# against 280 for the joined stream passes, 93 against 105 for the finishes (T = 8192).
-NUM_WARPS = (8, 8, 4)
+# Warps of a boundary program by bucket (stream pass and finish share the program size): the
+# TF32 pass's, and the joined pass's. At prefill one warpgroup takes the joined pass's 64-token MMA
+# whole: 8 warps split its columns and pass the accumulator between the chained MMAs through
+# shared memory (barriers each chunk). H200: 218 µs against 280 for the joined stream passes, 93
+# against 105 for the finishes (T = 8192). The TF32 pass (fp16 and fp32 streams) keeps the 8
+# warps it was verified with.
+NUM_WARPS = (8, 8, 8)
+JOINED_WARPS = (8, 8, 4)
 _CONFIGS: dict[tuple[int, int, int, int], BoundaryConfig] = {}
 
 
@@ -410,6 +413,7 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
         chunked = cp > MAX_TILE
         joined = JOINED[bucket] if bf16 else 0
         presplit = bt <= PRESPLIT_TOKENS and not joined
+        warps = (JOINED_WARPS if joined else NUM_WARPS)[bucket]
         kp = coefficient_columns(n)[1]
         # A chunk's loads: n + 1 stream tiles and phi, each stage buffered in shared memory: n
         # [BC, KP] FP32 tiles (two with presplit), or joined three bf16 [NP BC, KP] tiles; phi
@@ -419,9 +423,9 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
         stages = max(1, min(3, STAGE_BYTES // chunk_bytes))
         cfg = _CONFIGS[key] = BoundaryConfig(
             block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
-            lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=NUM_WARPS[bucket], stages=stages,
+            lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=warps, stages=stages,
             presplit=presplit, joined=joined,
-            finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, NUM_WARPS[bucket]),
+            finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, warps),
             one_launch=ONE_LAUNCH[bucket],
         )
     return cfg
