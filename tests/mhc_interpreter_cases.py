@@ -273,19 +273,19 @@ def test_bench_methods_run_the_kernels_into_their_destinations():
         assert all(torch.equal(a, b) for a, b in zip(again, got)), m
 
 
-@pytest.mark.parametrize("joined", [1, 2], ids=["chained", "wide"])
+@pytest.mark.parametrize("rows", [1, 2], ids=["finish 1 token", "finish 2 tokens"])
 @pytest.mark.parametrize("t,n,c", [(37, 4, 70), (6, 3, 45), (2, 8, 16), (5, 1, 33)], ids=str)
-def test_joined_stream_pass_and_one_launch_forms_match_the_reference(monkeypatch, joined, t, n, c):
+def test_joined_stream_pass_and_one_launch_forms_match_the_reference(monkeypatch, rows, t, n, c):
     """bf16 streams through ``stream_joined`` (the n streams one MMA operand, phi's bf16 parts split
-    once; padded streams at n = 1 and 3): within the check; the one-launch forms (tickets; folded: a stream
-    pass then finishes an earlier block) give the two-launch bits. The wide variant's
-    finishes normalize two tokens at once."""
-    monkeypatch.setattr(tm, "JOINED", (joined,) * 3)
-    monkeypatch.setattr(tm, "FINISH_ROWS", joined)
+    once; padded streams at n = 1 and 3): within the check; the one-launch forms (tickets; folded: a
+    stream pass then finishes an earlier block) give the two-launch bits; finishes that normalize
+    one token at a time or two."""
+    monkeypatch.setattr(tm, "JOINED", (1,) * 3)
+    monkeypatch.setattr(tm, "FINISH_ROWS", rows)
     monkeypatch.setattr(tm, "_CONFIGS", {})
     x, y, w, hp, hr = inputs(t, n, c, BF16, seed=30 + t)
     p = params(n, c, seed=31)
-    assert tm.boundary_config(t, n, c, 2, bf16=True).joined == joined
+    assert tm.boundary_config(t, n, c, 2, bf16=True).joined
     assert not tm.boundary_config(t, n, c, 2, bf16=False).joined  # fp16 is not exact in bf16 parts
     two = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
     matches("update+read", two, x, p, w, y, hp, hr)

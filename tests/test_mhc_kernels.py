@@ -472,19 +472,21 @@ def _step(x, y, hp, hr, p, w):
     return streams, inp, inp2, ops.mhc_update_triton(streams, inp2, h_post2, h_res2)
 
 
-JOINED_CASES = [(j, 4, t, n, c) for j in (1, 2)
+JOINED_CASES = [(rows, 4, t, n, c) for rows in (1, 2)
                 for (t, n, c) in ((8192, 4, 4096), (4099, 4, 2048), (300, 3, 1000), (64, 8, 512), (17, 2, 129))]
 JOINED_CASES += [(1, 0, 4099, 4, 2048)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("joined,form,t,n,c", JOINED_CASES, ids=str)
-def test_gpu_joined_stream_pass_and_one_launch_forms(monkeypatch, joined, form, t, n, c):
-    """bf16 streams through ``stream_joined`` in every bucket, strided streams at T = 17: within the
-    check; the one-launch form (0 tickets, 4 folded) gives the two-launch bits, repeatedly."""
+@pytest.mark.parametrize("rows,form,t,n,c", JOINED_CASES, ids=str)
+def test_gpu_joined_stream_pass_and_one_launch_forms(monkeypatch, rows, form, t, n, c):
+    """bf16 streams through ``stream_joined`` in every bucket, strided streams at T = 17, finishes of
+    one token at a time or two: within the check; the one-launch form (0 tickets, 4 folded) gives
+    the two-launch bits, repeatedly."""
     from layer_boundary_mhc import triton_mhc as tm
 
-    monkeypatch.setattr(tm, "JOINED", (joined,) * 3)
+    monkeypatch.setattr(tm, "JOINED", (1,) * 3)
+    monkeypatch.setattr(tm, "FINISH_ROWS", rows)
     monkeypatch.setattr(tm, "ONE_LAUNCH", (form,) * 3)
     monkeypatch.setattr(tm, "_CONFIGS", {})
     ops = _ops()

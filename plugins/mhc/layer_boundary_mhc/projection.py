@@ -48,7 +48,7 @@ def split_tf32(phi):
     return hi, phi - hi
 
 
-def bf16_parts(phi: "torch.Tensor", n: int, np_: int, kp: int, wide: bool = False) -> "torch.Tensor":
+def bf16_parts(phi: "torch.Tensor", n: int, np_: int, kp: int) -> "torch.Tensor":
     """``[3, C NP, KP]`` bf16: FP32 ``phi`` ([n C, K]) cut by truncation into its high, middle and low
     bf16 parts, rows reordered to ``c NP + i`` for stream ``i``'s column ``c``
     (``stream_joined``), zero rows for padding streams and zero columns past K. The three parts
@@ -66,5 +66,4 @@ def bf16_parts(phi: "torch.Tensor", n: int, np_: int, kp: int, wide: bool = Fals
     hi = high(full)
     rest = full - hi
     mid = high(rest)
-    parts = torch.stack((hi, mid, rest - mid)).to(torch.bfloat16).view(3, c * np_, kp)
-    return parts.transpose(0, 1).contiguous() if wide else parts
+    return torch.stack((hi, mid, rest - mid)).to(torch.bfloat16).view(3, c * np_, kp)

@@ -50,7 +50,7 @@ def stream_pass_joined(
     sxt, sxn, sxc, syt, syc, sot, son, soc,
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
-    UPDATE: tl.constexpr, CASTS: tl.constexpr, WIDE: tl.constexpr = 0,
+    UPDATE: tl.constexpr, CASTS: tl.constexpr,
 ):
     """``triton_mhc._stream_pass`` for bf16 streams (same partials: ``x' @ phi`` and, in column K,
     ``sum x'^2`` over the slice, for block ``b`` and slice ``s``)."""
@@ -68,8 +68,6 @@ def stream_pass_joined(
         xo_ptr += row0 * sot
         coefs = _block_coefficients(hp_ptr, hr_ptr, tt, tm, N)
     acc = tl.zeros([BT, KP], dtype=tl.float32)
-    k4 = tl.arange(0, 4 * KP)
-    acc4 = tl.zeros([BT, 4 * KP], dtype=tl.float32)
     ssq = tl.zeros([BT, BC], dtype=tl.float32)
     part_stride = C * NP * KP
     for ci in tl.range(0, CS // BC, num_stages=STAGES):
@@ -95,16 +93,10 @@ def stream_pass_joined(
         # Rows c0 NP .. (c0 + BC) NP of each part; rows past the last column are zeros.
         r = c0 * NP + rows
         rm = (r < C * NP)[:, None]
-        if WIDE:
-            src = ph3_ptr + r[:, None] * (3 * KP) + k4[None, :]
-            acc4 = _dot_part(a, tl.load(src, mask=rm & (k4 < 3 * KP)[None, :], other=0.0), acc4, CASTS == 1)
-        else:
-            src = ph3_ptr + r[:, None] * KP + kk[None, :]
-            acc = _dot_part(a, tl.load(src + 2 * part_stride, mask=rm, other=0.0), acc, CASTS == 1)
-            acc = _dot_part(a, tl.load(src + part_stride, mask=rm, other=0.0), acc, CASTS == 1)
-            acc = _dot_part(a, tl.load(src, mask=rm, other=0.0), acc, CASTS == 1)
-    if WIDE:
-        acc = tl.sum(tl.reshape(acc4, [BT, 4, KP]), axis=1)
+        src = ph3_ptr + r[:, None] * KP + kk[None, :]
+        acc = _dot_part(a, tl.load(src + 2 * part_stride, mask=rm, other=0.0), acc, CASTS == 1)
+        acc = _dot_part(a, tl.load(src + part_stride, mask=rm, other=0.0), acc, CASTS == 1)
+        acc = _dot_part(a, tl.load(src, mask=rm, other=0.0), acc, CASTS == 1)
     acc = tl.where(kk[None, :] == K, tl.sum(ssq, axis=1)[:, None], acc)
     dst = part_ptr + (row0 + tt)[:, None] * (S * KP) + s * KP + kk[None, :]
     tl.store(dst, acc, mask=tm[:, None])

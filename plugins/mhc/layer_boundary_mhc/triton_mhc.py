@@ -170,7 +170,7 @@ def _any_stream_pass(
     if JOINED:  # bf16 streams; phs_ptr holds projection.bf16_parts
         stream_pass_joined(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phs_ptr, part_ptr, b, s, T,
                            sxt, sxn, sxc, syt, syc, sot, son, soc,
-                           N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, CASTS, JOINED == 2)
+                           N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, CASTS)
     else:
         _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, b, s, T,
                      sxt, sxn, sxc, syt, syc, sot, son, soc,
@@ -297,8 +297,8 @@ class BoundaryConfig:
     ``stages`` the chunks a stream pass has in flight (Triton's software pipelining),
     ``presplit`` whether the stream passes read phi's TF32 parts split beforehand (``phi_parts``),
     ``joined`` whether
-    bf16 streams take ``stream_joined``'s stream pass (which reads ``projection.bf16_parts``; 2: as
-    one wide MMA of the three parts), ``finish_rows`` (FR) the tokens a finish normalizes at once,
+    bf16 streams take ``stream_joined``'s stream pass (which reads ``projection.bf16_parts``),
+    ``finish_rows`` (FR) the tokens a finish normalizes at once,
     ``max_registers`` a cap on a thread's registers (0: ptxas decides), ``one_launch`` the MODE
     of a one-launch call.
     """
@@ -315,7 +315,7 @@ class BoundaryConfig:
     num_warps: int
     stages: int
     presplit: bool
-    joined: int = 0
+    joined: bool = False
     finish_rows: int = 1
     max_registers: int = 0
     one_launch: int = COOPERATIVE
@@ -369,8 +369,9 @@ FINISH_TOKENS = 8
 LAG = 4
 STAGE_BYTES = 112 * 1024
 # Per bucket: 1 sends bf16 streams through stream_joined's stream pass (one MMA a part of phi for
-# the n streams, on phi's bf16 parts split once), 2 as one wide MMA of the three parts. H200, n = 4,
-# H = 4096, T = 8192, stream passes: 505 µs (TF32 pair), 280 (1, 8 warps), 333 (2), 218 (1, 4 warps).
+# the n streams, on phi's bf16 parts split once). H200, n = 4, H = 4096, T = 8192, stream passes:
+# 505 µs (TF32 pair), 280 (joined, 8 warps), 218 (4 warps); one wide MMA of the three parts side by
+# side (removed) 333 and 262.
 # The mid bucket's mma.sync form compiles to twice the instructions (sm_90): not taken there.
 JOINED = (0, 0, 1)
 # The one-launch form by bucket: COOPERATIVE (tickets; finishes are programs of their own) or FOLDED
@@ -380,7 +381,7 @@ ONE_LAUNCH = (COOPERATIVE, COOPERATIVE, COOPERATIVE)
 PREFILL_ONE_LAUNCH = 0
 # Tokens a finish normalizes at once (a divisor of FINISH_TOKENS).
 FINISH_ROWS = 1
-# Programs an SM that the chained joined kernels (JOINED 1) keep room for: their registers are
+# Programs an SM that the joined kernels keep room for: their registers are
 # capped at 64K / (this x the program's threads). Two 8-warp programs: 128, where a one-launch
 # form's finish, compiled into the same kernel, would otherwise raise the count (sm_90: 144 at
 # FR = 1, 190 at FR = 2; no spills at 128); 4-warp programs need no cap for two (238, the most
@@ -411,7 +412,7 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
         tb = min(FINISH_TOKENS, bt)
         cp = triton.next_power_of_2(hidden)
         chunked = cp > MAX_TILE
-        joined = JOINED[bucket] if bf16 else 0
+        joined = bf16 and bool(JOINED[bucket])
         presplit = bt <= PRESPLIT_TOKENS and not joined
         warps = (JOINED_WARPS if joined else NUM_WARPS)[bucket]
         kp = coefficient_columns(n)[1]
@@ -431,8 +432,8 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
     return cfg
 
 
-def _register_cap(joined: int, warps: int) -> int:
-    if joined != 1 or not JOINED_PROGRAMS:
+def _register_cap(joined: bool, warps: int) -> int:
+    if not joined or not JOINED_PROGRAMS:
         return 0
     cap = 65536 // (JOINED_PROGRAMS * 32 * warps) // 8 * 8
     return cap if cap < 255 else 0

@@ -230,7 +230,7 @@ def _split_for(phi: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     t, n, c = x.shape
     cfg = boundary_config(max(int(t), 1), n, int(c), x.element_size(), x.dtype == torch.bfloat16)
     if cfg.joined:
-        return _phi_split(phi, ("bf16", n, padded_streams(n), coefficient_columns(n)[1], cfg.joined == 2))
+        return _phi_split(phi, ("bf16", n, padded_streams(n), coefficient_columns(n)[1]))
     if cfg.presplit:
         return _phi_split(phi, ("tf32",))
     return phi
