@@ -328,9 +328,4 @@ def finalize_command(args: argparse.Namespace) -> int:
                    bytes_per_call=f"T*((k+4)*H{' + 2*world*H' if world > 1 else ''})*{e}",
                    tolerance={"atol": atol, "rtol": rtol, "rule": "max|diff| <= atol * max(1, max|want|)"},
                    timing="CUDA-graph replay, median, slowest rank", replays=plan.replays)
-    failed = [r for r in rows if r.get("ok") is False or "error" in r]
-    if failed:
-        print(f"{len(failed)} result(s) failed their check or raised: "
-              + "; ".join(f"{r['method']} T={r['tokens']} H={r['hidden']}" for r in failed))
-        return 1
-    return 0
+    return report.exit_status(rows, what="result(s)")

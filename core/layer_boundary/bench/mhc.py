@@ -368,9 +368,4 @@ def mhc_command(args: argparse.Namespace) -> int:
                                    "read": "T*(n+1)*C*e + 4*T*(n+n^2) + 4*n*C*(n^2+2n) + C*e",
                                    "update": "T*(2n+1)*C*e + 4*T*(n+n^2)"},
                    tuned=tuned, timing=timing, replays=plan.replays)
-    failed = [r for r in rows if r.get("ok") is False or "error" in r]
-    if failed:
-        print(f"{len(failed)} measurement(s) failed their check or raised: "
-              + "; ".join(f"{r['method']} {r['op']} T={r['tokens']} H={r['hidden']}" for r in failed))
-        return 1
-    return 0
+    return report.exit_status(rows, ("op", "tokens", "hidden"))

@@ -259,9 +259,4 @@ def norm_command(args: argparse.Namespace) -> int:
                    norm_panels(rows, copy["gbps"]), copy=copy, refused=refusals, eps=EPS,
                    bytes_per_token=f"4*H*{torch.empty((), dtype=dtype).element_size()}",
                    timing=timing, replays=plan.replays)
-    failed = [r for r in rows if r.get("ok") is False or "error" in r]
-    if failed:
-        print(f"{len(failed)} measurement(s) failed their check or raised: "
-              + "; ".join(f"{r['method']} T={r['tokens']} H={r['hidden']}" for r in failed))
-        return 1
-    return 0
+    return report.exit_status(rows)

@@ -114,6 +114,19 @@ def publish(args: Any, bench: str, env: dict[str, Any], rows: Sequence[dict[str,
     print(f"\nwrote {json_path}\nwrote {svg_path} ({writer})")
 
 
+def exit_status(rows: Sequence[dict[str, Any]], keys: Sequence[str] = ("tokens", "hidden"),
+                what: str = "measurement(s)") -> int:
+    """1 after naming the rows that failed their check or raised (``method`` and ``keys``), else 0."""
+    failed = [r for r in rows if r.get("ok") is False or "error" in r]
+    if not failed:
+        return 0
+    label = {"tokens": "T", "hidden": "H"}
+    print(f"{len(failed)} {what} failed their check or raised: " + "; ".join(
+        " ".join([r["method"], *(f"{label[k]}={r[k]}" if k in label else str(r[k]) for k in keys)])
+        for r in failed))
+    return 1
+
+
 # -- table ----------------------------------------------------------------------------------------
 
 
