@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import _block_coefficients, _mixed_stream, _store_cast, _stream_inputs
+from .triton_tiles import _block_start, _mixed_stream, _store_cast, _stream_inputs
 
 
 @triton.jit
@@ -54,19 +54,11 @@ def stream_pass_joined(
 ):
     """``triton_mhc._stream_pass`` for bf16 streams (same partials: ``x' @ phi`` and, in column K,
     ``sum x'^2`` over the slice, for block ``b`` and slice ``s``)."""
-    row0 = b.to(tl.int64) * BT
-    x_ptr += row0 * sxt
-    tt = tl.arange(0, BT)
-    tm = row0 + tt < T
+    row0, tt, tm, x_ptr, y_ptr, xo_ptr, coefs = _block_start(x_ptr, y_ptr, xo_ptr, hp_ptr, hr_ptr, b, T,
+                                                             sxt, syt, sot, N, BT, UPDATE)
     cc = tl.arange(0, BC)
     kk = tl.arange(0, KP)
     rows = tl.arange(0, BC * NP)
-    if UPDATE:
-        y_ptr += row0 * syt
-        hp_ptr += row0 * N
-        hr_ptr += row0 * (N * N)
-        xo_ptr += row0 * sot
-        coefs = _block_coefficients(hp_ptr, hr_ptr, tt, tm, N)
     acc = tl.zeros([BT, KP], dtype=tl.float32)
     ssq = tl.zeros([BT, BC], dtype=tl.float32)
     part_stride = C * NP * KP

@@ -67,7 +67,7 @@ from .projection import project_tf32, split_tf32
 from .selection import MAX_STREAMS
 from .finish import _finish
 from .stream_joined import stream_pass_joined
-from .triton_tiles import (CAST_EXACT, CAST_PLAIN, CAST_PTX, CAST_PTX_PURE, _block_coefficients, _mixed_stream,
+from .triton_tiles import (CAST_EXACT, CAST_PLAIN, CAST_PTX, CAST_PTX_PURE, _block_start, _mixed_stream,
                            _store_cast, _stream_coefficients, _stream_inputs)
 
 __all__ = [
@@ -111,20 +111,11 @@ def _stream_pass(
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CASTS: tl.constexpr,
 ):
-    row0 = b.to(tl.int64) * BT
-    # Block-local offsets stay in int32 (BT tokens' streams); the int64 base is in the pointers.
-    x_ptr += row0 * sxt
-    tt = tl.arange(0, BT)
-    tm = row0 + tt < T
+    row0, tt, tm, x_ptr, y_ptr, xo_ptr, coefs = _block_start(x_ptr, y_ptr, xo_ptr, hp_ptr, hr_ptr, b, T,
+                                                             sxt, syt, sot, N, BT, UPDATE)
     cc = tl.arange(0, BC)
     kk = tl.arange(0, KP)
     km = kk < K
-    if UPDATE:
-        y_ptr += row0 * syt
-        hp_ptr += row0 * N
-        hr_ptr += row0 * (N * N)
-        xo_ptr += row0 * sot
-        coefs = _block_coefficients(hp_ptr, hr_ptr, tt, tm, N)
     acc = tl.zeros([BT, KP], dtype=tl.float32)
     ssq = tl.zeros([BT], dtype=tl.float32)
     # A fixed trip count: the last slice's chunks past C are masked out.

@@ -78,10 +78,9 @@ def _launch_boundary(
     blocks = cfg.blocks(tokens)
     part = torch.empty((blocks * cfg.block_tokens, cfg.slices, kp), dtype=torch.float32, device=x.device)
     update = y is not None
-    # Placeholders the kernel never touches are a tensor of their own: under torch.compile the
-    # launches are functionalized, and where Triton's mutation analysis gives up (it does not read
-    # inline assembly) every argument counts as written; an argument aliasing the workspace could
-    # then stand for its new value, and the finishes read a copy the stream passes never wrote.
+    # Placeholders the kernel never touches are a tensor of their own, never the workspace: where
+    # launches are traced and functionalized (torch.library.triton_op, which these operators no
+    # longer are: _define), an argument aliasing the workspace can stand for its written value.
     unused = torch.empty(1, dtype=torch.float32, device=x.device)
     if update:
         y_strides, so_strides = y.stride(), streams_out.stride()

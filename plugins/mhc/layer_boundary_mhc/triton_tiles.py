@@ -98,3 +98,20 @@ def _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N: tl.const
         xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc),)
     return y, xs
 
+
+@triton.jit
+def _block_start(x_ptr, y_ptr, xo_ptr, hp_ptr, hr_ptr, b, T, sxt, syt, sot,
+                 N: tl.constexpr, BT: tl.constexpr, UPDATE: tl.constexpr):
+    """A stream pass's block ``b``: ``(row0, tt, tm, x_ptr, y_ptr, xo_ptr, coefs)``, its first row,
+    its rows and their mask, the pointers advanced to the block (block-local offsets then stay in
+    int32; the int64 base is in the pointers) and, for an update, its ``_block_coefficients``."""
+    row0 = b.to(tl.int64) * BT
+    tt = tl.arange(0, BT)
+    tm = row0 + tt < T
+    coefs = ()
+    if UPDATE:
+        y_ptr += row0 * syt
+        xo_ptr += row0 * sot
+        coefs = _block_coefficients(hp_ptr + row0 * N, hr_ptr + row0 * (N * N), tt, tm, N)
+    return row0, tt, tm, x_ptr + row0 * sxt, y_ptr, xo_ptr, coefs
+
