@@ -26,20 +26,6 @@ from layer_boundary_mhc import triton_mhc as tm
 N, BF16 = 4, torch.bfloat16
 
 
-class _Mode:
-    """Stands in for the boundary kernel: launches the MODEs in ``modes`` and keeps the compiled
-    stream pass (registers, spills, shared memory)."""
-
-    def __init__(self, modes: tuple[int, ...]) -> None:
-        self.modes, self.compiled = modes, {}
-
-    def __getitem__(self, grid):
-        def launch(*args, **meta):
-            if meta["MODE"] in self.modes:
-                self.compiled[meta["MODE"]] = tm.mhc_boundary_kernel[grid](*args, **meta)
-        return launch
-
-
 def _kernel_facts(k) -> str:
     if k is None:
         return "-"
@@ -55,23 +41,23 @@ def measure(t: int, hidden: int, copy_gbps: float, device: str, once: bool = Fal
     ok = all(d.ok for d in devs)
     _, n, c = i.x.shape
     launch = mhc_check.launcher(i)[0]
-    probe = _Mode((tm.STREAM_PASS,))
+    probe = mhc_check.Only(tm.STREAM_PASS)
     launch(probe, False)()
     if once:  # for a profiler: one stream pass (after the compile and check above), no timing
         torch.cuda.synchronize()
-        facts = _kernel_facts(probe.compiled.get(tm.STREAM_PASS))
+        facts = _kernel_facts(probe.compiled)
         return f"T={t:5d} {'ok  ' if ok else 'FAIL'} one stream pass launched [{facts}]"
     plan = TimingPlan(replays=20, max_calls=50)
     us = {name: time_call(fn, device, plan).median_us for name, fn in (
-        ("stream", launch(_Mode((tm.STREAM_PASS,)), False)),
-        ("finish", launch(_Mode((tm.FINISH,)), False)),
+        ("stream", launch(mhc_check.Only(tm.STREAM_PASS), False)),
+        ("finish", launch(mhc_check.Only(tm.FINISH), False)),
         ("two", launch(tm.mhc_boundary_kernel, False)),
         *((("coop", launch(tm.mhc_boundary_kernel, True)),) if coop else ()))}
     roof = bench.bytes_moved("update+read", t, n, c, 2) / (copy_gbps * 1e3)
     return (f"T={t:5d} {'ok  ' if ok else 'FAIL'} stream {us['stream']:7.1f}  finish {us['finish']:6.1f}  "
             f"two {us['two']:7.1f} ({100 * roof / us['two']:4.1f} % roofline)  "
             + (f"coop {us['coop']:7.1f}  " if coop else "")
-            + f"[{_kernel_facts(probe.compiled.get(tm.STREAM_PASS))}]")
+            + f"[{_kernel_facts(probe.compiled)}]")
 
 
 def main(argv: list[str]) -> int:
