@@ -20,6 +20,8 @@
 #      stream pass
 #   f  as e without ncu, the suite split over both GPUs
 #   g  bench mhc (the dated record) beside variants at T = 1024 and 8192
+#   h  variants with --coop at T = 8192 (the arguments after "h") on GPU 0; on GPU 1 the mid
+#      bucket in the prefill shape (MID_VARIANTS) at T = 128 to 1024, then the joined-pass tests
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -141,5 +143,17 @@ g)
     CUDA_VISIBLE_DEVICES=0 timeout 320 python3 mhc_variants.py "${vs[@]}" --tokens 1024 8192 \
       > "$OUT/mhc-variants.log" 2>&1 )
   wait; cat "$OUT/mhc-variants.log"; tail -32 "$OUT/bench-mhc.log"
+  ;;
+h)
+  versions | tee "$OUT/versions-h.txt"
+  ( cd benchmarks/sweeps
+    CUDA_VISIBLE_DEVICES=1 timeout 250 python3 mhc_variants.py "" "MID_TOKENS=256" \
+      "BLOCK_TOKENS=16,64,64 JOINED=0,1,1 JOINED_WARPS=8,4,4" --tokens 128 512 1024 > "$OUT/mhc-mid.log" 2>&1
+    cd ../.. && CUDA_VISIBLE_DEVICES=1 pt 280 -m gpu tests/test_mhc_kernels.py \
+      -k "joined_stream_pass or folded_own_block" > "$OUT/h-joined.log" 2>&1 ) &
+  ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
+    CUDA_VISIBLE_DEVICES=0 timeout 520 python3 mhc_variants.py "${vs[@]}" --coop --tokens 8192 \
+      > "$OUT/mhc-variants.log" 2>&1 )
+  wait; cat "$OUT/mhc-variants.log" "$OUT/mhc-mid.log"; tail -4 "$OUT/h-joined.log"
   ;;
 esac

@@ -502,6 +502,29 @@ def test_gpu_joined_stream_pass_and_one_launch_forms(monkeypatch, rows, form, t,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lag,evict,rows", [(0, 1, 1), (0, 0, 1), (1, 1, 4), (2, 1, 2)], ids=str)
+@pytest.mark.parametrize("t,c", [(8192, 4096), (4099, 2048), (1100, 7168)], ids=str)
+def test_gpu_folded_own_block_and_l2_hints(monkeypatch, lag, evict, rows, t, c):
+    """The folded one launch finishing its own block (LAG 0) or one or two back, four tokens a
+    program, with and without the L2 eviction hints: the two-launch bits, which pass the check
+    with the hints as without."""
+    from layer_boundary_mhc import triton_mhc as tm
+
+    for name, value in (("JOINED", (1,) * 3), ("ONE_LAUNCH", (tm.FOLDED,) * 3), ("LAG", lag),
+                        ("EVICT", (evict,) * 3), ("FINISH_TOKENS", 4), ("FINISH_ROWS", rows), ("_CONFIGS", {})):
+        monkeypatch.setattr(tm, name, value)
+    ops = _ops()
+    x, y, w, hp, hr = _inputs(t, 4, c, BF16, seed=t + lag)
+    p = _params(4, c, seed=6)
+    two = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
+    assert_matches_reference("update+read", two, x, where=f"T={t} C={c}", y=y, h_post=hp, h_res=hr, params=p,
+                             norm_weight=w, norm_eps=EPS)
+    for _ in range(3):
+        one = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
+        assert all(torch.equal(a, b) for a, b in zip(one, two)), "one launch != two launches"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("t", [16, 2048])
 def test_gpu_cuda_graph_replay_equals_eager(t):
     """Captured (the workspace and the zeroed ticket counters are graph allocations and memsets),

@@ -40,7 +40,13 @@ def measure(t: int, hidden: int, copy_gbps: float, device: str, once: bool = Fal
                             norm_weight=i.w, norm_eps=bench.EPS)
     ok = all(d.ok for d in devs)
     _, n, c = i.x.shape
-    launch = mhc_check.launcher(i)[0]
+    launch, streams, out = mhc_check.launcher(i)
+    same = ""
+    if coop:  # the one launch gives the two launches' bits
+        launch(tm.mhc_boundary_kernel, False)()
+        want = out.clone(), streams.clone()
+        launch(tm.mhc_boundary_kernel, True)()
+        same = "same " if torch.equal(out, want[0]) and torch.equal(streams, want[1]) else "DIFF "
     probe = mhc_check.Only(tm.STREAM_PASS)
     launch(probe, False)()
     if once:  # for a profiler: one stream pass (after the compile and check above), no timing
@@ -56,7 +62,7 @@ def measure(t: int, hidden: int, copy_gbps: float, device: str, once: bool = Fal
     roof = bench.bytes_moved("update+read", t, n, c, 2) / (copy_gbps * 1e3)
     return (f"T={t:5d} {'ok  ' if ok else 'FAIL'} stream {us['stream']:7.1f}  finish {us['finish']:6.1f}  "
             f"two {us['two']:7.1f} ({100 * roof / us['two']:4.1f} % roofline)  "
-            + (f"coop {us['coop']:7.1f}  " if coop else "")
+            + (f"coop {us['coop']:7.1f} {same} " if coop else "")
             + f"[{_kernel_facts(probe.compiled)}]")
 
 

@@ -30,14 +30,19 @@ def _sinkhorn(logits, valid, im, ITERS: tl.constexpr):
 
 
 @triton.jit
-def _mix(src, rows, st, cols, m2, sn, sc, hp, i, N: tl.constexpr):
+def _mix(src, rows, st, cols, m2, sn, sc, hp, i, N: tl.constexpr, POLICY: tl.constexpr):
     # The mixed input sum_j H_pre[:, j] x_j of FR tokens' rows over one chunk of columns, [FR, CP]
     # in FP32 (the norm's two passes each recompute it rather than hold a whole row).
     ptr = src + rows[:, None] * st + cols[None, :] * sc
     acc = tl.zeros(m2.shape, dtype=tl.float32)
     for j in tl.static_range(N):
-        xj = tl.load(ptr + j * sn, mask=m2, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc += _pick(hp, i[None, :], j)[:, None] * xj
+        if POLICY == "":
+            xj = tl.load(ptr + j * sn, mask=m2, other=0.0, cache_modifier=".cg")
+        else:
+            # PTX takes no L2 eviction hint with .cg; the finish's acquire (gpu scope) already
+            # orders these loads after the block's stream passes.
+            xj = tl.load(ptr + j * sn, mask=m2, other=0.0, eviction_policy=POLICY)
+        acc += _pick(hp, i[None, :], j)[:, None] * xj.to(tl.float32)
     return acc
 
 
@@ -55,6 +60,7 @@ def _finish(
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     CP: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr, TB: tl.constexpr,
     ITERS: tl.constexpr, UPDATE: tl.constexpr, CHUNKED: tl.constexpr, CASTS: tl.constexpr, FR: tl.constexpr,
+    LOADS: tl.constexpr,
 ):
     row0 = b.to(tl.int64) * BT + q * TB
     tt = tl.arange(0, TB)
@@ -117,18 +123,18 @@ def _finish(
         dst = out_ptr + rows[:, None] * sit
         if not CHUNKED:
             m2 = live[:, None] & (c < C)[None, :]
-            acc = _mix(src, rows, st, c, m2, sn, sc, hp, i, N)
+            acc = _mix(src, rows, st, c, m2, sn, sc, hp, i, N, LOADS)
             r2 = tl.rsqrt(tl.sum(acc * acc, axis=1) / C + norm_eps)
-            _store_cast(dst + c[None, :] * sic, acc * r2[:, None] * w[None, :], m2, CASTS)
+            _store_cast(dst + c[None, :] * sic, acc * r2[:, None] * w[None, :], m2, CASTS, "")
         else:
             sq = tl.zeros([FR, CP], dtype=tl.float32)
             for c0 in tl.range(0, C, CP):
                 m2 = live[:, None] & (c0 + c < C)[None, :]
-                acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N)
+                acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N, LOADS)
                 sq += acc * acc
             r2 = tl.rsqrt(tl.sum(sq, axis=1) / C + norm_eps)
             for c0 in tl.range(0, C, CP):
                 m2 = live[:, None] & (c0 + c < C)[None, :]
-                acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N)
+                acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N, LOADS)
                 wc = tl.load(w_ptr + (c0 + c) * sw, mask=c0 + c < C, other=0.0).to(tl.float32) + offset
-                _store_cast(dst + (c0 + c)[None, :] * sic, acc * r2[:, None] * wc[None, :], m2, CASTS)
+                _store_cast(dst + (c0 + c)[None, :] * sic, acc * r2[:, None] * wc[None, :], m2, CASTS, "")

@@ -50,10 +50,11 @@ def stream_pass_joined(
     sxt, sxn, sxc, syt, syc, sot, son, soc,
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
-    UPDATE: tl.constexpr, CASTS: tl.constexpr,
+    UPDATE: tl.constexpr, CASTS: tl.constexpr, LOADS: tl.constexpr, KEEP: tl.constexpr,
 ):
     """``triton_mhc._stream_pass`` for bf16 streams (same partials: ``x' @ phi`` and, in column K,
-    ``sum x'^2`` over the slice, for block ``b`` and slice ``s``)."""
+    ``sum x'^2`` over the slice, for block ``b`` and slice ``s``). ``LOADS`` and ``KEEP``: the L2
+    eviction hints of the stream inputs (read once) and of x' (read again by the block's finishes)."""
     row0, tt, tm, x_ptr, y_ptr, xo_ptr, coefs = _block_start(x_ptr, y_ptr, xo_ptr, hp_ptr, hr_ptr, b, T,
                                                              sxt, syt, sot, N, BT, UPDATE)
     cc = tl.arange(0, BC)
@@ -68,12 +69,12 @@ def stream_pass_joined(
         cm = c < C
         m2 = tm[:, None] & cm[None, :]
         if UPDATE:
-            y, xs = _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N)
+            y, xs = _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N, LOADS)
         ts = ()
         for i in tl.static_range(N):
             if UPDATE:
                 v = _mixed_stream(y, xs, coefs[i][0], coefs[i][1], N)
-                a = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS)
+                a = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS, KEEP)
             else:
                 a = tl.load(x_ptr + i * sxn + tt[:, None] * sxt + c[None, :] * sxc, mask=m2, other=0.0)
             f = a.to(tl.float32)

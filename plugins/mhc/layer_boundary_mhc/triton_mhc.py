@@ -124,12 +124,12 @@ def _stream_pass(
         cm = c < C
         m2 = tm[:, None] & cm[None, :]
         if UPDATE:
-            y, xs = _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N)
+            y, xs = _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N, "")
         for i in tl.static_range(N):
             if UPDATE:
                 v = _mixed_stream(y, xs, coefs[i][0], coefs[i][1], N)
                 # The read sees the rounded streams, as the reference does.
-                a = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS)
+                a = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS, "")
             else:
                 a = tl.load(x_ptr + i * sxn + tt[:, None] * sxt + c[None, :] * sxc, mask=m2, other=0.0)
             v = a.to(tl.float32)
@@ -156,12 +156,12 @@ def _any_stream_pass(
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CASTS: tl.constexpr,
-    JOINED: tl.constexpr,
+    JOINED: tl.constexpr, LOADS: tl.constexpr, KEEP: tl.constexpr,
 ):
     if JOINED:  # bf16 streams; phs_ptr holds projection.bf16_parts
         stream_pass_joined(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phs_ptr, part_ptr, b, s, T,
                            sxt, sxn, sxc, syt, syc, sot, son, soc,
-                           N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, CASTS)
+                           N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, CASTS, LOADS, KEEP)
     else:
         _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, b, s, T,
                      sxt, sxn, sxc, syt, syc, sot, son, soc,
@@ -194,6 +194,7 @@ def mhc_boundary_kernel(
     BC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CHUNKED: tl.constexpr,
     MODE: tl.constexpr, CASTS: tl.constexpr, JOINED: tl.constexpr, FR: tl.constexpr,
+    LOADS: tl.constexpr, KEEP: tl.constexpr,
 ):
     if MODE == 0:
         ticket = tl.atomic_add(cnt_ptr, 1)
@@ -203,7 +204,8 @@ def mhc_boundary_kernel(
             if r < NB:
                 _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                                  sxt, sxn, sxc, syt, syc, sot, son, soc,
-                                 N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, JOINED)
+                                 N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
+                                 JOINED, LOADS, KEEP)
                 _arrive(cnt_ptr, r)
         else:
             if r >= LAG:
@@ -212,7 +214,7 @@ def mhc_boundary_kernel(
                 _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                         out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, k - S, T,
                         sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR)
+                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS)
     elif MODE == 4:
         # Folded: tickets as MODE 0, but a round's S programs each do a stream pass of block r and
         # then finishes of block r - LAG (finish q by program q mod S), whose x' is still in L2.
@@ -222,7 +224,8 @@ def mhc_boundary_kernel(
         if r < NB:
             _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                              sxt, sxn, sxc, syt, syc, sot, son, soc,
-                             N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, JOINED)
+                             N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
+                             JOINED, LOADS, KEEP)
             _arrive(cnt_ptr, r)
         if r >= LAG:
             blk = r - LAG
@@ -233,19 +236,20 @@ def mhc_boundary_kernel(
                         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                                 out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, q0 + k, T,
                                 sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR)
+                                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS)
     elif MODE == 1:
         pid = tl.program_id(0)
         _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
                          sxt, sxn, sxc, syt, syc, sot, son, soc,
-                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS, JOINED)
+                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
+                         JOINED, LOADS, KEEP)
     else:
         # Last blocks first: the stream passes wrote them last, and part of their x' is in L2.
         pid = tl.program_id(0)
         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                 out_ptr, hpo_ptr, hro_ptr, part_ptr, NB - 1 - pid // RB, pid % RB, T,
                 sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR)
+                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS)
 
 
 @triton.jit
@@ -260,11 +264,11 @@ def mhc_update_kernel(
     tm = row0 + tt < T
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     m2 = tm[:, None] & (c < C)[None, :]
-    y, xs = _stream_inputs(y_ptr + row0 * syt, x_ptr + row0 * sxt, tt, c, m2, syt, syc, sxt, sxn, sxc, N)
+    y, xs = _stream_inputs(y_ptr + row0 * syt, x_ptr + row0 * sxt, tt, c, m2, syt, syc, sxt, sxn, sxc, N, "")
     for i in tl.static_range(N):
         hp, hr = _stream_coefficients(hp_ptr + row0 * N, hr_ptr + row0 * (N * N), tt, tm, i, N)
         v = _mixed_stream(y, xs, hp, hr, N)
-        _store_cast(xo_ptr + row0 * sot + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS)
+        _store_cast(xo_ptr + row0 * sot + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS, "")
 
 
 # Decided when this module is imported: Triton 3.6 picks the interpreter in @triton.jit.
@@ -291,7 +295,8 @@ class BoundaryConfig:
     bf16 streams take ``stream_joined``'s stream pass (which reads ``projection.bf16_parts``),
     ``finish_rows`` (FR) the tokens a finish normalizes at once,
     ``max_registers`` a cap on a thread's registers (0: ptxas decides), ``one_launch`` the MODE
-    of a one-launch call.
+    of a one-launch call, ``evict`` whether the joined stream pass's inputs and the finishes' x'
+    loads are marked evict-first and the x' stores evict-last in L2.
     """
 
     block_tokens: int
@@ -310,6 +315,7 @@ class BoundaryConfig:
     finish_rows: int = 1
     max_registers: int = 0
     one_launch: int = COOPERATIVE
+    evict: bool = False
 
     def slice_batch(self, padded_columns: int) -> int:
         """Slices a finish sums per load: a [TB, SB, KP] tile of at most 4K values."""
@@ -370,6 +376,10 @@ JOINED = (0, 0, 1)
 ONE_LAUNCH = (COOPERATIVE, COOPERATIVE, COOPERATIVE)
 # 1: calls past MID_TOKENS take one launch when the caller does not choose (two launches: 0).
 PREFILL_ONE_LAUNCH = 0
+# Per bucket: 1 marks the joined stream pass's input loads and the finishes' x' loads evict-first
+# and the x' stores evict-last, so that a finish soon after its block's stream passes (the folded
+# one-launch form) may find the block's x' in L2 while x and y stream through.
+EVICT = (0, 0, 0)
 # Tokens a finish normalizes at once (a divisor of FINISH_TOKENS).
 FINISH_ROWS = 1
 # Programs an SM that the joined kernels keep room for: their registers are
@@ -418,7 +428,7 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
             lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=warps, stages=stages,
             presplit=presplit, joined=joined,
             finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, warps),
-            one_launch=ONE_LAUNCH[bucket],
+            one_launch=ONE_LAUNCH[bucket], evict=joined and bool(EVICT[bucket]),
         )
     return cfg
 

@@ -13,7 +13,7 @@ CAST_PLAIN, CAST_EXACT, CAST_PTX, CAST_PTX_PURE = 0, 1, 2, 3
 
 
 @triton.jit
-def _store_cast(ptr, v, mask, CASTS: tl.constexpr):
+def _store_cast(ptr, v, mask, CASTS: tl.constexpr, POLICY: tl.constexpr):
     """Store ``v`` (FP32) rounded to nearest even to ``ptr``'s dtype; returns the rounded value, in that dtype."""
     if CASTS == 1:  # CAST_EXACT
         # Triton 3.6's interpreter converts FP32 to bf16 by truncation, a GPU to nearest even:
@@ -49,13 +49,14 @@ def _store_cast(ptr, v, mask, CASTS: tl.constexpr):
             r = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=False, pack=1)
     else:
         r = v.to(ptr.dtype.element_ty)
-    tl.store(ptr, r, mask=mask)
+    tl.store(ptr, r, mask=mask, eviction_policy=POLICY)
     return r
 
 
 @triton.jit
-def _load_rows(ptr, tt, c, m2, st, sc):
-    return tl.load(ptr + tt[:, None] * st + c[None, :] * sc, mask=m2, other=0.0).to(tl.float32)
+def _load_rows(ptr, tt, c, m2, st, sc, POLICY: tl.constexpr):
+    return tl.load(ptr + tt[:, None] * st + c[None, :] * sc, mask=m2, other=0.0,
+                   eviction_policy=POLICY).to(tl.float32)
 
 
 @triton.jit
@@ -90,12 +91,12 @@ def _block_coefficients(hp_ptr, hr_ptr, tt, tm, N: tl.constexpr):
 
 
 @triton.jit
-def _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N: tl.constexpr):
-    """A chunk's stage output tile and the n stream tiles, FP32."""
-    y = _load_rows(y_ptr, tt, c, m2, syt, syc)
+def _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N: tl.constexpr, POLICY: tl.constexpr):
+    """A chunk's stage output tile and the n stream tiles, FP32 (``POLICY``: their L2 eviction hint)."""
+    y = _load_rows(y_ptr, tt, c, m2, syt, syc, POLICY)
     xs = ()
     for j in tl.static_range(N):
-        xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc),)
+        xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc, POLICY),)
     return y, xs
 
 
