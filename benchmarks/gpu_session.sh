@@ -21,7 +21,9 @@
 #   f  as e without ncu, the suite split over both GPUs
 #   g  bench mhc (the dated record) beside variants at T = 1024 and 8192
 #   h  variants with --coop at T = 8192 (the arguments after "h") on GPU 0; on GPU 1 the mid
-#      bucket in the prefill shape (MID_VARIANTS) at T = 128 to 1024, then the joined-pass tests
+#      bucket in the prefill shape at T = 128 to 1024, then the joined-pass tests
+#   i  variants (the arguments after "i") at T = 128 to 8192 and two at H = 7168, then the
+#      joined-pass tests on GPU 0; the rest of the MHC GPU suite on GPU 1
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -150,10 +152,24 @@ h)
     CUDA_VISIBLE_DEVICES=1 timeout 250 python3 mhc_variants.py "" "MID_TOKENS=256" \
       "BLOCK_TOKENS=16,64,64 JOINED=0,1,1 JOINED_WARPS=8,4,4" --tokens 128 512 1024 > "$OUT/mhc-mid.log" 2>&1
     cd ../.. && CUDA_VISIBLE_DEVICES=1 pt 280 -m gpu tests/test_mhc_kernels.py \
-      -k "joined_stream_pass or folded_own_block" > "$OUT/h-joined.log" 2>&1 ) &
+      -k "joined_stream_pass or folded_short_lag" > "$OUT/h-joined.log" 2>&1 ) &
   ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
     CUDA_VISIBLE_DEVICES=0 timeout 520 python3 mhc_variants.py "${vs[@]}" --coop --tokens 8192 \
       > "$OUT/mhc-variants.log" 2>&1 )
   wait; cat "$OUT/mhc-variants.log" "$OUT/mhc-mid.log"; tail -4 "$OUT/h-joined.log"
+  ;;
+i)
+  versions | tee "$OUT/versions-i.txt"
+  CUDA_VISIBLE_DEVICES=1 pt 560 -m gpu tests/test_mhc_kernels.py tests/test_mhc.py \
+    -k "not joined_stream_pass and not folded_short_lag" --durations=5 > "$OUT/i-mhc-suite.log" 2>&1 &
+  ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
+    export CUDA_VISIBLE_DEVICES=0
+    timeout 200 python3 mhc_variants.py "${vs[@]}" --tokens 128 512 1024 8192 > "$OUT/mhc-variants.log" 2>&1
+    timeout 100 python3 mhc_variants.py "" "MAX_TILE=4096" --hidden 7168 --tokens 8192 \
+      > "$OUT/mhc-variants-7168.log" 2>&1 )
+  CUDA_VISIBLE_DEVICES=0 pt 250 -m gpu tests/test_mhc_kernels.py -k "joined_stream_pass or folded_short_lag" \
+    > "$OUT/i-joined.log" 2>&1
+  wait; cat "$OUT/mhc-variants.log" "$OUT/mhc-variants-7168.log"; tail -3 "$OUT/i-joined.log"
+  tail -9 "$OUT/i-mhc-suite.log"
   ;;
 esac

@@ -39,6 +39,7 @@ EPS = 1e-6
 @pytest.fixture(autouse=True)
 def small_launches(monkeypatch):
     monkeypatch.setattr(tm, "BLOCK_TOKENS", (16, 16, 16))
+    monkeypatch.setattr(tm, "JOINED_BLOCK_TOKENS", (16, 16, 16))
     monkeypatch.setattr(tm, "SLICE_COLS", (32, 32, 32))
     monkeypatch.setattr(tm, "FINISH_TOKENS", 8)
     monkeypatch.setattr(tm, "LAG", 2)

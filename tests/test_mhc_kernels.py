@@ -516,12 +516,12 @@ def test_gpu_joined_stream_pass_and_one_launch_forms(monkeypatch, rows, form, t,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lag,evict,rows", [(0, 1, 1), (0, 0, 1), (1, 1, 4), (2, 1, 2)], ids=str)
+@pytest.mark.parametrize("lag,evict,rows", [(1, 1, 1), (1, 0, 1), (1, 1, 4), (2, 1, 2)], ids=str)
 @pytest.mark.parametrize("t,c", [(8192, 4096), (4099, 2048), (1100, 7168)], ids=str)
-def test_gpu_folded_own_block_and_l2_hints(monkeypatch, lag, evict, rows, t, c):
-    """The folded one launch finishing its own block (LAG 0) or one or two back, four tokens a
-    program, with and without the L2 eviction hints: the two-launch bits, which pass the check
-    with the hints as without."""
+def test_gpu_folded_short_lag_and_l2_hints(monkeypatch, lag, evict, rows, t, c):
+    """The folded one launch finishing a block one or two rounds back, four tokens a program, with
+    and without the L2 eviction hints: the two-launch bits, which pass the check with the hints as
+    without."""
     from layer_boundary_mhc import triton_mhc as tm
 
     for name, value in (("JOINED", (1,) * 3), ("ONE_LAUNCH", (tm.FOLDED,) * 3), ("LAG", lag),

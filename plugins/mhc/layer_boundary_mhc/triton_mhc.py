@@ -343,12 +343,15 @@ class BoundaryConfig:
 # the defaults are reasoned for an H200, n = 4, C = 4096, bf16:
 #
 # - BLOCK_TOKENS: phi is read from L2 once a block and stream pass, 1.5 MiB / BT a token (24 KiB
-#   at 64); a decode step is one 16-token block (the smallest MMA).
+#   at 64); a decode step is one 16-token block (the smallest MMA). JOINED_BLOCK_TOKENS: the same
+#   for the joined stream pass, whose 64-token blocks run on wgmma from 17 tokens up.
 # - SLICE_COLS: a stream pass covers BT tokens times SLICE_COLS columns (288 KiB of traffic at
 #   BT = 64, 256 columns), long enough to amortize its ticket (an L2 round trip); at decode narrower
 #   slices spread the read of phi, which dominates a decode step, over more SMs.
 # - FINISH_TOKENS: tokens a finish normalizes, one at a time (TB).
-# - LAG: rounds between a block's stream passes and its finishes. With one 8-warp program resident
+# - LAG: rounds between a block's stream passes and its finishes (at least 1 in the folded form,
+#   where at 0 a program would wait for stream passes of its own round that may not have started:
+#   the interpreter, one program at a time, would never return). With one 8-warp program resident
 #   an SM (the stream pass takes most registers), 132 + LAG * (S + RB) = 228 tickets separate them
 #   at the defaults, so a block's stream passes have finished and its finish rarely waits, while
 #   the x' in between (about 9 blocks of 64 tokens, 18 MiB) stays in L2.
@@ -363,6 +366,7 @@ PRESPLIT_TOKENS = 32  # blocks of at most this many tokens read phi split before
 # decode sizes one launch is kept: 1.4 µs in a graph against a second host launch in eager mode.
 COOPERATIVE_TOKENS = DECODE_TOKENS
 BLOCK_TOKENS = (16, 32, 64)
+JOINED_BLOCK_TOKENS = (16, 64, 64)
 SLICE_COLS = (128, 256, 256)
 FINISH_TOKENS = 8
 LAG = 4
@@ -370,18 +374,23 @@ STAGE_BYTES = 112 * 1024
 # Per bucket: 1 sends bf16 streams through stream_joined's stream pass (one MMA a part of phi for
 # the n streams, on phi's bf16 parts split once). H200, n = 4, H = 4096, T = 8192, stream passes:
 # 505 µs (TF32 pair), 280 (joined, 8 warps), 218 (4 warps); one wide MMA of the three parts side by
-# side (removed) 333 and 262.
-# The mid bucket's mma.sync form compiles to twice the instructions (sm_90): not taken there.
-JOINED = (0, 0, 1)
+# side (removed) 333 and 262. The mid bucket takes it in the prefill shape (64-token blocks, wgmma,
+# 4 warps): T = 128 / 512 / 1024 update+read 29.7 / 37.8 / 53.2 µs against 40.3 / 59.0 / 104.3
+# for the TF32 pair in 32-token blocks (the joined form at 32 tokens, on mma.sync, compiled to
+# twice the instructions and was slower). Decode (16-token blocks) keeps the TF32 pair.
+JOINED = (0, 1, 1)
 # The one-launch form by bucket: COOPERATIVE (tickets; finishes are programs of their own) or FOLDED
 # (tickets; a stream pass then finishes a block LAG rounds back, whose x' may still be in L2).
 ONE_LAUNCH = (COOPERATIVE, COOPERATIVE, COOPERATIVE)
 # 1: calls past MID_TOKENS take one launch when the caller does not choose (two launches: 0).
 PREFILL_ONE_LAUNCH = 0
 # Per bucket: 1 marks the joined stream pass's input loads and the finishes' x' loads evict-first
-# and the x' stores evict-last, so that a finish soon after its block's stream passes (the folded
-# one-launch form) may find the block's x' in L2 while x and y stream through.
-EVICT = (0, 0, 0)
+# and the x' stores evict-last (Triton keeps the hints of the stores and of the finishes' loads;
+# the pipelined loads, copied by cp.async, lose theirs). Meant for a finish soon after its block's
+# stream passes (the folded one-launch form) to find the block's x' in L2: it did not (H200,
+# T = 8192: folded at LAG 0 / 1 / 2 / 16 352-356 µs against 310 for two launches); two launches
+# gained 1 % (stream passes 220 -> 217 µs, finishes 94 -> 93).
+EVICT = (0, 0, 1)
 # 1: the joined stream pass of an update moves x, y and x' as bf16 pairs in int32 words where the
 # layout allows (triton_ops._pairs_fit): on sm_90 the packed rounding's split and merge of every
 # pair (3 PRMT a pair) and the bf16 unpacks' extra PRMT go.
@@ -401,7 +410,7 @@ JOINED_PROGRAMS = 2
 # against 105 for the finishes (T = 8192). The TF32 pass (fp16 and fp32 streams) keeps the 8
 # warps it was verified with.
 NUM_WARPS = (8, 8, 8)
-JOINED_WARPS = (8, 8, 4)
+JOINED_WARPS = (8, 4, 4)
 _CONFIGS: dict[tuple[int, int, int, int], BoundaryConfig] = {}
 
 
@@ -412,14 +421,14 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
     key = (bucket, n, hidden, itemsize, bf16)
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        bt = BLOCK_TOKENS[bucket]
+        joined = bf16 and bool(JOINED[bucket])
+        bt = (JOINED_BLOCK_TOKENS if joined else BLOCK_TOKENS)[bucket]
         bc = 32 if n <= 4 else 16  # [BT, BC] tiles of the n streams and their mix stay in registers
         cs = max(SLICE_COLS[bucket] // bc, 1) * bc
         slices = triton.cdiv(hidden, cs)
         tb = min(FINISH_TOKENS, bt)
         cp = triton.next_power_of_2(hidden)
         chunked = cp > MAX_TILE
-        joined = bf16 and bool(JOINED[bucket])
         presplit = bt <= PRESPLIT_TOKENS and not joined
         warps = (JOINED_WARPS if joined else NUM_WARPS)[bucket]
         kp = coefficient_columns(n)[1]
@@ -431,7 +440,8 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
         stages = max(1, min(3, STAGE_BYTES // chunk_bytes))
         cfg = _CONFIGS[key] = BoundaryConfig(
             block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
-            lag=LAG, row_tile=CHUNK if chunked else cp, chunked=chunked, num_warps=warps, stages=stages,
+            lag=max(LAG, 1) if ONE_LAUNCH[bucket] == FOLDED else LAG, row_tile=CHUNK if chunked else cp,
+            chunked=chunked, num_warps=warps, stages=stages,
             presplit=presplit, joined=joined,
             finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, warps),
             one_launch=ONE_LAUNCH[bucket], evict=joined and bool(EVICT[bucket]),
