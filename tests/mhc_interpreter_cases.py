@@ -295,9 +295,3 @@ def test_joined_stream_pass_and_one_launch_forms_match_the_reference(monkeypatch
         one = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
         assert all(torch.equal(a, b) for a, b in zip(one, two)), form
     matches("read", mhc_read_triton(x, p, w, EPS), x, p, w)
-    # x, y and x' as bf16 words (even widths) or one by one: the same streams, the same check.
-    monkeypatch.setattr(tm, "PAIRS", 1 - tm.PAIRS)
-    monkeypatch.setattr(tm, "_CONFIGS", {})
-    other = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
-    assert torch.equal(other[0], two[0])
-    matches("update+read", other, x, p, w, y, hp, hr)

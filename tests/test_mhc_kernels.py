@@ -270,20 +270,6 @@ def _record(t: int, update: bool, cooperative: bool = True, n: int = 4, c: int =
 
 
 @needs_triton
-def test_bf16_pairs_only_where_the_layout_allows():
-    """The joined stream pass moves int32 words of two bf16 values: contiguous rows of even width
-    and even strides, 4-byte aligned; anything else goes one value at a time."""
-    from layer_boundary_mhc import triton_ops as ops
-
-    x = torch.zeros(3, 4, 64, dtype=BF16)
-    assert ops._pairs_fit(x, x[:, 0], torch.zeros(3, 64, dtype=BF16))
-    assert not ops._pairs_fit(torch.zeros(3, 4, 63, dtype=BF16))  # odd width
-    assert not ops._pairs_fit(torch.zeros(3, 4, 66, dtype=BF16)[:, :, 1:65])  # 2-byte aligned
-    assert not ops._pairs_fit(torch.zeros(3, 4, 65, dtype=BF16)[:, :, :64])  # odd row stride
-    assert not ops._pairs_fit(x.transpose(1, 2).contiguous().transpose(1, 2))  # columns strided
-
-
-@needs_triton
 def test_phi_is_split_once_per_parameter_version():
     from layer_boundary_mhc import triton_ops as ops
 

@@ -45,107 +45,41 @@ def _dot_part(a, part, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _halves(p):
-    # A tile of bf16 pairs (int32, the even column in the low half) -> the two columns' values, FP32.
-    return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pair_rows(ptr, tt, c2, m2, st, POLICY: tl.constexpr):
-    # The bf16 pairs c2 of the rows tt (row stride st in bf16 elements, even; columns contiguous).
-    p = ptr.to(tl.pointer_type(tl.int32))
-    return _halves(tl.load(p + tt[:, None] * (st // 2) + c2[None, :], mask=m2, other=0, eviction_policy=POLICY))
-
-
-@triton.jit
-def _pack_store(ptr, lo, hi, mask, CASTS: tl.constexpr, POLICY: tl.constexpr):
-    """``lo``, ``hi`` (FP32 [BT, BC / 2]) rounded to nearest even into bf16 pairs, stored to the int32
-    pointers ``ptr`` and returned: one instruction a pair and one 4-byte value a pair, where a bf16
-    tile costs Triton a split and a merge of every packed pair."""
-    if CASTS == 1:  # CAST_EXACT: the interpreter (see triton_tiles._store_cast)
-        lb = lo.to(tl.int32, bitcast=True)
-        hb = hi.to(tl.int32, bitcast=True)
-        lb = (lb + 0x7FFF + ((lb >> 16) & 1)) >> 16
-        hb = (hb + 0x7FFF + ((hb >> 16) & 1)) & -65536
-        r = hb | (lb & 0xFFFF)
-    else:
-        r = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32,
-                                      is_pure=True, pack=1)
-    tl.store(ptr, r, mask=mask, eviction_policy=POLICY)
-    return r
-
-
-@triton.jit
-def _pairs_to_bf16(p, BT: tl.constexpr, BC: tl.constexpr):
-    # [BT, BC / 2] pairs -> the [BT, BC] bf16 tile, column 2 j + h from half h of pair j (the low and
-    # high halves side by side in a thread's registers: the same 32 bits as p).
-    t = tl.join(p.to(tl.int16), (p >> 16).to(tl.int16))
-    return tl.reshape(t, [BT, BC]).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def stream_pass_joined(
     x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, ph3_ptr, part_ptr, b, s, T,
     sxt, sxn, sxc, syt, syc, sot, son, soc,
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
-    UPDATE: tl.constexpr, CASTS: tl.constexpr, LOADS: tl.constexpr, KEEP: tl.constexpr, PAIRS: tl.constexpr,
+    UPDATE: tl.constexpr, CASTS: tl.constexpr, LOADS: tl.constexpr, KEEP: tl.constexpr,
 ):
     """``triton_mhc._stream_pass`` for bf16 streams (same partials: ``x' @ phi`` and, in column K,
     ``sum x'^2`` over the slice, for block ``b`` and slice ``s``). ``LOADS`` and ``KEEP``: the L2
-    eviction hints of the stream inputs (read once) and of x' (read again by the block's finishes).
-    ``PAIRS`` (an update of contiguous rows, C and the row strides even): x, y and x' move as bf16
-    pairs in int32 words."""
+    eviction hints of the stream inputs (read once) and of x' (read again by the block's finishes)."""
     row0, tt, tm, x_ptr, y_ptr, xo_ptr, coefs = _block_start(x_ptr, y_ptr, xo_ptr, hp_ptr, hr_ptr, b, T,
                                                              sxt, syt, sot, N, BT, UPDATE)
     cc = tl.arange(0, BC)
     kk = tl.arange(0, KP)
     rows = tl.arange(0, BC * NP)
     acc = tl.zeros([BT, KP], dtype=tl.float32)
-    if PAIRS:
-        ssq = tl.zeros([BT, BC // 2], dtype=tl.float32)
-        c2s = tl.arange(0, BC // 2)
-        xo32 = xo_ptr.to(tl.pointer_type(tl.int32))
-    else:
-        ssq = tl.zeros([BT, BC], dtype=tl.float32)
+    ssq = tl.zeros([BT, BC], dtype=tl.float32)
     part_stride = C * NP * KP
     for ci in tl.range(0, CS // BC, num_stages=STAGES):
         c0 = s * CS + ci * BC
         c = c0 + cc
         cm = c < C
         m2 = tm[:, None] & cm[None, :]
+        if UPDATE:
+            y, xs = _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N, LOADS)
         ts = ()
-        if PAIRS:
-            c2 = c0 // 2 + c2s
-            mp = tm[:, None] & (c2 < C // 2)[None, :]
-            y_lo, y_hi = _pair_rows(y_ptr, tt, c2, mp, syt, LOADS)
-            xs_lo = ()
-            xs_hi = ()
-            for j in tl.static_range(N):
-                x_lo, x_hi = _pair_rows(x_ptr + j * sxn, tt, c2, mp, sxt, LOADS)
-                xs_lo = xs_lo + (x_lo,)
-                xs_hi = xs_hi + (x_hi,)
-            for i in tl.static_range(N):
-                p = _pack_store(xo32 + i * (son // 2) + tt[:, None] * (sot // 2) + c2[None, :],
-                                _mixed_stream(y_lo, xs_lo, coefs[i][0], coefs[i][1], N),
-                                _mixed_stream(y_hi, xs_hi, coefs[i][0], coefs[i][1], N), mp, CASTS, KEEP)
-                # The read sees the rounded streams, as the reference does.
-                r_lo, r_hi = _halves(p)
-                ssq = r_lo * r_lo + ssq  # two FMAs (a*a + b*b would be a product and an add more)
-                ssq = r_hi * r_hi + ssq
-                ts = ts + (_pairs_to_bf16(p, BT, BC),)
-        else:
+        for i in tl.static_range(N):
             if UPDATE:
-                y, xs = _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N, LOADS)
-            for i in tl.static_range(N):
-                if UPDATE:
-                    v = _mixed_stream(y, xs, coefs[i][0], coefs[i][1], N)
-                    a = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS, KEEP)
-                else:
-                    a = tl.load(x_ptr + i * sxn + tt[:, None] * sxt + c[None, :] * sxc, mask=m2, other=0.0)
-                f = a.to(tl.float32)
-                ssq += f * f
-                ts = ts + (a,)
+                v = _mixed_stream(y, xs, coefs[i][0], coefs[i][1], N)
+                a = _store_cast(xo_ptr + i * son + tt[:, None] * sot + c[None, :] * soc, v, m2, CASTS, KEEP)
+            else:
+                a = tl.load(x_ptr + i * sxn + tt[:, None] * sxt + c[None, :] * sxc, mask=m2, other=0.0)
+            f = a.to(tl.float32)
+            ssq += f * f
+            ts = ts + (a,)
         for _ in tl.static_range(NP - N):
             ts = ts + (tl.zeros([BT, BC], dtype=tl.bfloat16),)
         a = _interleave(ts, NP, BT, BC)

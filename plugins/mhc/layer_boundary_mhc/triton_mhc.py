@@ -156,12 +156,12 @@ def _any_stream_pass(
     N: tl.constexpr, NP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr,
     S: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CASTS: tl.constexpr,
-    JOINED: tl.constexpr, LOADS: tl.constexpr, KEEP: tl.constexpr, PAIRS: tl.constexpr,
+    JOINED: tl.constexpr, LOADS: tl.constexpr, KEEP: tl.constexpr,
 ):
     if JOINED:  # bf16 streams; phs_ptr holds projection.bf16_parts
         stream_pass_joined(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phs_ptr, part_ptr, b, s, T,
                            sxt, sxn, sxc, syt, syc, sot, son, soc,
-                           N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, CASTS, LOADS, KEEP, PAIRS)
+                           N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, CASTS, LOADS, KEEP)
     else:
         _stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, b, s, T,
                      sxt, sxn, sxc, syt, syc, sot, son, soc,
@@ -194,7 +194,7 @@ def mhc_boundary_kernel(
     BC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CHUNKED: tl.constexpr,
     MODE: tl.constexpr, CASTS: tl.constexpr, JOINED: tl.constexpr, FR: tl.constexpr,
-    LOADS: tl.constexpr, KEEP: tl.constexpr, PAIRS: tl.constexpr,
+    LOADS: tl.constexpr, KEEP: tl.constexpr,
 ):
     if MODE == 0:
         ticket = tl.atomic_add(cnt_ptr, 1)
@@ -205,7 +205,7 @@ def mhc_boundary_kernel(
                 _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                                  sxt, sxn, sxc, syt, syc, sot, son, soc,
                                  N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
-                                 JOINED, LOADS, KEEP, PAIRS)
+                                 JOINED, LOADS, KEEP)
                 _arrive(cnt_ptr, r)
         else:
             if r >= LAG:
@@ -225,7 +225,7 @@ def mhc_boundary_kernel(
             _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                              sxt, sxn, sxc, syt, syc, sot, son, soc,
                              N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
-                             JOINED, LOADS, KEEP, PAIRS)
+                             JOINED, LOADS, KEEP)
             _arrive(cnt_ptr, r)
         if r >= LAG:
             blk = r - LAG
@@ -242,7 +242,7 @@ def mhc_boundary_kernel(
         _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
                          sxt, sxn, sxc, syt, syc, sot, son, soc,
                          N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
-                         JOINED, LOADS, KEEP, PAIRS)
+                         JOINED, LOADS, KEEP)
     else:
         # Last blocks first: the stream passes wrote them last, and part of their x' is in L2.
         pid = tl.program_id(0)
@@ -296,8 +296,7 @@ class BoundaryConfig:
     ``finish_rows`` (FR) the tokens a finish normalizes at once,
     ``max_registers`` a cap on a thread's registers (0: ptxas decides), ``one_launch`` the MODE
     of a one-launch call, ``evict`` whether the joined stream pass's inputs and the finishes' x'
-    loads are marked evict-first and the x' stores evict-last in L2, ``pairs`` whether the joined
-    stream pass of an update moves bf16 pairs (where the layout allows).
+    loads are marked evict-first and the x' stores evict-last in L2.
     """
 
     block_tokens: int
@@ -317,7 +316,6 @@ class BoundaryConfig:
     max_registers: int = 0
     one_launch: int = COOPERATIVE
     evict: bool = False
-    pairs: bool = False
 
     def slice_batch(self, padded_columns: int) -> int:
         """Slices a finish sums per load: a [TB, SB, KP] tile of at most 4K values."""
@@ -391,10 +389,6 @@ PREFILL_ONE_LAUNCH = 0
 # T = 8192: folded at LAG 0 / 1 / 2 / 16 352-356 µs against 310 for two launches); two launches
 # gained 1 % (stream passes 220 -> 217 µs, finishes 94 -> 93).
 EVICT = (0, 0, 1)
-# 1: the joined stream pass of an update moves x, y and x' as bf16 pairs in int32 words where the
-# layout allows (triton_ops._pairs_fit): on sm_90 the packed rounding's split and merge of every
-# pair (3 PRMT a pair) and the bf16 unpacks' extra PRMT go.
-PAIRS = 1
 # Tokens a finish normalizes at once (a divisor of FINISH_TOKENS).
 FINISH_ROWS = 1
 # Programs an SM that the joined kernels keep room for: their registers are
@@ -445,7 +439,6 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
             presplit=presplit, joined=joined,
             finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, warps),
             one_launch=ONE_LAUNCH[bucket], evict=joined and bool(EVICT[bucket]),
-            pairs=joined and bool(PAIRS),
         )
     return cfg
 

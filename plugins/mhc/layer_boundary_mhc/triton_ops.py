@@ -106,7 +106,6 @@ def _launch_boundary(
         CHUNKED=cfg.chunked, CASTS=CASTS_PURE if cfg.joined else CASTS,
         JOINED=cfg.joined, FR=cfg.finish_rows,
         LOADS="evict_first" if cfg.evict else "", KEEP="evict_last" if cfg.evict else "",
-        PAIRS=bool(cfg.pairs and update and _pairs_fit(x, y, streams_out)),
         num_warps=cfg.num_warps,
     )
     if cfg.max_registers and not INTERPRETED:
@@ -116,13 +115,6 @@ def _launch_boundary(
     else:
         kernel[(cfg.grid(tokens, STREAM_PASS),)](*args, MODE=STREAM_PASS, **meta)
         kernel[(cfg.grid(tokens, FINISH),)](*args, MODE=FINISH, **meta)
-
-
-def _pairs_fit(*tensors: torch.Tensor) -> bool:
-    """Whether bf16 tensors can move as int32 pairs: contiguous last axis of even length, even
-    strides elsewhere, 4-byte aligned."""
-    return all(t.stride(-1) == 1 and t.shape[-1] % 2 == 0 and all(st % 2 == 0 for st in t.stride()[:-1])
-               and t.data_ptr() % 4 == 0 for t in tensors)
 
 
 def _launch_update(kernel: Any, x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
