@@ -24,6 +24,8 @@
 #      bucket in the prefill shape at T = 128 to 1024, then the joined-pass tests
 #   i  variants (the arguments after "i") at T = 128 to 8192 and two at H = 7168, then the
 #      joined-pass tests on GPU 0; the rest of the MHC GPU suite on GPU 1
+#   j  the finish's warps at H = 4096 and 7168, then the GPU tests a finish change touches, on
+#      GPU 0; bench mhc (the dated record) on GPU 1
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -171,5 +173,18 @@ i)
     > "$OUT/i-joined.log" 2>&1
   wait; cat "$OUT/mhc-variants.log" "$OUT/mhc-variants-7168.log"; tail -3 "$OUT/i-joined.log"
   tail -9 "$OUT/i-mhc-suite.log"
+  ;;
+j)
+  versions | tee "$OUT/versions-j.txt"
+  CUDA_VISIBLE_DEVICES=1 timeout 400 layer-boundary bench mhc --tokens 1 128 1024 8192 32768 --hidden 4096 7168 \
+    --ops update+read --out "$OUT" > "$OUT/bench-mhc.log" 2>&1 &
+  ( cd benchmarks/sweeps && export CUDA_VISIBLE_DEVICES=0
+    for h in 7168 4096; do
+      timeout 130 python3 mhc_variants.py "FINISH_WARPS=4" "FINISH_WARPS=8" "FINISH_WARPS=16" --hidden $h \
+        --tokens 1024 8192 > "$OUT/mhc-finish-$h.log" 2>&1
+    done )
+  CUDA_VISIBLE_DEVICES=0 pt 150 -m gpu tests/test_mhc_kernels.py \
+    -k "(eager_matches_the_reference and 7168) or cuda_graph or compiled or folded_short_lag" > "$OUT/j-tests.log" 2>&1
+  wait; cat "$OUT"/mhc-finish-*.log; tail -3 "$OUT/j-tests.log"; tail -32 "$OUT/bench-mhc.log"
   ;;
 esac

@@ -58,7 +58,7 @@ COPY_BYTES = {"cuda": (1 << 30, 1 << 28), "cpu": (1 << 26, 1 << 24)}  # (full, q
 # Launch-shape constants of layer_boundary_mhc.triton_mhc that --tune may set.
 TUNABLE = ("BLOCK_TOKENS", "DECODE_TOKENS", "MID_TOKENS", "SLICE_COLS", "FINISH_TOKENS", "LAG", "STAGE_BYTES",
            "NUM_WARPS", "JOINED_WARPS", "JOINED", "ONE_LAUNCH", "PREFILL_ONE_LAUNCH", "FINISH_ROWS",
-           "JOINED_PROGRAMS", "EVICT", "JOINED_BLOCK_TOKENS")
+           "JOINED_PROGRAMS", "EVICT", "JOINED_BLOCK_TOKENS", "FINISH_WARPS")
 # Of those, the ones with a value per token bucket (decode, mid, large).
 PER_BUCKET = ("BLOCK_TOKENS", "JOINED_BLOCK_TOKENS", "SLICE_COLS", "NUM_WARPS", "JOINED_WARPS", "JOINED",
               "ONE_LAUNCH", "EVICT")

@@ -296,7 +296,8 @@ class BoundaryConfig:
     ``finish_rows`` (FR) the tokens a finish normalizes at once,
     ``max_registers`` a cap on a thread's registers (0: ptxas decides), ``one_launch`` the MODE
     of a one-launch call, ``evict`` whether the joined stream pass's inputs and the finishes' x'
-    loads are marked evict-first and the x' stores evict-last in L2.
+    loads are marked evict-first and the x' stores evict-last in L2, ``finish_warps`` the warps of
+    a finish launched on its own (two launches; one launch shares the stream pass's).
     """
 
     block_tokens: int
@@ -316,6 +317,7 @@ class BoundaryConfig:
     max_registers: int = 0
     one_launch: int = COOPERATIVE
     evict: bool = False
+    finish_warps: int = 4
 
     def slice_batch(self, padded_columns: int) -> int:
         """Slices a finish sums per load: a [TB, SB, KP] tile of at most 4K values."""
@@ -389,6 +391,10 @@ PREFILL_ONE_LAUNCH = 0
 # T = 8192: folded at LAG 0 / 1 / 2 / 16 352-356 µs against 310 for two launches); two launches
 # gained 1 % (stream passes 220 -> 217 µs, finishes 94 -> 93).
 EVICT = (0, 0, 1)
+# Warps of a finish launched on its own (two launches); 0: 4 for row tiles up to 4096 columns, 16
+# above (sm_90, H = 7168, a row tile of 8192: 206 registers at 4 warps, 128 and 52 bytes spilled at
+# 8, 95 at 16). H200, T = 8192, n = 4: H = 7168 320 µs with the stream pass's 4 warps.
+FINISH_WARPS = 0
 # Tokens a finish normalizes at once (a divisor of FINISH_TOKENS).
 FINISH_ROWS = 1
 # Programs an SM that the joined kernels keep room for: their registers are
@@ -439,6 +445,7 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
             presplit=presplit, joined=joined,
             finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, warps),
             one_launch=ONE_LAUNCH[bucket], evict=joined and bool(EVICT[bucket]),
+            finish_warps=FINISH_WARPS or (4 if (CHUNK if chunked else cp) <= 4096 else 16),
         )
     return cfg
 

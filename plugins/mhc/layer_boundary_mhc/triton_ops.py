@@ -114,7 +114,9 @@ def _launch_boundary(
         kernel[(cfg.grid(tokens, one_launch),)](*args, MODE=one_launch, **meta)
     else:
         kernel[(cfg.grid(tokens, STREAM_PASS),)](*args, MODE=STREAM_PASS, **meta)
-        kernel[(cfg.grid(tokens, FINISH),)](*args, MODE=FINISH, **meta)
+        # A launch of its own: the finish's program size, and no cap made for two stream passes an SM.
+        meta.pop("maxnreg", None)
+        kernel[(cfg.grid(tokens, FINISH),)](*args, MODE=FINISH, **dict(meta, num_warps=cfg.finish_warps))
 
 
 def _launch_update(kernel: Any, x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
