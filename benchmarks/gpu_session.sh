@@ -26,6 +26,7 @@
 #      joined-pass tests on GPU 0; the rest of the MHC GPU suite on GPU 1
 #   j  the finish's warps at H = 4096 and 7168, then the GPU tests a finish change touches, on
 #      GPU 0; bench mhc (the dated record) on GPU 1
+#   k  bench mhc at H = 7168 on GPU 1; the one-launch / two-launch tests on GPU 0
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -186,5 +187,13 @@ j)
   CUDA_VISIBLE_DEVICES=0 pt 150 -m gpu tests/test_mhc_kernels.py \
     -k "(eager_matches_the_reference and 7168) or cuda_graph or compiled or folded_short_lag" > "$OUT/j-tests.log" 2>&1
   wait; cat "$OUT"/mhc-finish-*.log; tail -3 "$OUT/j-tests.log"; tail -32 "$OUT/bench-mhc.log"
+  ;;
+k)
+  versions | tee "$OUT/versions-k.txt"
+  CUDA_VISIBLE_DEVICES=1 timeout 300 layer-boundary bench mhc --tokens 1 128 1024 8192 32768 --hidden 7168 \
+    --ops update+read --out "$OUT" > "$OUT/bench-mhc.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 pt 320 -m gpu tests/test_mhc_kernels.py -rf \
+    -k "(eager_matches_the_reference and 7168) or folded_short_lag or joined_stream_pass" > "$OUT/k-tests.log" 2>&1
+  wait; tail -8 "$OUT/k-tests.log"; tail -8 "$OUT/bench-mhc.log"
   ;;
 esac

@@ -408,6 +408,20 @@ def _inputs(t: int, n: int, c: int, dtype, seed: int = 1, stride: int = 0):
     return x, y, w, h_post, h_res
 
 
+def _launch_forms_agree(one, two, t, n, c, dtype, where) -> bool:
+    """One launch against two: the same bits where the finish has the stream pass's warps (and
+    True); else the same x' (one stream pass) and False: the caller checks the rest against the
+    reference (the finish's own warps reduce in another order: triton_mhc.FINISH_WARPS)."""
+    from layer_boundary_mhc import triton_mhc as tm
+
+    cfg = tm.boundary_config(t, n, c, torch.empty((), dtype=dtype).element_size(), dtype == BF16)
+    if cfg.finish_warps == cfg.num_warps:
+        assert all(torch.equal(a, b) for a, b in zip(one, two)), f"{where}: one launch != two launches"
+        return True
+    assert torch.equal(one[0], two[0]), f"{where}: one launch's x' != two launches'"
+    return False
+
+
 def _one_rounding(got, want, dtype, what, where=""):
     # The same kernels through Inductor: at most the final rounding apart.
     torch.testing.assert_close(got, want, atol=0, rtol=TOLERANCE[dtype][what][1], msg=lambda m: f"{where} {what}: {m}")
@@ -430,7 +444,8 @@ def test_gpu_eager_matches_the_reference(t, n, c, dtype):
     kw = dict(y=y, h_post=hp, h_res=hr, params=p, norm_weight=w, norm_eps=EPS, norm_offset=offset)
     assert_matches_reference("update+read", got, x, where=where, **kw)
     two = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, norm_offset=offset, cooperative=False)
-    assert all(torch.equal(a, b) for a, b in zip(got, two)), f"{where}: cooperative != two launches"
+    if not _launch_forms_agree(got, two, t, n, c, dtype, where):
+        assert_matches_reference("update+read", two, x, where=f"{where} two launches", **kw)
     assert_matches_reference("read", ops.mhc_read_triton(x, p, w, EPS, norm_offset=offset), x, where=where, **kw)
     assert_matches_reference("update", (ops.mhc_update_triton(x, y, hp, hr),), x, where=where, **kw)
 
@@ -497,7 +512,8 @@ def test_gpu_joined_stream_pass_and_one_launch_forms(monkeypatch, rows, form, t,
     assert_matches_reference("update+read", two, x, where=f"T={t} n={n} C={c}", **kw)
     for _ in range(3):
         one = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
-        assert all(torch.equal(a, b) for a, b in zip(one, two)), "one launch != two launches"
+        if not _launch_forms_agree(one, two, t, n, c, BF16, f"T={t} n={n} C={c}"):
+            assert_matches_reference("update+read", one, x, where=f"T={t} n={n} C={c} one launch", **kw)
     assert_matches_reference("read", ops.mhc_read_triton(x, p, w, EPS), x, where=f"T={t} read", **kw)
 
 
@@ -521,7 +537,9 @@ def test_gpu_folded_short_lag_and_l2_hints(monkeypatch, lag, evict, rows, t, c):
                              norm_weight=w, norm_eps=EPS)
     for _ in range(3):
         one = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
-        assert all(torch.equal(a, b) for a, b in zip(one, two)), "one launch != two launches"
+        if not _launch_forms_agree(one, two, t, 4, c, BF16, f"T={t} C={c}"):
+            assert_matches_reference("update+read", one, x, where=f"T={t} C={c} one launch", y=y, h_post=hp,
+                                     h_res=hr, params=p, norm_weight=w, norm_eps=EPS)
 
 
 @pytest.mark.gpu

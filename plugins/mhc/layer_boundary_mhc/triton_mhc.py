@@ -391,9 +391,12 @@ PREFILL_ONE_LAUNCH = 0
 # T = 8192: folded at LAG 0 / 1 / 2 / 16 352-356 µs against 310 for two launches); two launches
 # gained 1 % (stream passes 220 -> 217 µs, finishes 94 -> 93).
 EVICT = (0, 0, 1)
-# Warps of a finish launched on its own (two launches); 0: 4 for row tiles up to 4096 columns, 16
-# above (sm_90, H = 7168, a row tile of 8192: 206 registers at 4 warps, 128 and 52 bytes spilled at
-# 8, 95 at 16). H200, T = 8192, n = 4: H = 7168 320 µs with the stream pass's 4 warps.
+# Warps of a finish launched on its own (two launches); 0: 4 for row tiles up to 4096 columns, 8
+# above. H200, n = 4, bf16, finishes at T = 1024 / 8192 with 4, 8, 16 warps: H = 4096 16.9 / 92.9,
+# 20.2 / 102.5, 18.7 / 118.2 µs; H = 7168 (a row tile of 8192) 48.2 / 323.8, 31.4 / 169.9,
+# 35.7 / 255.2. Where these differ from the stream pass's warps, a one-launch call (which shares
+# them) normalizes with another reduction order: the same x', the rest within the check, not the
+# same bits.
 FINISH_WARPS = 0
 # Tokens a finish normalizes at once (a divisor of FINISH_TOKENS).
 FINISH_ROWS = 1
@@ -445,7 +448,7 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
             presplit=presplit, joined=joined,
             finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, warps),
             one_launch=ONE_LAUNCH[bucket], evict=joined and bool(EVICT[bucket]),
-            finish_warps=FINISH_WARPS or (4 if (CHUNK if chunked else cp) <= 4096 else 16),
+            finish_warps=FINISH_WARPS or (4 if (CHUNK if chunked else cp) <= 4096 else 8),
         )
     return cfg
 
