@@ -27,6 +27,8 @@
 #   j  the finish's warps at H = 4096 and 7168, then the GPU tests a finish change touches, on
 #      GPU 0; bench mhc (the dated record) on GPU 1
 #   k  bench mhc at H = 7168 on GPU 1; the one-launch / two-launch tests on GPU 0
+#   l  one GPU: decode and mid sizes (one launch and two) after the finish's dead-row skip, then
+#      the tests it touches
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -195,5 +197,13 @@ k)
   CUDA_VISIBLE_DEVICES=0 pt 320 -m gpu tests/test_mhc_kernels.py -rf \
     -k "(eager_matches_the_reference and 7168) or folded_short_lag or joined_stream_pass" > "$OUT/k-tests.log" 2>&1
   wait; tail -8 "$OUT/k-tests.log"; tail -8 "$OUT/bench-mhc.log"
+  ;;
+l)
+  versions | tee "$OUT/versions-l.txt"
+  ( cd benchmarks/sweeps && timeout 120 python3 mhc_variants.py "" --coop --tokens 1 16 128 1024 \
+      > "$OUT/mhc-variants.log" 2>&1 )
+  pt 150 -m gpu tests/test_mhc_kernels.py -rf \
+    -k "(eager_matches_the_reference and bfloat16 and 4096) or cuda_graph or cooperative_ordering" > "$OUT/l-tests.log" 2>&1
+  cat "$OUT/mhc-variants.log"; tail -4 "$OUT/l-tests.log"
   ;;
 esac

@@ -114,8 +114,10 @@ def _finish(
     if not CHUNKED:
         w = tl.load(w_ptr + c * sw, mask=c < C, other=0.0).to(tl.float32) + offset
     # FR tokens a step: their rows' loads are in flight together (one token a step waits for
-    # each row's L2 round trip and block-wide reduction in turn).
-    for p0 in tl.static_range(0, TB, FR):
+    # each row's L2 round trip and block-wide reduction in turn). Steps past the last token are not
+    # taken: a decode step's one token would otherwise wait for TB - 1 masked rows' reductions.
+    p0 = 0
+    while row0 + p0 < T and p0 < TB:
         rows = row0 + p0 + fr
         live = rows < T
         sel = tt[:, None] == (p0 + fr)[None, :]  # [TB, FR]
@@ -138,3 +140,4 @@ def _finish(
                 acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N, LOADS)
                 wc = tl.load(w_ptr + (c0 + c) * sw, mask=c0 + c < C, other=0.0).to(tl.float32) + offset
                 _store_cast(dst + (c0 + c)[None, :] * sic, acc * r2[:, None] * wc[None, :], m2, CASTS, "")
+        p0 += FR
