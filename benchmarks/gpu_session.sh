@@ -200,7 +200,7 @@ k)
   ;;
 l)
   versions | tee "$OUT/versions-l.txt"
-  ( cd benchmarks/sweeps && timeout 120 python3 mhc_variants.py "" --coop --tokens 1 16 128 1024 \
+  ( cd benchmarks/sweeps && timeout 150 python3 mhc_variants.py "" --coop --tokens 1 16 128 1024 8192 \
       > "$OUT/mhc-variants.log" 2>&1 )
   pt 150 -m gpu tests/test_mhc_kernels.py -rf \
     -k "(eager_matches_the_reference and bfloat16 and 4096) or cuda_graph or cooperative_ordering" > "$OUT/l-tests.log" 2>&1

@@ -111,33 +111,51 @@ def _finish(
         sc = sxc
     c = tl.arange(0, CP)
     fr = tl.arange(0, FR)
-    if not CHUNKED:
+    if CHUNKED:
+        w = tl.zeros([CP], dtype=tl.float32)  # unused: the chunked rows load their weights by chunk
+    else:
         w = tl.load(w_ptr + c * sw, mask=c < C, other=0.0).to(tl.float32) + offset
     # FR tokens a step: their rows' loads are in flight together (one token a step waits for
-    # each row's L2 round trip and block-wide reduction in turn). Steps past the last token are not
-    # taken: a decode step's one token would otherwise wait for TB - 1 masked rows' reductions.
-    p0 = 0
-    while row0 + p0 < T and p0 < TB:
-        rows = row0 + p0 + fr
-        live = rows < T
-        sel = tt[:, None] == (p0 + fr)[None, :]  # [TB, FR]
-        hp = tl.sum(tl.where(sel[:, :, None], h_pre[:, None, :], 0.0), axis=0)  # [FR, NP]
-        dst = out_ptr + rows[:, None] * sit
-        if not CHUNKED:
-            m2 = live[:, None] & (c < C)[None, :]
-            acc = _mix(src, rows, st, c, m2, sn, sc, hp, i, N, LOADS)
-            r2 = tl.rsqrt(tl.sum(acc * acc, axis=1) / C + norm_eps)
-            _store_cast(dst + c[None, :] * sic, acc * r2[:, None] * w[None, :], m2, CASTS, "")
-        else:
-            sq = tl.zeros([FR, CP], dtype=tl.float32)
-            for c0 in tl.range(0, C, CP):
-                m2 = live[:, None] & (c0 + c < C)[None, :]
-                acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N, LOADS)
-                sq += acc * acc
-            r2 = tl.rsqrt(tl.sum(sq, axis=1) / C + norm_eps)
-            for c0 in tl.range(0, C, CP):
-                m2 = live[:, None] & (c0 + c < C)[None, :]
-                acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N, LOADS)
-                wc = tl.load(w_ptr + (c0 + c) * sw, mask=c0 + c < C, other=0.0).to(tl.float32) + offset
-                _store_cast(dst + (c0 + c)[None, :] * sic, acc * r2[:, None] * wc[None, :], m2, CASTS, "")
-        p0 += FR
+    # each row's L2 round trip and block-wide reduction in turn).
+    if row0 + TB <= T:
+        # Unrolled: a step's loads are issued before the last step's reductions end.
+        for p0 in tl.static_range(0, TB, FR):
+            _normalize_rows(p0, row0, T, tt, fr, h_pre, i, src, st, sn, sc, c, w, w_ptr, sw, offset, out_ptr, sit,
+                            sic, norm_eps, N, C, CP, FR, CHUNKED, CASTS, LOADS)
+    else:
+        # The last block: no steps past its last token (a decode step's one token would otherwise
+        # wait for TB - 1 masked rows' reductions).
+        p0 = 0
+        while row0 + p0 < T:
+            _normalize_rows(p0, row0, T, tt, fr, h_pre, i, src, st, sn, sc, c, w, w_ptr, sw, offset, out_ptr, sit,
+                            sic, norm_eps, N, C, CP, FR, CHUNKED, CASTS, LOADS)
+            p0 += FR
+
+
+@triton.jit
+def _normalize_rows(p0, row0, T, tt, fr, h_pre, i, src, st, sn, sc, c, w, w_ptr, sw, offset, out_ptr, sit, sic,
+                    norm_eps, N: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, FR: tl.constexpr,
+                    CHUNKED: tl.constexpr, CASTS: tl.constexpr, LOADS: tl.constexpr):
+    """input = RMSNorm(sum_j H_pre[j] x_j) of the block's tokens p0 .. p0 + FR - 1."""
+    rows = row0 + p0 + fr
+    live = rows < T
+    sel = tt[:, None] == (p0 + fr)[None, :]  # [TB, FR]
+    hp = tl.sum(tl.where(sel[:, :, None], h_pre[:, None, :], 0.0), axis=0)  # [FR, NP]
+    dst = out_ptr + rows[:, None] * sit
+    if not CHUNKED:
+        m2 = live[:, None] & (c < C)[None, :]
+        acc = _mix(src, rows, st, c, m2, sn, sc, hp, i, N, LOADS)
+        r2 = tl.rsqrt(tl.sum(acc * acc, axis=1) / C + norm_eps)
+        _store_cast(dst + c[None, :] * sic, acc * r2[:, None] * w[None, :], m2, CASTS, "")
+    else:
+        sq = tl.zeros([FR, CP], dtype=tl.float32)
+        for c0 in tl.range(0, C, CP):
+            m2 = live[:, None] & (c0 + c < C)[None, :]
+            acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N, LOADS)
+            sq += acc * acc
+        r2 = tl.rsqrt(tl.sum(sq, axis=1) / C + norm_eps)
+        for c0 in tl.range(0, C, CP):
+            m2 = live[:, None] & (c0 + c < C)[None, :]
+            acc = _mix(src, rows, st, c0 + c, m2, sn, sc, hp, i, N, LOADS)
+            wc = tl.load(w_ptr + (c0 + c) * sw, mask=c0 + c < C, other=0.0).to(tl.float32) + offset
+            _store_cast(dst + (c0 + c)[None, :] * sic, acc * r2[:, None] * wc[None, :], m2, CASTS, "")
