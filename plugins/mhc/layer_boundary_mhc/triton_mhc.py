@@ -194,7 +194,7 @@ def mhc_boundary_kernel(
     BC: tl.constexpr, STAGES: tl.constexpr, TB: tl.constexpr, RB: tl.constexpr, ITERS: tl.constexpr,
     UPDATE: tl.constexpr, SPLIT_A: tl.constexpr, PRESPLIT: tl.constexpr, CHUNKED: tl.constexpr,
     MODE: tl.constexpr, CASTS: tl.constexpr, JOINED: tl.constexpr, FR: tl.constexpr,
-    LOADS: tl.constexpr, KEEP: tl.constexpr,
+    LOADS: tl.constexpr, KEEP: tl.constexpr, SKIP_TAIL: tl.constexpr,
 ):
     if MODE == 0:
         ticket = tl.atomic_add(cnt_ptr, 1)
@@ -214,7 +214,7 @@ def mhc_boundary_kernel(
                 _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                         out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, k - S, T,
                         sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS)
+                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
     elif MODE == 4:
         # Folded: tickets as MODE 0, but a round's S programs each do a stream pass of block r and
         # then finishes of block r - LAG (finish q by program q mod S), whose x' is still in L2.
@@ -236,7 +236,7 @@ def mhc_boundary_kernel(
                         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                                 out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, q0 + k, T,
                                 sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS)
+                                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
     elif MODE == 1:
         pid = tl.program_id(0)
         _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
@@ -249,7 +249,7 @@ def mhc_boundary_kernel(
         _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                 out_ptr, hpo_ptr, hro_ptr, part_ptr, NB - 1 - pid // RB, pid % RB, T,
                 sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS)
+                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
 
 
 @triton.jit
@@ -297,7 +297,8 @@ class BoundaryConfig:
     ``max_registers`` a cap on a thread's registers (0: ptxas decides), ``one_launch`` the MODE
     of a one-launch call, ``evict`` whether the joined stream pass's inputs and the finishes' x'
     loads are marked evict-first and the x' stores evict-last in L2, ``finish_warps`` the warps of
-    a finish launched on its own (two launches; one launch shares the stream pass's).
+    a finish launched on its own (two launches; one launch shares the stream pass's), ``skip_tail``
+    whether a finish of the last block stops at its last token (decode sizes).
     """
 
     block_tokens: int
@@ -317,6 +318,7 @@ class BoundaryConfig:
     max_registers: int = 0
     one_launch: int = COOPERATIVE
     evict: bool = False
+    skip_tail: bool = False
     finish_warps: int = 4
 
     def slice_batch(self, padded_columns: int) -> int:
@@ -447,7 +449,7 @@ def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool 
             chunked=chunked, num_warps=warps, stages=stages,
             presplit=presplit, joined=joined,
             finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, warps),
-            one_launch=ONE_LAUNCH[bucket], evict=joined and bool(EVICT[bucket]),
+            one_launch=ONE_LAUNCH[bucket], evict=joined and bool(EVICT[bucket]), skip_tail=bucket == 0,
             finish_warps=FINISH_WARPS or (4 if (CHUNK if chunked else cp) <= 4096 else 8),
         )
     return cfg

@@ -105,7 +105,7 @@ def _launch_boundary(
         ITERS=int(iters), UPDATE=update, SPLIT_A=x.dtype == torch.float32, PRESPLIT=cfg.presplit,
         CHUNKED=cfg.chunked, CASTS=CASTS_PURE if cfg.joined else CASTS,
         JOINED=cfg.joined, FR=cfg.finish_rows,
-        LOADS="evict_first" if cfg.evict else "", KEEP="evict_last" if cfg.evict else "",
+        LOADS="evict_first" if cfg.evict else "", KEEP="evict_last" if cfg.evict else "", SKIP_TAIL=cfg.skip_tail,
         num_warps=cfg.num_warps,
     )
     if cfg.max_registers and not INTERPRETED:
