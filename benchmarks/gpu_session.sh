@@ -79,7 +79,7 @@ b)
   CUDA_VISIBLE_DEVICES=0 pt 200 -m gpu tests/test_cutedsl_plugin.py tests/test_vendor_conformance.py \
     tests/test_moe_finalize_fusion.py -k "cutedsl or Vendor" > "$OUT/b-cutedsl.log" 2>&1
   tail -6 "$OUT/b-cutedsl.log"
-  CUDA_VISIBLE_DEVICES=0 pt 120 -m gpu tests/test_mhc_kernels.py > "$OUT/b-mhc.log" 2>&1; tail -4 "$OUT/b-mhc.log"
+  CUDA_VISIBLE_DEVICES=0 pt 120 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py > "$OUT/b-mhc.log" 2>&1; tail -4 "$OUT/b-mhc.log"
   CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/sweeps/mhc_check.py --time > "$OUT/mhc-check.log" 2>&1
   tail -25 "$OUT/mhc-check.log"
   wait; tail -40 "$OUT/bench-norm.log"; tail -12 "$OUT/bench-mhc.log"
@@ -112,7 +112,7 @@ e)
   # GPU 0, the MHC GPU suite on GPU 1 (two GPUs), one after the other on one.
   versions | tee "$OUT/versions-e.txt"
   two=$([ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && echo 1 || echo 0)
-  suite() { CUDA_VISIBLE_DEVICES=$two pt 520 -m gpu tests/test_mhc_kernels.py tests/test_mhc.py --durations=10 \
+  suite() { CUDA_VISIBLE_DEVICES=$two pt 520 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py tests/test_mhc.py --durations=10 \
     ${MHC_SUITE_K:+-k "$MHC_SUITE_K"} > "$OUT/e-mhc-suite.log" 2>&1; }
   [ "$two" = 1 ] && suite &
   ( cd benchmarks/sweeps && export CUDA_VISIBLE_DEVICES=0
@@ -133,12 +133,12 @@ f)
   # Two GPUs: the MHC GPU suite but the joined-pass cases on GPU 1; on GPU 0 the variants sweep
   # (the arguments after "f", as for e), then the joined-pass cases.
   versions | tee "$OUT/versions-f.txt"
-  CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu tests/test_mhc_kernels.py tests/test_mhc.py -k "not joined_stream_pass" \
+  CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py tests/test_mhc.py -k "not joined_stream_pass" \
     --durations=5 > "$OUT/f-mhc-suite.log" 2>&1 &
   ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 mhc_variants.py "${vs[@]}" --coop --tokens 8192 \
       > "$OUT/mhc-variants.log" 2>&1 )
-  CUDA_VISIBLE_DEVICES=0 pt 230 -m gpu tests/test_mhc_kernels.py -k joined_stream_pass > "$OUT/f-joined.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 pt 230 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py -k joined_stream_pass > "$OUT/f-joined.log" 2>&1
   wait; cat "$OUT/mhc-variants.log"; tail -3 "$OUT/f-joined.log"; tail -9 "$OUT/f-mhc-suite.log"
   ;;
 g)
@@ -156,7 +156,7 @@ h)
   ( cd benchmarks/sweeps
     CUDA_VISIBLE_DEVICES=1 timeout 250 python3 mhc_variants.py "" "MID_TOKENS=256" \
       "BLOCK_TOKENS=16,64,64 JOINED=0,1,1 JOINED_WARPS=8,4,4" --tokens 128 512 1024 > "$OUT/mhc-mid.log" 2>&1
-    cd ../.. && CUDA_VISIBLE_DEVICES=1 pt 280 -m gpu tests/test_mhc_kernels.py \
+    cd ../.. && CUDA_VISIBLE_DEVICES=1 pt 280 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py \
       -k "joined_stream_pass or folded_short_lag" > "$OUT/h-joined.log" 2>&1 ) &
   ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
     CUDA_VISIBLE_DEVICES=0 timeout 520 python3 mhc_variants.py "${vs[@]}" --coop --tokens 8192 \
@@ -165,14 +165,14 @@ h)
   ;;
 i)
   versions | tee "$OUT/versions-i.txt"
-  CUDA_VISIBLE_DEVICES=1 pt 560 -m gpu tests/test_mhc_kernels.py tests/test_mhc.py \
+  CUDA_VISIBLE_DEVICES=1 pt 560 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py tests/test_mhc.py \
     -k "not joined_stream_pass and not folded_short_lag" --durations=5 > "$OUT/i-mhc-suite.log" 2>&1 &
   ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
     export CUDA_VISIBLE_DEVICES=0
     timeout 200 python3 mhc_variants.py "${vs[@]}" --tokens 128 512 1024 8192 > "$OUT/mhc-variants.log" 2>&1
     timeout 100 python3 mhc_variants.py "" "MAX_TILE=4096" --hidden 7168 --tokens 8192 \
       > "$OUT/mhc-variants-7168.log" 2>&1 )
-  CUDA_VISIBLE_DEVICES=0 pt 250 -m gpu tests/test_mhc_kernels.py -k "joined_stream_pass or folded_short_lag" \
+  CUDA_VISIBLE_DEVICES=0 pt 250 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py -k "joined_stream_pass or folded_short_lag" \
     > "$OUT/i-joined.log" 2>&1
   wait; cat "$OUT/mhc-variants.log" "$OUT/mhc-variants-7168.log"; tail -3 "$OUT/i-joined.log"
   tail -9 "$OUT/i-mhc-suite.log"
@@ -186,7 +186,7 @@ j)
       timeout 130 python3 mhc_variants.py "FINISH_WARPS=4" "FINISH_WARPS=8" "FINISH_WARPS=16" --hidden $h \
         --tokens 1024 8192 > "$OUT/mhc-finish-$h.log" 2>&1
     done )
-  CUDA_VISIBLE_DEVICES=0 pt 150 -m gpu tests/test_mhc_kernels.py \
+  CUDA_VISIBLE_DEVICES=0 pt 150 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py \
     -k "(eager_matches_the_reference and 7168) or cuda_graph or compiled or folded_short_lag" > "$OUT/j-tests.log" 2>&1
   wait; cat "$OUT"/mhc-finish-*.log; tail -3 "$OUT/j-tests.log"; tail -32 "$OUT/bench-mhc.log"
   ;;
@@ -194,7 +194,7 @@ k)
   versions | tee "$OUT/versions-k.txt"
   CUDA_VISIBLE_DEVICES=1 timeout 300 layer-boundary bench mhc --tokens 1 128 1024 8192 32768 --hidden 7168 \
     --ops update+read --out "$OUT" > "$OUT/bench-mhc.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=0 pt 320 -m gpu tests/test_mhc_kernels.py -rf \
+  CUDA_VISIBLE_DEVICES=0 pt 320 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py -rf \
     -k "(eager_matches_the_reference and 7168) or folded_short_lag or joined_stream_pass" > "$OUT/k-tests.log" 2>&1
   wait; tail -8 "$OUT/k-tests.log"; tail -8 "$OUT/bench-mhc.log"
   ;;
@@ -202,7 +202,7 @@ l)
   versions | tee "$OUT/versions-l.txt"
   ( cd benchmarks/sweeps && timeout 150 python3 mhc_variants.py "" --coop --tokens 1 16 128 1024 8192 \
       > "$OUT/mhc-variants.log" 2>&1 )
-  pt 150 -m gpu tests/test_mhc_kernels.py -rf \
+  pt 150 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py -rf \
     -k "(eager_matches_the_reference and bfloat16 and 4096) or cuda_graph or cooperative_ordering" > "$OUT/l-tests.log" 2>&1
   cat "$OUT/mhc-variants.log"; tail -4 "$OUT/l-tests.log"
   ;;

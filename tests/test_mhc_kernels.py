@@ -383,43 +383,9 @@ def test_joined_stream_pass_compiles_to_two_programs_an_sm(monkeypatch, warps):
     assert stream_pass.meta["CASTS"] != tm.CAST_PTX and finish.meta["CASTS"] != tm.CAST_PTX
 
 
-# -- GPU ----------------------------------------------------------------------------------------------
+# -- GPU (one launch against two: test_mhc_launch_forms.py) -------------------------------------------
 
-
-def _ops():
-    from layer_boundary_mhc import triton_ops
-
-    return triton_ops
-
-
-def _params(n: int, c: int, seed: int = 0) -> MhcStageParams:
-    p = MhcStageParams(n, c)
-    p.init_random(torch.Generator().manual_seed(seed))
-    return p.requires_grad_(False).cuda()
-
-
-def _inputs(t: int, n: int, c: int, dtype, seed: int = 1, stride: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(t, n, c + stride, generator=g) * 2).to(dtype).cuda()[:, :, :c]
-    y = torch.randn(t, c, generator=g).to(dtype).cuda()
-    w = (torch.rand(c, generator=g) + 0.5).to(dtype).cuda()
-    h_post = (2 * torch.rand(t, n, generator=g)).cuda()
-    h_res = torch.softmax(2 * torch.randn(t, n, n, generator=g), dim=-1).cuda()
-    return x, y, w, h_post, h_res
-
-
-def _launch_forms_agree(one, two, t, n, c, dtype, where) -> bool:
-    """One launch against two: the same bits where the finish has the stream pass's warps (and
-    True); else the same x' (one stream pass) and False: the caller checks the rest against the
-    reference (the finish's own warps reduce in another order: triton_mhc.FINISH_WARPS)."""
-    from layer_boundary_mhc import triton_mhc as tm
-
-    cfg = tm.boundary_config(t, n, c, torch.empty((), dtype=dtype).element_size(), dtype == BF16)
-    if cfg.finish_warps == cfg.num_warps:
-        assert all(torch.equal(a, b) for a, b in zip(one, two)), f"{where}: one launch != two launches"
-        return True
-    assert torch.equal(one[0], two[0]), f"{where}: one launch's x' != two launches'"
-    return False
+from mhc_gpu import _inputs, _launch_forms_agree, _ops, _params  # noqa: E402
 
 
 def _one_rounding(got, want, dtype, what, where=""):
@@ -461,85 +427,11 @@ def test_gpu_prefill_sizes_match_the_reference(t, c):
                              norm_eps=EPS, where=f"T={t}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("lag,slice_cols", [(1, 32), (8, 128), (64, 64)], ids=str)
-def test_gpu_cooperative_ordering_under_pressure(monkeypatch, lag, slice_cols):
-    """Many narrow slices and short or long lags: finishes that wait on their stream passes, and
-    x' that has left L2, give the two-launch result bitwise."""
-    from layer_boundary_mhc import triton_mhc as tm
-
-    monkeypatch.setattr(tm, "LAG", lag)
-    monkeypatch.setattr(tm, "SLICE_COLS", (slice_cols,) * 3)
-    monkeypatch.setattr(tm, "_CONFIGS", {})
-    ops = _ops()
-    x, y, w, hp, hr = _inputs(4099, 4, 2048, BF16, seed=lag)
-    p = _params(4, 2048, seed=3)
-    for _ in range(3):
-        coop = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
-        two = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
-        assert all(torch.equal(a, b) for a, b in zip(coop, two))
-
-
 def _step(x, y, hp, hr, p, w):
     ops = _ops()
     streams, inp, h_post, h_res = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS)
     inp2, h_post2, h_res2 = ops.mhc_read_triton(streams, p, w, EPS, norm_offset=1.0)
     return streams, inp, inp2, ops.mhc_update_triton(streams, inp2, h_post2, h_res2)
-
-
-JOINED_CASES = [(rows, 4, t, n, c) for rows in (1, 2)
-                for (t, n, c) in ((8192, 4, 4096), (4099, 4, 2048), (300, 3, 1000), (64, 8, 512), (17, 2, 129))]
-JOINED_CASES += [(1, 0, 4099, 4, 2048)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,form,t,n,c", JOINED_CASES, ids=str)
-def test_gpu_joined_stream_pass_and_one_launch_forms(monkeypatch, rows, form, t, n, c):
-    """bf16 streams through ``stream_joined`` in every bucket, strided streams at T = 17, finishes of
-    one token at a time or two: within the check; the one-launch form (0 tickets, 4 folded) gives
-    the two-launch bits, repeatedly."""
-    from layer_boundary_mhc import triton_mhc as tm
-
-    monkeypatch.setattr(tm, "JOINED", (1,) * 3)
-    monkeypatch.setattr(tm, "FINISH_ROWS", rows)
-    monkeypatch.setattr(tm, "ONE_LAUNCH", (form,) * 3)
-    monkeypatch.setattr(tm, "_CONFIGS", {})
-    ops = _ops()
-    x, y, w, hp, hr = _inputs(t, n, c, BF16, seed=t, stride=3 if t == 17 else 0)
-    p = _params(n, c, seed=5)
-    kw = dict(y=y, h_post=hp, h_res=hr, params=p, norm_weight=w, norm_eps=EPS)
-    two = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
-    assert_matches_reference("update+read", two, x, where=f"T={t} n={n} C={c}", **kw)
-    for _ in range(3):
-        one = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
-        if not _launch_forms_agree(one, two, t, n, c, BF16, f"T={t} n={n} C={c}"):
-            assert_matches_reference("update+read", one, x, where=f"T={t} n={n} C={c} one launch", **kw)
-    assert_matches_reference("read", ops.mhc_read_triton(x, p, w, EPS), x, where=f"T={t} read", **kw)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lag,evict,rows", [(1, 1, 1), (1, 0, 1), (1, 1, 4), (2, 1, 2)], ids=str)
-@pytest.mark.parametrize("t,c", [(8192, 4096), (4099, 2048), (1100, 7168)], ids=str)
-def test_gpu_folded_short_lag_and_l2_hints(monkeypatch, lag, evict, rows, t, c):
-    """The folded one launch finishing a block one or two rounds back, four tokens a program, with
-    and without the L2 eviction hints: the two-launch bits, which pass the check with the hints as
-    without."""
-    from layer_boundary_mhc import triton_mhc as tm
-
-    for name, value in (("JOINED", (1,) * 3), ("ONE_LAUNCH", (tm.FOLDED,) * 3), ("LAG", lag),
-                        ("EVICT", (evict,) * 3), ("FINISH_TOKENS", 4), ("FINISH_ROWS", rows), ("_CONFIGS", {})):
-        monkeypatch.setattr(tm, name, value)
-    ops = _ops()
-    x, y, w, hp, hr = _inputs(t, 4, c, BF16, seed=t + lag)
-    p = _params(4, c, seed=6)
-    two = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
-    assert_matches_reference("update+read", two, x, where=f"T={t} C={c}", y=y, h_post=hp, h_res=hr, params=p,
-                             norm_weight=w, norm_eps=EPS)
-    for _ in range(3):
-        one = ops.mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
-        if not _launch_forms_agree(one, two, t, 4, c, BF16, f"T={t} C={c}"):
-            assert_matches_reference("update+read", one, x, where=f"T={t} C={c} one launch", y=y, h_post=hp,
-                                     h_res=hr, params=p, norm_weight=w, norm_eps=EPS)
 
 
 @pytest.mark.gpu
