@@ -256,11 +256,12 @@ def longcat_matrix(world: int, cases: list[dict[str, Any]]) -> list[dict[str, An
         tp = world // pp
         spec = RunSpec(sequences=tuple(tuple(s) for s in case["sequences"]), tp=tp, dp=dp, pp=pp,
                        reduction=case.get("policy", "ar"), dtype=case.get("dtype", "float64"),
-                       longcat=True, plugins=False, defer_moe_finalize=case.get("defer", False))
+                       longcat=True, plugins=False, defer_moe_finalize=case.get("defer", False),
+                       config_overrides=case.get("config", {}))
         model = build_model(spec, topology(tp, dp, pp), "cpu")
         with count_handoffs() as handoffs:
             idx, logits, _ = rank_forward(model, spec, "cpu")
-        key = (spec.sequences, spec.dtype)
+        key = (spec.sequences, spec.dtype, tuple(sorted(spec.config_overrides.items())))
         if key not in _SINGLE:
             _SINGLE[key] = single_rank_logits(spec)
         want = _SINGLE[key][idx] if idx else logits[:0]

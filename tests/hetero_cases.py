@@ -8,6 +8,8 @@ fusion provider was asked and did.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Optional
 
 import torch
@@ -90,12 +92,14 @@ def hetero_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[di
     results = []
     for case in cases:
         seqs = tuple(tuple(s) for s in case["sequences"])
+        overrides = case.get("config", {})
         spec = RunSpec(sequences=seqs, tp=world, dp=case["dp"], reduction=case["policy"], dtype="float64",
-                       plugins=False, pattern=case["pattern"])
+                       plugins=False, pattern=case["pattern"], config_overrides=overrides)
         topo = topology(world, case["dp"])
         ctx = BoundaryContext(topo, reduction=case["policy"], architecture="hetero")
         provider = DeferringFusion(**case["provider"]) if case.get("provider") else None
-        model = hetero.HeteroForCausalLM(hetero.HeteroConfig(), case["pattern"], context=ctx,
+        config = dataclasses.replace(hetero.HeteroConfig(), **overrides)
+        model = hetero.HeteroForCausalLM(config, case["pattern"], context=ctx,
                                          dtype=torch.float64, fusions=provider)
         hetero.init_hetero_weights(model, seed=0)
         model.eval().requires_grad_(False)
@@ -104,7 +108,7 @@ def hetero_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[di
         with count_collectives() as n:
             idx, logits, _ = rank_forward(model, spec, "cpu")
         flags = list(_SEEN)
-        key = (case["pattern"], seqs)
+        key = (case["pattern"], seqs, tuple(sorted(overrides.items())))
         if key not in refs:
             refs[key] = single_rank_logits(spec)
         want = refs[key][idx] if idx else logits[:0]

@@ -287,6 +287,14 @@ LINEAR_4 = [
     dict(dp=4, policy="rsv", counts=(1, 0, 3, 2), codes=["Pb", "La"]),
     dict(dp=4, policy="rs", counts=(2, 2, 0, 1), codes=["La", "Pb"]),
 ]
+# TP=8, TP=4 x DP=2, TP=2 x DP=4.
+LINEAR_8 = [
+    dict(dp=1, policy="ar", counts=(7,), codes=CODES, defer=True),
+    dict(dp=2, policy="rs", counts=(5, 0), codes=CODES),
+    dict(dp=2, policy="rs+rsv", counts=(2, 3), codes=["Lb", "Pa"]),
+    dict(dp=4, policy="rsv", counts=(1, 0, 3, 2), codes=["Pb", "La"]),
+    dict(dp=4, policy="ar", counts=(0, 2, 0, 1), codes=CODES),
+]
 SEQS = [[1, 5, 9, 2], [4, 8], [300, 7, 7]]
 LONGCAT_2 = [
     dict(dp=1, policy="ar", sequences=SEQS),
@@ -303,13 +311,20 @@ LONGCAT_4 = [
     dict(dp=4, policy="rsv", sequences=SEQS),
     dict(pp=2, dp=1, policy="ar", sequences=SEQS, defer=True),
 ]
+HEADS_8 = dict(num_attention_heads=8, num_key_value_heads=2)  # every 8-rank layout shards the heads
+LONGCAT_8 = [
+    dict(dp=1, policy="ar", sequences=SEQS, defer=True, config=HEADS_8),
+    dict(dp=2, policy="rs", sequences=SEQS, config=HEADS_8),
+    dict(dp=4, policy="rsv", sequences=SEQS, config=HEADS_8),
+    dict(pp=2, dp=1, policy="ar", sequences=SEQS, defer=True),  # TP 4: the four heads shard
+]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=["2ranks", "4ranks", "8ranks"])
 def matrix(request):
     world = request.param
-    linear, longcat = (LINEAR_2, LONGCAT_2) if world == 2 else (LINEAR_4, LONGCAT_4)
-    return world, spawn(branch_cases.matrix, world, args=(linear, longcat), timeout_s=240)
+    linear, longcat = {2: (LINEAR_2, LONGCAT_2), 4: (LINEAR_4, LONGCAT_4), 8: (LINEAR_8, LONGCAT_8)}[world]
+    return world, spawn(branch_cases.matrix, world, args=(linear, longcat), timeout_s=300)
 
 
 def _expected_collectives(world: int, case: dict, returns: str) -> dict[str, int]:

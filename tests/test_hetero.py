@@ -368,6 +368,18 @@ CASES_4 = [
     dict(pattern="-*", dp=4, policy="rs", sequences=[[1], [2], [3], [4]]),
     dict(pattern="M", dp=4, policy="ar", sequences=[[1, 2], [3]]),
 ]
+# TP=8 (eight heads: every layout shards them), TP=4 x DP=2, TP=2 x DP=4.
+HEADS_8 = dict(num_attention_heads=8, num_key_value_heads=2)
+CASES_8 = [
+    dict(pattern="M-M*-", dp=1, policy="ar", sequences=[[1, 5, 9, 11, 30]], config=HEADS_8),
+    dict(pattern="MM*-", dp=1, policy="rs", sequences=[[1, 5], [9, 9, 9]], provider=_p(True, True), config=HEADS_8),
+    dict(pattern="MM*-", dp=1, policy="ar", sequences=[[4, 4]], provider=_p(True, False), config=HEADS_8),
+    dict(pattern="M-M*-", dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2]]),
+    dict(pattern="MM*-", dp=2, policy="ar", sequences=[[6, 2, 7, 1]], provider=_p(True, True)),
+    dict(pattern="*-M-", dp=4, policy="rsv", sequences=[[1, 5], [7], [9, 9, 9]]),  # DP group 3 empty
+    dict(pattern="-*", dp=4, policy="rs", sequences=[[1], [2], [3], [4]]),
+    dict(pattern="M-M*-", dp=2, policy="rs+rsv", sequences=[[5], [6, 7, 8]], provider=_p(True, True)),
+]
 
 
 def expected(world: int, case: dict, ret: str) -> dict[str, Any]:
@@ -420,11 +432,11 @@ def expected(world: int, case: dict, ret: str) -> dict[str, Any]:
     return {"collectives": dict(n), "mixer_flags": flags, "provider": stats}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=["2ranks", "4ranks", "8ranks"])
 def matrix(request):
     world = request.param
-    return world, spawn(hetero_cases.hetero_matrix, world, args=(CASES_2 if world == 2 else CASES_4,),
-                        timeout_s=240)
+    return world, spawn(hetero_cases.hetero_matrix, world, args=({2: CASES_2, 4: CASES_4, 8: CASES_8}[world],),
+                        timeout_s=300)
 
 
 @pytest.mark.slow

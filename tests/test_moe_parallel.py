@@ -1,18 +1,18 @@
-"""MoE on gloo with 2 and 4 ranks: every layout against the single-rank result.
+"""MoE on gloo with 2, 4 and 8 ranks: every layout against the single-rank result.
 
 One spawn per world size runs every case (process groups are created once per layout):
 
 * The synthetic stack (``moe_cases.LinearMoeStack``: dense and sparse FFNs, dyadic float64 data)
-  is bitwise equal to one rank on tp2, tp4, tp2 dp2, tp4 dp2, tp4 dp4 and the input-scattered
-  variant, with each reduction policy under DP; the collectives counted show each owed sum
-  (routed experts and shared expert together) completed exactly once, and with
+  is bitwise equal to one rank on tp2, tp4, tp8, tp2 dp2, tp4 dp2, tp4 dp4, tp8 dp2, tp8 dp4
+  and the input-scattered variant, with each reduction policy under DP; the collectives counted
+  show each owed sum (routed experts and shared expert together) completed exactly once, and with
   ``defer_moe_finalize`` each handoff completed exactly once.
 * The Qwen3-MoE reference (embedded random weights) on the same layouts: float64 within 1e-10,
   float32 within 1e-4 and bfloat16 within 0.03, each relative to the logits' scale (the
   tolerances of ``tests/test_parallel.py`` and ``layer-boundary run --check``: sums regrouped
   over ranks round differently).
-* A transformers checkpoint folder on tp2 and tp4 dp2 against transformers itself (float32,
-  ``test_moe_transformers.FP32_REL``).
+* A transformers checkpoint folder on tp2, tp4 dp2 and tp8 dp2 against transformers itself
+  (float32, ``test_moe_transformers.FP32_REL``).
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ LINEAR_4 = [
     dict(dp=2, policy="rs", counts=(3, 6), kinds="SD", scattered=True, shared=True),
 ]
 
+# TP=8, TP=4 x DP=2, TP=2 x DP=4.
+LINEAR_8 = [
+    dict(dp=1, policy="ar", counts=(9,), kinds="SDS", defer=True, shared=True),
+    dict(dp=2, policy="rs", counts=(5, 0), kinds="SDS", shared=True),
+    dict(dp=2, policy="rs+rsv", counts=(2, 3), kinds="DS"),
+    dict(dp=4, policy="rsv", counts=(1, 0, 3, 2), kinds="SS"),
+    dict(dp=4, policy="ar", counts=(0, 0, 1, 0), kinds="SD", defer=True),
+    dict(dp=1, policy="ar", counts=(7,), kinds="SS", scattered=True, defer=True),
+]
 SEQS = [[1, 5, 9, 300], [4, 77]]
 QWEN_2 = [
     dict(dp=1, sequences=SEQS),
@@ -73,6 +82,13 @@ QWEN_4 = [
     dict(dp=2, policy="rs+rsv", sequences=[[5, 17, 3, 88], [41, 2], [9, 60, 7]], dtype="float32", hf=True),
 ]
 
+HEADS_8 = dict(num_attention_heads=8, num_key_value_heads=2)  # every 8-rank layout shards the heads
+QWEN_8 = [
+    dict(dp=1, sequences=SEQS, defer=True, config=HEADS_8),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], config=HEADS_8),
+    dict(dp=4, policy="rsv", sequences=[[1, 5], [7], [9, 9, 9]], config=HEADS_8),  # DP group 3 empty
+    dict(dp=2, policy="rs+rsv", sequences=[[5, 17, 3, 88], [41, 2], [9, 60, 7]], dtype="float32", hf=True),
+]
 REL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 0.03}
 HF = dict(norm_topk_prob=True, mlp_only_layers=[1])
 
@@ -85,11 +101,11 @@ def hf_folder(tmp_path_factory):
     return folder, save_hf_moe(folder, **HF)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=["2ranks", "4ranks", "8ranks"])
 def matrix(request, hf_folder):
     world = request.param
-    linear, qwen = (LINEAR_2, QWEN_2) if world == 2 else (LINEAR_4, QWEN_4)
-    return world, spawn(moe_cases.matrix, world, args=(linear, qwen, str(hf_folder[0])), timeout_s=240)
+    linear, qwen = {2: (LINEAR_2, QWEN_2), 4: (LINEAR_4, QWEN_4), 8: (LINEAR_8, QWEN_8)}[world]
+    return world, spawn(moe_cases.matrix, world, args=(linear, qwen, str(hf_folder[0])), timeout_s=300)
 
 
 def test_linear_moe_stack_is_bitwise_equal_and_sums_once(matrix):

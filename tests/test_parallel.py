@@ -1,4 +1,5 @@
-"""Every parallel path against the single-rank result, on gloo with 2 and 4 ranks.
+"""Every parallel path against the single-rank result, on gloo with 2, 4 and 8 ranks (8: the
+layouts of the 4- and 8-GPU issue, TP=8, TP=4 x DP=2, TP=2 x DP=4 and PP=2 x TP=4, on CPU).
 
 One spawn per world size runs a whole matrix of cases, so process groups are created once.
 The synthetic linear stack uses dyadic float64 data: sums are exact, so the comparison is
@@ -58,6 +59,21 @@ LINEAR_4 = [
     dict(dp=2, policy="ar", counts=(0, 1), layers=1, scattered=True, tail=True),
 ]
 
+# TP=8, TP=4 x DP=2, TP=2 x DP=4: uneven and empty token counts, each reduction policy, local tails.
+LINEAR_8 = [
+    dict(dp=1, policy="ar", counts=(9,), layers=2),
+    dict(dp=2, policy="rs", counts=(5, 0), layers=2),
+    dict(dp=2, policy="rs+rsv", counts=(2, 3), layers=2),  # rsv refused: attention TP 4
+    dict(dp=4, policy="rsv", counts=(1, 0, 3, 2), layers=2),  # refused: attention TP 2; all-reduce
+    dict(dp=4, policy="rs", counts=(2, 2, 0, 1), layers=1),
+    dict(dp=1, policy="ar", counts=(7,), layers=2, scattered=True),
+    dict(dp=1, policy="ar", counts=(6,), layers=2, tail=True),
+    dict(dp=2, policy="rs", counts=(5, 0), layers=2, tail=True),
+    dict(dp=2, policy="ar", counts=(3, 4), layers=1, tail=True),
+    dict(dp=4, policy="rs", counts=(0, 2, 0, 1), layers=2, tail=True),
+    dict(dp=4, policy="ar", counts=(0, 0, 1, 0), layers=2, tail=True),
+    dict(dp=1, policy="ar", counts=(7,), layers=1, scattered=True, tail=True),
+]
 
 QWEN_2 = [
     dict(dp=1, policy="ar", sequences=[[1, 5, 9], [4]]),
@@ -82,6 +98,17 @@ QWEN_4 = [
     dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], residual="mhc"),
 ]
 
+# Eight attention heads (two KV heads, replicated where attention TP exceeds them) so that every
+# layout of 8 ranks shards the heads.
+HEADS_8 = dict(num_attention_heads=8, num_key_value_heads=2)
+QWEN_8 = [
+    dict(dp=1, policy="ar", sequences=[[1, 5, 9, 11, 30]], config=HEADS_8),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2]], config=HEADS_8),
+    dict(dp=4, policy="rsv", sequences=[[1, 5], [7], [9, 9, 9]], config=HEADS_8),  # DP group 3 empty
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], scattered=True, config=HEADS_8),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], residual="mhc", config=HEADS_8),
+]
+
 
 # Pipeline parallel (world = tp x pp): the Qwen3 reference, and the synthetic stack "kinds" (A a
 # PARTIAL attention, F an FFN) split after stage ``split``.
@@ -97,13 +124,16 @@ PIPE_4 = [
     # ... after an FFN whose exit deferred its sum: to_pp completes it before transport.
     dict(kind="linear", pp=2, kinds="AFAFAF", split=2, defer=True),
 ]
+PIPE_8 = [
+    dict(kind="qwen3", pp=2, sequences=[[1, 5, 9, 11], [4, 2]]),  # TP 4: the four heads shard
+]
+MATRICES = {2: (LINEAR_2, QWEN_2, PIPE_2), 4: (LINEAR_4, QWEN_4, PIPE_4), 8: (LINEAR_8, QWEN_8, PIPE_8)}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=["2ranks", "4ranks", "8ranks"])
 def matrix(request):
     world = request.param
-    linear, qwen, pipe = (LINEAR_2, QWEN_2, PIPE_2) if world == 2 else (LINEAR_4, QWEN_4, PIPE_4)
-    return world, spawn(parallel_cases.matrix, world, args=(linear, qwen, pipe), timeout_s=240)
+    return world, spawn(parallel_cases.matrix, world, args=MATRICES[world], timeout_s=300)
 
 
 def test_linear_stack_is_bitwise_equal_on_every_path(matrix):
@@ -125,6 +155,9 @@ def test_policy_falls_back_and_reports_why(matrix):
     if world == 4:
         assert chosen[(2, "rs+rsv")] == ["rs/ar"]  # RSv refused: attention TP 2
         assert chosen[(4, "rsv")] == ["rsv/ar"]
+    elif world == 8:
+        assert chosen[(2, "rs+rsv")] == ["rs/ar"]  # RSv refused: attention TP 4
+        assert chosen[(4, "rsv")] == ["ar"]  # RSv refused: attention TP 2, and nothing else allowed
     else:
         assert chosen[(2, "rs+rsv")] == ["rsv/rs/ar"]
         assert chosen[(1, "rs+rsv")] == ["ar"]  # no DP: both scatters refused, all-reduce
