@@ -18,7 +18,7 @@ def nccl_matrix(rank: int, world: int, linear: list[dict[str, Any]], qwen: list[
     for case in qwen:
         spec = RunSpec(sequences=tuple(tuple(s) for s in case["sequences"]), tp=world, dp=case["dp"],
                        reduction=case["policy"], dtype=case["dtype"], plugins=False, device="cuda",
-                       input_scattered=case.get("scattered", False))
+                       input_scattered=case.get("scattered", False), config_overrides=case.get("config", {}))
         model = build_model(spec, parallel_cases.topology(world, case["dp"]), "cuda")
         idx, logits, _ = rank_forward(model, spec, "cuda")
         want = single_rank_logits(spec, "cuda")

@@ -70,6 +70,32 @@ def test_two_gpu_benchmarks_refuse_one_gpu(argv, monkeypatch, capsys):
     assert "needs 2 CUDA GPUs of one host, but 1 is visible" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,gpus", [(["bench", "allreduce", "--world", "8"], 8),
+                                       (["bench", "decode", "--tp", "1", "4"], 4)])
+def test_wider_benchmarks_say_how_many_gpus_they_need(argv, gpus, monkeypatch, capsys):
+    """TP=4 and TP=8 runs (the 4- and 8-GPU issue) on a 2-GPU machine: refused before any spawn."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main(argv) == 2
+    assert f"needs {gpus} CUDA GPUs of one host, but 2 are visible" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_allreduce_harness_runs_on_four_gloo_ranks():
+    """The ranks' side of ``bench allreduce`` at world 4 on CPU (gloo): every row's check passes
+    against the reference, and the fused candidates say why they refuse (they need NCCL)."""
+    from layer_boundary.bench.allreduce import _rank
+    from layer_boundary.launch import spawn
+
+    spec = {"tokens": [1, 8], "hidden": [64], "dtype": "float32", "quick": True, "replays": 3, "compile": False,
+            "device": "cpu"}
+    out = spawn(_rank, 4, args=(spec,), timeout_s=240)[0]
+    checked = [r for r in out["rows"] if r.get("ok") is not None]
+    assert checked and all(r["ok"] for r in checked), checked
+    assert {r["tokens"] for r in checked} == {1, 8}
+    assert "needs a nccl group" in out["notes"][0]
+
+
 def test_json_report_carries_date_device_versions_and_rows(tmp_path):
     env = report.environment("cpu")
     for key in ("date", "gpu", "driver", "cuda", "torch", "triton", "flashinfer", "python"):

@@ -14,7 +14,7 @@ from layer_boundary.launch import spawn
 
 import gpu_cases
 from parallel_cases import expected_collectives
-from test_parallel import LINEAR_2
+from test_parallel import HEADS_8, LINEAR_2, LINEAR_4, LINEAR_8
 
 pytestmark = pytest.mark.gpu
 
@@ -28,19 +28,38 @@ QWEN_NCCL = [
 ]
 
 
+# The 4- and 8-GPU layouts (TP=4, TP=2 x DP=2; TP=8, TP=4 x DP=2, TP=2 x DP=4), eight heads so
+# that TP=8 shards them; they run where that many GPUs are visible.
+QWEN_NCCL_WIDE = [
+    dict(dp=1, policy="ar", sequences=[[1, 5, 9, 2, 77], [4]], dtype="bfloat16", config=HEADS_8),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9, 4], [4, 8], [3]], dtype="bfloat16", config=HEADS_8),
+    dict(dp=2, policy="rs+rsv", sequences=[[6, 2, 7, 1, 9, 9, 4]], dtype="float32", config=HEADS_8),
+    dict(dp=1, policy="ar", sequences=[[1, 5, 9, 2, 77], [4]], dtype="bfloat16", scattered=True, config=HEADS_8),
+]
+QWEN_NCCL_8 = QWEN_NCCL_WIDE + [
+    dict(dp=4, policy="rsv", sequences=[[1, 5], [7], [9, 9, 9]], dtype="bfloat16", config=HEADS_8),
+]
+NCCL_MATRICES = {2: (LINEAR_2, QWEN_NCCL), 4: (LINEAR_4, QWEN_NCCL_WIDE), 8: (LINEAR_8, QWEN_NCCL_8)}
+
+
+def _gpus(n: int):
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} CUDA GPUs; {torch.cuda.device_count()} visible")
+
+
 def _two_gpus():
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 CUDA GPUs; {torch.cuda.device_count()} visible")
+    _gpus(2)
 
 
-def test_nccl_matrix_matches_one_gpu():
-    _two_gpus()
-    per_rank = spawn(gpu_cases.nccl_matrix, 2, args=(LINEAR_2, QWEN_NCCL), backend="nccl", timeout_s=300)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_nccl_matrix_matches_one_gpu(world):
+    _gpus(world)
+    per_rank = spawn(gpu_cases.nccl_matrix, world, args=NCCL_MATRICES[world], backend="nccl", timeout_s=300)
     for rank, res in enumerate(per_rank):
         for r in res["linear"]:
             assert r["equal"], (rank, r)
             case = r["case"]
-            want = expected_collectives(2, case["dp"], case["layers"], r["returns"],
+            want = expected_collectives(world, case["dp"], case["layers"], r["returns"],
                                         scattered=case.get("scattered", False))
             assert r["collectives"] == want, (rank, r)
         for r in res["qwen3"]:

@@ -1,4 +1,4 @@
-"""All-reduce + add + RMSNorm on 2 GPUs: fused consumer candidates against NCCL + a separate kernel.
+"""All-reduce + add + RMSNorm on 2 (4, 8) GPUs: fused consumer candidates against NCCL + a separate kernel.
 
 Each rank holds a partial sum ``c [T, H]`` and the replicated residual ``r``. The baseline is what
 the boundary does without fusion: NCCL all-reduce of ``c``, then the fastest separate add+RMSNorm
@@ -190,7 +190,8 @@ def us_panels(rows: list[dict[str, Any]]) -> list[report.Panel]:
 
 
 def allreduce_command(args: argparse.Namespace) -> int:
-    why = cuda_unavailable("allreduce", WORLD)
+    world = getattr(args, "world", None) or WORLD
+    why = cuda_unavailable("allreduce", world)
     if why:
         print(why, file=sys.stderr)
         return 2
@@ -200,19 +201,19 @@ def allreduce_command(args: argparse.Namespace) -> int:
     hidden = args.hidden or (QUICK[1] if args.quick else AR_HIDDEN)
     spec = {"tokens": list(tokens), "hidden": list(hidden), "dtype": args.dtype, "quick": args.quick,
             "replays": args.replays, "compile": not args.no_compile}
-    env = report.environment("cuda", WORLD)
+    env = report.environment("cuda", world)
     plan = TimingPlan.for_run(args.quick, args.replays)
-    print(f"layer-boundary bench allreduce: all-reduce + add + RMSNorm on {WORLD} x {env['gpu']} (NCCL), "
+    print(f"layer-boundary bench allreduce: all-reduce + add + RMSNorm on {world} x {env['gpu']} (NCCL), "
           f"{args.dtype}, torch {env['torch']}, {env['date']}\nmedian µs by CUDA-graph replay over "
           f"{plan.replays} replays, slowest rank; speedup against NCCL + the best separate add+RMSNorm; "
           f"busbw = T·H·{torch.empty((), dtype=DTYPES[args.dtype]).element_size()}·2(n-1)/n / t against "
           f"{NVLINK_GBPS:.0f} GB/s, the NOMINAL NVLink bandwidth per direction of an H200\n", flush=True)
     # Generous collective timeout: a candidate's first call may JIT-build its kernels (minutes)
     # while the other rank waits in a collective.
-    per_rank = spawn(_rank, WORLD, args=(spec,), backend="nccl", timeout_s=1200)
+    per_rank = spawn(_rank, world, args=(spec,), backend="nccl", timeout_s=1200)
     rows, notes = per_rank[0]["rows"], per_rank[0]["notes"]
-    report.publish(args, "allreduce", env, rows, f"all-reduce + add + RMSNorm, {WORLD} GPUs, {args.dtype}",
-                   us_panels(rows), world=WORLD, notes=notes, nominal_nvlink_gbps=NVLINK_GBPS,
+    report.publish(args, "allreduce", env, rows, f"all-reduce + add + RMSNorm, {world} GPUs, {args.dtype}",
+                   us_panels(rows), world=world, notes=notes, nominal_nvlink_gbps=NVLINK_GBPS,
                    busbw="T*H*element_size*2(n-1)/n/t (nccl-tests)",
                    timing="CUDA-graph replay, median, slowest rank", replays=plan.replays)
     failed = [r for r in rows if r.get("ok") is False]

@@ -164,11 +164,13 @@ def _add_gpu_benches(bsub: Any) -> None:
 
     ar = bsub.add_parser(
         "allreduce", help="all-reduce + add + RMSNorm: fused consumer candidates vs NCCL + separate kernel",
-        description="On 2 GPUs: each fused consumer candidate a TP=2 stage accepts, against NCCL all-reduce "
-        "followed by the best separate add+RMSNorm kernel of the same run; µs, speedup and bus bandwidth "
-        "against the nominal NVLink bandwidth.",
+        description="On 2 (4, 8) GPUs: each fused consumer candidate a TP stage of that size accepts, against "
+        "NCCL all-reduce followed by the best separate add+RMSNorm kernel of the same run; µs, speedup and bus "
+        "bandwidth against the nominal NVLink bandwidth.",
     )
     _grid_options(ar, tokens_help="token counts (default 1 2 4 ... 8192)")
+    ar.add_argument("--world", type=int, choices=(2, 4, 8), default=2,
+                    help="GPUs (TP ranks) of one host (default 2)")
     ar.add_argument("--no-compile", action="store_true",
                     help="leave torch.compile out of the separate-kernel choice")
 
@@ -193,10 +195,11 @@ def _add_gpu_benches(bsub: Any) -> None:
         "decode", help="Qwen3 decode step with vs without boundaries, eager and CUDA-graph replay",
         description="A decode step (one token per sequence) of the reference Qwen3 decoder with random "
         "weights, with boundaries against the same model without them, eager and CUDA-graph replay, "
-        "at TP=1 and TP=2; at TP=2 also with the fused consumer candidates against without.",
+        "at TP=1 and TP=2 (or the --tp given, up to 8); above TP=1 also with the fused consumer candidates "
+        "against without.",
     )
     _grid_options(dec, tokens_help="batch sizes, one token per sequence (default 1 8 32 128)", hidden=False)
-    dec.add_argument("--tp", type=int, nargs="+", choices=(1, 2), default=None,
+    dec.add_argument("--tp", type=int, nargs="+", choices=(1, 2, 4, 8), default=None,
                      help="tensor-parallel sizes (default: 1 and, with 2 GPUs visible, 2)")
     dec.add_argument("--layers", type=int, default=None, help="decoder layers (default 8, 4 with --quick)")
     dec.add_argument("--hidden", type=int, default=4096,
