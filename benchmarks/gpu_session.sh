@@ -29,6 +29,8 @@
 #   k  bench mhc at H = 7168 on GPU 1; the one-launch / two-launch tests on GPU 0
 #   l  one GPU: decode and mid sizes (one launch and two) after the finish's dead-row skip, then
 #      the tests it touches
+#   w  every GPU visible (4 or 8: the 4- and 8-GPU issue): the NCCL parallel matrix at 2, 4 and 8
+#      ranks, bench allreduce --world N and bench decode --tp 1 2 N (dated records)
 # Logs and results go to $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -205,5 +207,14 @@ l)
   pt 150 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py -rf \
     -k "(eager_matches_the_reference and bfloat16 and 4096) or cuda_graph or cooperative_ordering" > "$OUT/l-tests.log" 2>&1
   cat "$OUT/mhc-variants.log"; tail -4 "$OUT/l-tests.log"
+  ;;
+w)
+  versions | tee "$OUT/versions-w.txt"
+  n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  pt 300 -m gpu tests/test_gpu_parallel.py -rs > "$OUT/w-parallel.log" 2>&1; tail -4 "$OUT/w-parallel.log"
+  timeout 300 layer-boundary bench allreduce --world "$n" --quick --out "$OUT" > "$OUT/bench-allreduce.log" 2>&1
+  tail -30 "$OUT/bench-allreduce.log"
+  timeout 300 layer-boundary bench decode --tp 1 2 "$n" --quick --out "$OUT" > "$OUT/bench-decode.log" 2>&1
+  tail -30 "$OUT/bench-decode.log"
   ;;
 esac
