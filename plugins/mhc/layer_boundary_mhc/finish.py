@@ -146,6 +146,7 @@ def _normalize_block(row0, T, tt, fr, h_pre, i, src, st, sn, sc, c, w, w_ptr, sw
         _normalize_rows(p0, row0, T, tt, fr, h_pre, i, src, st, sn, sc, c, w, w_ptr, sw, offset, out_ptr, sit, sic,
                         norm_eps, N, C, CP, FR, CHUNKED, CASTS, LOADS)
 
+
 @triton.jit
 def _normalize_rows(p0, row0, T, tt, fr, h_pre, i, src, st, sn, sc, c, w, w_ptr, sw, offset, out_ptr, sit, sic,
                     norm_eps, N: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, FR: tl.constexpr,

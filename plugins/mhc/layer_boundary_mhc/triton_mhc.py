@@ -217,7 +217,8 @@ def mhc_boundary_kernel(
                         N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
     elif MODE == 4:
         # Folded: tickets as MODE 0, but a round's S programs each do a stream pass of block r and
-        # then finishes of block r - LAG (finish q by program q mod S), whose x' is still in L2.
+        # then finishes of block r - LAG (finish q by program q mod S), meant to find that block's x'
+        # still in L2 (measured slower than two launches at every LAG: PERFORMANCE.md).
         ticket = tl.atomic_add(cnt_ptr, 1)
         r = ticket // S
         k = ticket % S
