@@ -196,41 +196,46 @@ def mhc_boundary_kernel(
     MODE: tl.constexpr, CASTS: tl.constexpr, JOINED: tl.constexpr, FR: tl.constexpr,
     LOADS: tl.constexpr, KEEP: tl.constexpr, SKIP_TAIL: tl.constexpr,
 ):
-    if MODE == 0:
+    if MODE == 1:  # the stream passes launched on their own
+        pid = tl.program_id(0)
+        _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
+                         sxt, sxn, sxc, syt, syc, sot, son, soc,
+                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
+                         JOINED, LOADS, KEEP)
+    elif MODE == 2:
+        # The finishes launched on their own, last blocks first: the stream passes wrote them last,
+        # and part of their x' is in L2.
+        pid = tl.program_id(0)
+        _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
+                out_ptr, hpo_ptr, hro_ptr, part_ptr, NB - 1 - pid // RB, pid % RB, T,
+                sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
+                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
+    else:
+        # One launch, tickets in start order: a round is S stream passes of block r, then (MODE 0)
+        # RB finishes of block r - LAG; folded (MODE 4), the round's S programs each finish after
+        # their pass.
         ticket = tl.atomic_add(cnt_ptr, 1)
-        r = ticket // (S + RB)
-        k = ticket % (S + RB)
-        if k < S:
-            if r < NB:
-                _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
-                                 sxt, sxn, sxc, syt, syc, sot, son, soc,
-                                 N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
-                                 JOINED, LOADS, KEEP)
-                _arrive(cnt_ptr, r)
-        else:
-            if r >= LAG:
+        r = ticket // (S + RB * (MODE == 0))
+        k = ticket % (S + RB * (MODE == 0))
+        if (k < S) & (r < NB):
+            _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
+                             sxt, sxn, sxc, syt, syc, sot, son, soc,
+                             N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
+                             JOINED, LOADS, KEEP)
+            _arrive(cnt_ptr, r)
+        if MODE == 0:
+            if (k >= S) & (r >= LAG):
                 blk = r - LAG
                 _await_block(cnt_ptr, blk, S)
                 _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
                         out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, k - S, T,
                         sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
                         N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
-    elif MODE == 4:
-        # Folded: tickets as MODE 0, but a round's S programs each do a stream pass of block r and
-        # then finishes of block r - LAG (finish q by program q mod S), meant to find that block's x'
-        # still in L2 (measured slower than two launches at every LAG: PERFORMANCE.md).
-        ticket = tl.atomic_add(cnt_ptr, 1)
-        r = ticket // S
-        k = ticket % S
-        if r < NB:
-            _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
-                             sxt, sxn, sxc, syt, syc, sot, son, soc,
-                             N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
-                             JOINED, LOADS, KEEP)
-            _arrive(cnt_ptr, r)
-        if r >= LAG:
-            blk = r - LAG
-            if k < RB:
+        elif MODE == 4:
+            # Folded: finishes of block r - LAG (finish q by program q mod S), meant to find that
+            # block's x' still in L2 (measured slower than two launches at every LAG: PERFORMANCE.md).
+            if (r >= LAG) & (k < RB):
+                blk = r - LAG
                 _await_block(cnt_ptr, blk, S)
                 for q0 in tl.range(0, RB, S):
                     if q0 + k < RB:
@@ -238,19 +243,6 @@ def mhc_boundary_kernel(
                                 out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, q0 + k, T,
                                 sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
                                 N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
-    elif MODE == 1:
-        pid = tl.program_id(0)
-        _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, pid // S, pid % S, T,
-                         sxt, sxn, sxc, syt, syc, sot, son, soc,
-                         N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
-                         JOINED, LOADS, KEEP)
-    else:
-        # Last blocks first: the stream passes wrote them last, and part of their x' is in L2.
-        pid = tl.program_id(0)
-        _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
-                out_ptr, hpo_ptr, hro_ptr, part_ptr, NB - 1 - pid // RB, pid % RB, T,
-                sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
 
 
 @triton.jit
