@@ -29,7 +29,8 @@ that token's coefficients by about 1e-4. ``tol`` is the worst element's |differe
 its tolerance allows (at most 1 passes); rows keep each output's figures under ``deviations``.
 
 Methods: ``triton`` (the cooperative single launch), ``triton 2-launch`` (stream passes, then
-finishes: x' is re-read from HBM), ``torch reference`` (what the plugin runs off CUDA, and the
+finishes: x' is re-read from HBM), ``cute cluster`` (on CUDA where the CuTe DSL imports: one
+thread-block cluster a token block, x' kept in shared memory, ``layer_boundary_mhc.cluster_ops``), ``torch reference`` (what the plugin runs off CUDA, and the
 meaning of the kernels) and, with ``--compile``, ``torch.compile`` of the reference. The MHC plugin
 is imported only here, when the benchmark runs: the core does not depend on it.
 """
@@ -165,9 +166,34 @@ def _triton_methods(ops_module: Any, ops: Sequence[str]) -> list[MhcMethod]:
     return out
 
 
+def _cluster_methods(ops: Sequence[str]) -> list[MhcMethod]:
+    """The MHC plugin's CuTe DSL cluster kernel (one launch, x' kept on chip), where it imports."""
+    from layer_boundary_mhc import cluster_ops as k
+
+    calls = {
+        "update+read": lambda i: k.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS),
+        "read": lambda i: k.mhc_read_cluster(i.x, i.params, i.w, EPS),
+    }
+    return [MhcMethod("cute cluster", op, calls[op]) for op in ops if op in calls]
+
+
+def _cluster_destinations(method: MhcMethod, i: Inputs) -> Callable[[], Any]:
+    from layer_boundary_mhc import cluster_ops as k
+
+    t, n, c = i.x.shape
+    streams, out = torch.empty_like(i.x), i.x.new_empty((t, c))
+    h_post, h_res = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
+    if method.op == "read":
+        return lambda: k.mhc_read_cluster(i.x, i.params, i.w, EPS, out=out, h_post=h_post, h_res=h_res)
+    return lambda: k.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS, streams_out=streams,
+                                             out=out, h_post_out=h_post, h_res_out=h_res)
+
+
 def _destinations(method: MhcMethod, i: Inputs) -> Callable[[], Any]:
     """``method`` writing into destinations allocated once (no allocation a replay repeats beyond
     the kernels' workspace) where it takes them; the reference allocates as it always does."""
+    if method.name == "cute cluster":
+        return _cluster_destinations(method, i)
     if not method.name.startswith("triton"):
         return lambda: method.call(i)
     from layer_boundary_mhc import triton_ops as k
@@ -259,6 +285,14 @@ def run_mhc(tokens: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, de
     else:
         refusals.append({"method": "triton", "refused": why})
         out(f"triton refuses {device_type} {str(dtype).replace('torch.', '')} n={n}: {why}")
+    if device_type == "cuda":
+        from layer_boundary_mhc import cluster_ops
+
+        why_not = cluster_ops.import_problem()
+        if why_not:
+            refusals.append({"method": "cute cluster", "refused": why_not})
+        else:
+            methods += _cluster_methods(ops)
     if compile:
         methods += _compiled_methods(reference, ops)
     table = report.Table(COLUMNS, out)

@@ -1,0 +1,211 @@
+"""The cluster kernel (``cute_cluster``, CuTe DSL) as callables with the references' signatures.
+
+| callable                   | reference               | returns                          |
+| -------------------------- | ----------------------- | -------------------------------- |
+| ``mhc_read_cluster``       | ``mhc_read_ref``        | (input, H_post, H_res)           |
+| ``mhc_update_read_cluster``| ``mhc_update_read_ref`` | (x', input, H_post', H_res')     |
+
+For bf16 streams ``[T, n, C]`` with ``n <= 4`` on Hopper (sm_90) GPUs where ``nvidia-cutlass-dsl``
+imports; ``cluster_problem`` says why a call cannot take it (the Triton kernels then serve it).
+Each (n, C, update) variant compiles once, on first use (about a second), never during CUDA-graph
+capture: ``prepare_cluster`` compiles ahead. phi's bf16 fragments and the FP32 norm weight (with
+its offset folded in, the sum the Triton finish computes per element) are made once per parameter
+version, like the Triton kernels' phi split.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from .coefficients import SINKHORN_ITERS
+
+__all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem", "phi_fragments",
+           "prepare_cluster", "CLUSTER", "BLOCK_TOKENS"]
+
+# Preferred cluster size and tokens a block (the largest block whose x' slice fits shared memory is
+# taken, at most BLOCK_TOKENS): 16 CTAs (a non-portable size Hopper allows) split H = 4096 into
+# 256-column slices, 64 tokens x 4 streams x 256 columns = 128 KiB of x' a CTA, and phi's fragments
+# are read from L2 once per 64 tokens.
+CLUSTER = 16
+BLOCK_TOKENS = 64
+
+
+def phi_fragments(phi: torch.Tensor, n: int) -> torch.Tensor:
+    """``[C / 16, n, 3, NT, 8, 4, 4]`` bf16: FP32 phi (``[n C, K]``) cut by truncation into three bf16
+    parts (high, middle, low; they sum to phi bit for bit, as ``projection.bf16_parts``), laid out as
+    the cluster kernel's mma.sync B fragments: chunk of 16 columns, stream, part, n-tile of 8
+    coefficients, lane ``4 g + q`` (coefficient ``8 nt + g``), and the lane's 4 values: columns
+    ``4 q .. 4 q + 3`` of the chunk. Coefficient columns past K are zeros."""
+    k = phi.shape[1]
+    c = phi.shape[0] // n
+    nt = (k + 7) // 8
+    full = phi.new_zeros((n * c, 8 * nt), dtype=torch.float32)
+    full[:, :k] = phi.detach()
+
+    def high(v: torch.Tensor) -> torch.Tensor:
+        return (v.view(torch.int32) & -65536).view(torch.float32)
+
+    hi = high(full)
+    rest = full - hi
+    mid = high(rest)
+    parts = torch.stack((hi, mid, rest - mid)).to(torch.bfloat16)  # [3, n C, 8 NT]
+    # rows i C + 16 ch + 4 q + e, columns 8 nt + g  ->  (ch, i, part, nt, g, q, e)
+    return parts.view(3, n, c // 16, 4, 4, nt, 8).permute(2, 1, 0, 5, 6, 3, 4).contiguous()
+
+
+def cluster_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
+    """The variant for these sizes (``cute_cluster.ClusterShape``), or one whose ``problem`` says why none fits."""
+    from .cluster_shape import ClusterShape
+
+    shape = None
+    for cl in (CLUSTER, 8):
+        for bt in (64, 32, 16):
+            if bt > BLOCK_TOKENS:
+                continue
+            shape = ClusterShape(n, hidden, cl, bt, update, iters)
+            if not shape.problem:
+                return shape
+    return shape
+
+
+def import_problem() -> str:
+    try:
+        import cutlass.cute  # noqa: F401
+    except Exception as e:  # a broken install is a reason to stay on Triton, never a crash
+        return f"the CuTe DSL does not import ({type(e).__name__}: {e}); pip install nvidia-cutlass-dsl"
+    return ""
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    # 16-byte cp.async and vector stores: unit column stride, row strides and base 16-byte aligned.
+    return (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0)
+
+
+def cluster_problem(x: torch.Tensor, *tensors: Optional[torch.Tensor], update: bool = True,
+                    iters: int = SINKHORN_ITERS) -> str:
+    """Why streams ``x`` (and the bf16 ``tensors``: y, destinations) cannot take the cluster kernel; ""
+    when they can."""
+    if not x.is_cuda or torch.version.hip:
+        return "not an NVIDIA GPU tensor"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return f"compute capability {torch.cuda.get_device_capability(x.device)} (the kernel is for sm_90)"
+    if x.dtype != torch.bfloat16 or x.dim() != 3:
+        return f"{x.dtype} streams of shape {tuple(x.shape)} (bf16 [T, n, C] only)"
+    shape = cluster_shape(x.shape[1], x.shape[2], update, iters)
+    if shape.problem:
+        return shape.problem
+    if x.shape[0] > 65535 * shape.bt:
+        return f"{x.shape[0]} tokens (at most {65535 * shape.bt}: one grid row a block)"
+    if not all(_rows_ok(t) for t in (x, *tensors) if t is not None):
+        return "a tensor whose rows are not 16-byte aligned with unit column stride"
+    return import_problem()
+
+
+_COMPILED: dict[tuple, Any] = {}
+_CACHE: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _compiled(shape: Any) -> Any:
+    key = (shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the MHC cluster kernel for this shape was not compiled before CUDA-graph capture; "
+                               "call layer_boundary_mhc.cluster_ops.prepare_cluster first")
+        from .cute_cluster import compile_cluster
+
+        fn = _COMPILED[key] = compile_cluster(shape)
+    return fn
+
+
+def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None:
+    """Compile the read and update+read variants for (n, hidden) now (before CUDA-graph capture)."""
+    for update in (False, True):
+        _compiled(cluster_shape(n, hidden, update, iters))
+
+
+def _derived(t: torch.Tensor, kind: tuple, make: Any) -> torch.Tensor:
+    """``make()`` once per (tensor, version, kind), as ``triton_ops._phi_split``."""
+    base = t if t._base is None else t._base
+    key = (id(base), t.data_ptr(), kind)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is base and hit[1] == t._version:
+        return hit[2]
+    value = make()
+    if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _CACHE[key] = (weakref.ref(base, lambda _, k=key: _CACHE.pop(k, None)), t._version, value)
+    return value
+
+
+def _run(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
+         params: Any, norm_weight: torch.Tensor, norm_eps: float, norm_offset: float, iters: int,
+         streams_out: Optional[torch.Tensor], out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor],
+         h_res_out: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .triton_ops import _check_shape, _check_streams, _check_update, _checked_params, _coefficient_dest, _dest
+
+    t, n, c = _check_streams(x)
+    phi, alpha, b_pre, b_post, b_res = _checked_params(params, x)
+    _check_shape(norm_weight, (c,), "the norm weight")
+    update = y is not None
+    if update:
+        _check_update(x, y, h_post, h_res)
+        h_post, h_res = h_post.contiguous(), h_res.contiguous()
+        streams_out = _dest(streams_out, (t, n, c), x.dtype, x, "streams_out")
+    out = _dest(out, (t, c), x.dtype, x, "out")
+    h_post_out = _coefficient_dest(h_post_out, (t, n), x, "h_post")
+    h_res_out = _coefficient_dest(h_res_out, (t, n, n), x, "h_res")
+    problem = cluster_problem(x, y, streams_out, out, update=update, iters=iters)
+    if problem:
+        raise ValueError(f"the MHC cluster kernel cannot take this call: {problem}")
+    if t == 0:
+        return streams_out, out, h_post_out, h_res_out
+    shape = cluster_shape(n, c, update, iters)
+    fn = _compiled(shape)
+    phf = _derived(phi, ("fragments", n), lambda: phi_fragments(phi, n))
+    w32 = _derived(norm_weight, ("w32", float(norm_offset)), lambda: (norm_weight.float() + float(norm_offset)).contiguous())
+
+    import cutlass
+    import cutlass.cute as cute
+    from cuda.bindings import driver as cuda
+    from cutlass.cute.runtime import make_ptr
+
+    def ptr(v: Optional[torch.Tensor], like: torch.Tensor, align: int = 16) -> Any:
+        v = like if v is None else v
+        el = cutlass.BFloat16 if v.dtype == torch.bfloat16 else cutlass.Float32
+        return make_ptr(el, v.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+    yy = y if update else x
+    xo = streams_out if update else x
+    fn(ptr(x, x), ptr(yy, x), ptr(h_post, h_post_out, 4), ptr(h_res, h_res_out, 4), ptr(xo, x), ptr(phf, phf),
+       ptr(alpha, alpha, 4), ptr(b_pre, b_pre, 4), ptr(b_post, b_post, 4), ptr(b_res, b_res, 4), ptr(w32, w32),
+       ptr(out, out), ptr(h_post_out, h_post_out, 4), ptr(h_res_out, h_res_out, 4),
+       t, (t + shape.bt - 1) // shape.bt, x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1),
+       out.stride(0), float(params.eps), float(norm_eps), cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
+    return streams_out, out, h_post_out, h_res_out
+
+
+def mhc_read_cluster(
+    x: torch.Tensor, params: Any, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
+    iters: int = SINKHORN_ITERS, out: Optional[torch.Tensor] = None, h_post: Optional[torch.Tensor] = None,
+    h_res: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input [T, C], H_post [T, n], H_res [T, n, n])`` of streams ``x`` (``mhc_read_ref``)."""
+    _, inp, hp, hr = _run(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters, None, out,
+                          h_post, h_res)
+    return inp, hp, hr
+
+
+def mhc_update_read_cluster(
+    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: Any,
+    norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS,
+    streams_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+    h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x', input, H_post', H_res')`` (``mhc_update_read_ref``) in one launch, x' never re-read."""
+    streams, inp, hp, hr = _run(x, y, h_post, h_res, params, norm_weight, norm_eps, norm_offset, iters,
+                                streams_out, out, h_post_out, h_res_out)
+    assert streams is not None
+    return streams, inp, hp, hr

@@ -1,0 +1,370 @@
+"""The MHC update + read with x' kept on chip: one thread-block cluster per token block (CuTe DSL,
+Hopper sm_90a; imports ``cutlass``, load through ``cluster_ops``).
+
+The Triton kernels write x' and read it back in a second pass (the finishes), 112 KiB a token at
+n = 4, H = 4096 against the 80 KiB roofline: at most about 68 % of it. Here a cluster of ``CL``
+CTAs owns ``BT`` tokens; CTA ``r`` owns hidden columns ``[r HS, (r + 1) HS)`` of all n streams, and
+keeps its x' slice in shared memory (``BT x n x HS`` bf16, at most 128 KiB) between the projection
+and the combination. What crosses CTAs is small and goes through distributed shared memory:
+
+    1. stream     x'[t, i, c] = H_post[t, i] y[t, c] + sum_j H_res[t, i, j] x[t, j, c]   FP32, rounded
+                  once, stored to HBM and to shared memory; partial x' @ phi (bf16 parts of phi,
+                  mma.sync, products exact in FP32) and partial sum x'^2 over the CTA's columns
+    2. cluster    each CTA sums the CL partials of BT / CL tokens (in rank order), computes rstd,
+                  H_pre, H_post, H_res (Sinkhorn) for them, stores H_post and H_res, and sends H_pre
+                  to every CTA
+    3. combine    s = sum_j H_pre[j] x'_j from shared memory; partial sum s^2 to every CTA; then
+                  input = s rsqrt(sum s^2 / C + eps) (w + offset), rounded once
+
+Every CTA sums the same partials in the same order, so all agree on each token's coefficients and
+norm, and replays are bitwise. The arithmetic is that of ``triton_mhc`` (the same formulas and
+instruction choices: FMA mixes, one rounding, approximate rsqrt and exp, true divisions in
+Sinkhorn); the summation orders differ, so the two kernels agree within the check, not in bits.
+
+Layouts. A stream pass chunk is 16 hidden columns: per stage, the n stream tiles and y (``[BT, 16]``
+bf16, 32-byte rows, cp.async with zero fill past the last token) and phi's fragments for those
+columns. Warp ``w`` takes m-tile ``w // KH`` (16 tokens) and streams ``i = w % KH (mod KH)``; lane
+``(g, q) = (lane / 4, lane % 4)`` computes rows ``g, g + 8`` of the tile at columns ``4q .. 4q + 3``.
+Those four columns are the lane's A-fragment values for one k16 step: the MMA's k slots
+``2q, 2q + 1, 2q + 8, 2q + 9`` are mapped to columns ``4q .. 4q + 3`` (any permutation of k is
+free if phi's rows follow it), so the rounded x' words feed the MMA, the HBM store and the
+shared-memory copy unchanged. ``cluster_ops.phi_fragments`` lays phi's bf16 parts out per
+(chunk, stream, part, n-tile, lane). The resident x' is ``[n, BT, HS]`` with 16-byte units XOR-
+swizzled by ``token % 8``: the stream pass's stores and the combination's 16-byte row reads are
+both free of bank conflicts.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cuda.bindings import driver as cuda
+from cutlass import Float32, Int32, Int64
+
+from . import cute_ptx as P
+from .cluster_shape import THREADS, WARPS, ClusterShape
+
+
+class MhcCluster:
+    def __init__(self, shape: ClusterShape) -> None:
+        assert not shape.problem, shape.problem
+        self.s = shape
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
+                 phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
+                 w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer,
+                 tokens: Int32, blocks: Int32, sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32,
+                 sit: Int32, eps: Float32, norm_eps: Float32, stream: cuda.CUstream):
+        s = self.s
+        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, tokens,
+                    sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
+            grid=[s.cl, blocks, 1], block=[THREADS, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
+               phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
+               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, tokens: Int32,
+               sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32,
+               eps: Float32, norm_eps: Float32):
+        s = self.s
+        n, bt, hs, kpad, kh_n = s.n, s.bt, s.hs, s.kpad, s.kh
+        tid, _, _ = cute.arch.thread_idx()
+        _, blk, _ = cute.arch.block_idx()
+        rank = Int32(cute.arch.block_idx_in_cluster())
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        q = lane % 4
+
+        smem = cutlass.memory.SmemAllocator()
+        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((s.smem - 1024,)), byte_alignment=1024)
+        xr = Int32(raw.iterator.toint())
+        stage0 = xr + s.xr_bytes
+        part = stage0 + s.stages * s.stage_bytes
+        hpre = part + s.part_bytes
+        hsq = hpre + s.hpre_bytes
+        wp = stage0  # per-warp partials, after the last stage is consumed
+
+        row0 = blk * bt
+        col0 = rank * hs
+        x_a, y_a, xo_a, phf_a = Int64(x.toint()), Int64(y.toint()), Int64(xo.toint()), Int64(phf.toint())
+
+        # ---- 1. stream pass ----------------------------------------------------------------
+        mt = warp // kh_n
+        kh = warp % kh_n
+        r0 = 16 * mt + g
+        r1 = r0 + 8
+        live0 = Int32(row0 + r0 < tokens)
+        live1 = Int32(row0 + r1 < tokens)
+        ls = (n + kh_n - 1) // kh_n  # streams a warp computes (some warps fewer)
+
+        # This warp's streams' coefficients for its two rows, loaded once.
+        coef = []
+        for si in cutlass.range_constexpr(ls):
+            i = kh + si * kh_n
+            ok = Int32(i < n)
+            per_row = []
+            for r, live in ((r0, live0), (r1, live1)):
+                t64 = Int64(row0 + r)
+                vals = []
+                if cutlass.const_expr(s.update):
+                    vals.append(P.ldg_f32(Int64(hp.toint()) + (t64 * n + i) * 4, live * ok))
+                    for j in cutlass.range_constexpr(n):
+                        vals.append(P.ldg_f32(Int64(hr.toint()) + ((t64 * n + i) * n + j) * 4, live * ok))
+                per_row.append(vals)
+            coef.append(per_row)
+
+        for c in cutlass.range_constexpr(s.stages - 1):
+            if c < s.nch:
+                self._issue(Int32(c), Int32(c), tid, stage0, col0, row0, rank, tokens, x_a, y_a, phf_a, sxt, sxn, syt)
+            else:
+                P.cp_async_commit()
+
+        acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
+        acc.fill(0.0)
+        ssq = cute.make_rmem_tensor((2,), Float32)
+        ssq.fill(0.0)
+        for ch in cutlass.range(s.nch, unroll=1):
+            P.cp_async_wait(s.stages - 2)
+            cute.arch.sync_threads()
+            nxt = ch + s.stages - 1
+            if nxt < s.nch:
+                self._issue(nxt, nxt % s.stages, tid, stage0, col0, row0, rank, tokens, x_a, y_a, phf_a, sxt, sxn,
+                            syt)
+            else:
+                P.cp_async_commit()
+            base = stage0 + (ch % s.stages) * s.stage_bytes
+            # Rows r0, r1 at columns 4q .. 4q + 3 of every stream and of y: two words a row.
+            xs = []
+            if cutlass.const_expr(s.update):
+                for j in cutlass.range_constexpr(n):
+                    xs.append((P.lds_v2(base + (j * bt + r0) * 32 + q * 8),
+                               P.lds_v2(base + (j * bt + r1) * 32 + q * 8)))
+                ys = (P.lds_v2(base + s.sx + r0 * 32 + q * 8), P.lds_v2(base + s.sx + r1 * 32 + q * 8))
+            for si in cutlass.range_constexpr(ls):
+                i = kh + si * kh_n
+                if i < n:
+                    words = []  # [row][2 words]
+                    for ri in cutlass.range_constexpr(2):
+                        if cutlass.const_expr(s.update):
+                            vals = coef[si][ri]
+                            yv = P.unpack(ys[ri][0]) + P.unpack(ys[ri][1])
+                            xv = [P.unpack(xs[j][ri][0]) + P.unpack(xs[j][ri][1]) for j in range(n)]
+                            mixed = []
+                            for e in cutlass.range_constexpr(4):
+                                v = vals[0] * yv[e]
+                                for j in cutlass.range_constexpr(n):
+                                    v = P.fma(vals[1 + j], xv[j][e], v)
+                                mixed.append(v)
+                            row_words = [P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])]
+                        else:
+                            rr = r0 if ri == 0 else r1
+                            row_words = P.lds_v2(base + (i * bt + rr) * 32 + q * 8)
+                        words.append(row_words)
+                        for wv in row_words:
+                            lo, hi = P.unpack(wv)
+                            ssq[ri] = P.fma(hi, hi, P.fma(lo, lo, ssq[ri]))
+                    r_pairs = ((r0, live0), (r1, live1))
+                    for ri in cutlass.range_constexpr(2):
+                        r, live = r_pairs[ri]
+                        if cutlass.const_expr(s.update):
+                            dst = xo_a + (Int64(row0 + r) * sot + Int64(i) * son + Int64(col0 + ch * 16 + 4 * q)) * 2
+                            P.stg_v2(dst, words[ri][0], words[ri][1], live)
+                        unit = (2 * ch + q // 2) ^ (r % 8)
+                        P.sts_v2(xr + (i * bt + r) * (hs * 2) + unit * 16 + (q % 2) * 8, words[ri][0], words[ri][1])
+                    a = (words[0][0], words[1][0], words[0][1], words[1][1])
+                    phi_base = base + s.sx + s.sy + i * (3 * s.nt * 256) + lane * 8
+                    for p in cutlass.range_constexpr(3):
+                        part_idx = 2 - p  # the smallest part first
+                        for nt in cutlass.range_constexpr(s.nt):
+                            b = P.lds_v2(phi_base + (part_idx * s.nt + nt) * 256)
+                            d = P.mma_bf16(a, b, [acc[nt * 4 + e] for e in range(4)])
+                            for e in cutlass.range_constexpr(4):
+                                acc[nt * 4 + e] = d[e]
+        P.cp_async_wait(0)
+        cute.arch.sync_threads()
+
+        # Per-warp partials -> shared memory, then summed over the warps of each m-tile in order.
+        ssq0 = ssq[0] + P.shfl_xor(ssq[0], 1)
+        ssq0 = ssq0 + P.shfl_xor(ssq0, 2)
+        ssq1 = ssq[1] + P.shfl_xor(ssq[1], 1)
+        ssq1 = ssq1 + P.shfl_xor(ssq1, 2)
+        row_bytes = (kpad + 1) * 4
+        wbase = wp + warp * 16 * row_bytes
+        for nt in cutlass.range_constexpr(s.nt):
+            col = 8 * nt + 2 * q
+            P.sts_f32(wbase + g * row_bytes + col * 4, acc[nt * 4])
+            P.sts_f32(wbase + g * row_bytes + (col + 1) * 4, acc[nt * 4 + 1])
+            P.sts_f32(wbase + (g + 8) * row_bytes + col * 4, acc[nt * 4 + 2])
+            P.sts_f32(wbase + (g + 8) * row_bytes + (col + 1) * 4, acc[nt * 4 + 3])
+        if q == 0:
+            P.sts_f32(wbase + g * row_bytes + kpad * 4, ssq0)
+            P.sts_f32(wbase + (g + 8) * row_bytes + kpad * 4, ssq1)
+        cute.arch.sync_threads()
+        cells = bt * (kpad + 1)
+        for k in cutlass.range_constexpr((cells + THREADS - 1) // THREADS):
+            idx = tid + k * THREADS
+            if idx < cells:
+                t = idx // (kpad + 1)
+                col = idx - t * (kpad + 1)
+                src = wp + ((t // 16) * kh_n * 16 + t % 16) * row_bytes + col * 4
+                tot = P.lds_f32(src)
+                for kk in cutlass.range_constexpr(1, kh_n):
+                    tot = tot + P.lds_f32(src + kk * 16 * row_bytes)
+                P.sts_f32(part + idx * 4, tot)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+        # ---- 2. coefficients of this CTA's tokens ---------------------------------------------
+        if warp < s.tpc:
+            t = rank * s.tpc + warp
+            live = Int32(row0 + t < tokens)
+            # Lanes past kpad read column kpad again; nothing uses their values.
+            src = part + (t * (kpad + 1) + cutlass.min(lane, kpad)) * 4
+            tot = P.ld_cluster_f32(P.mapa(src, Int32(0)))
+            for cr in cutlass.range_constexpr(1, s.cl):
+                tot = tot + P.ld_cluster_f32(P.mapa(src, Int32(cr)))
+            rstd = P.rsqrt(P.shfl_idx(tot, Int32(kpad)) / Float32(n * s.c) + eps)
+            v = tot * rstd
+            al = Int64(alpha.toint())
+            is_pre = Int32(lane < n)
+            is_post = Int32((lane >= n) & (lane < 2 * n))
+            is_res = Int32((lane >= 2 * n) & (lane < s.k))
+            a_pre = P.ldg_f32(al, Int32(1))
+            a_post = P.ldg_f32(al + 4, Int32(1))
+            a_res = P.ldg_f32(al + 8, Int32(1))
+            b_pre = P.ldg_f32(Int64(bpre.toint()) + Int64(lane) * 4, is_pre)
+            b_post = P.ldg_f32(Int64(bpost.toint()) + Int64(lane - n) * 4, is_post)
+            b_res = P.ldg_f32(Int64(bres.toint()) + Int64(lane - 2 * n) * 4, is_res)
+            h_pre = P.sigmoid(P.fma(a_pre, v, b_pre))
+            h_post = Float32(2.0) * P.sigmoid(P.fma(a_post, v, b_post))
+            lg = P.sel(is_res, P.fma(a_res, v, b_res), Float32(-float("inf")))
+            top = lg
+            for m_ in (16, 8, 4, 2, 1):
+                top = P.fmax(top, P.shfl_xor(top, m_))
+            zero = Float32(0.0)
+            m = P.sel(is_res, P.fmax(P.exp(lg - top), Float32(1.1754943508222875e-38)), zero)
+            # Lane 2n + i n + j holds H_res[i, j]; the other lanes read valid lanes and keep 0.
+            cell = (lane - 2 * n) * is_res
+            ri = cell // n
+            cj = cell - ri * n
+            for _ in cutlass.range(s.iters, unroll=1):
+                csum = P.shfl_idx(m, 2 * n + cj)
+                for i2 in cutlass.range_constexpr(1, n):
+                    csum = csum + P.shfl_idx(m, 2 * n + i2 * n + cj)
+                m = P.sel(is_res, P.div(m, csum), zero)
+                rsum = P.shfl_idx(m, 2 * n + ri * n)
+                for j2 in cutlass.range_constexpr(1, n):
+                    rsum = rsum + P.shfl_idx(m, 2 * n + ri * n + j2)
+                m = P.sel(is_res, P.div(m, rsum), zero)
+            tg = Int64(row0 + t)
+            P.stg_f32(Int64(hpo.toint()) + (tg * n + lane - n) * 4, h_post, live * is_post)
+            P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, m, live * is_res)
+            if is_pre != 0:
+                for cr in cutlass.range_constexpr(s.cl):
+                    P.st_cluster_f32(P.mapa(hpre + (t * n + lane) * 4, Int32(cr)), h_pre)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+        # ---- 3. combination and norm over the CTA's columns ---------------------------------
+        per_lane = (s.units + 31) // 32
+        w_a = Int64(w32.toint()) + Int64(col0) * 4
+        for e in cutlass.range_constexpr(bt // WARPS):
+            t = warp + e * WARPS
+            sq = Float32(0.0)
+            for f in cutlass.range_constexpr(per_lane):
+                u = lane + 32 * f
+                if u < s.units:
+                    h = self._mix(xr, hpre, t, u)
+                    for v in h:
+                        sq = P.fma(v, v, sq)
+            for m_ in (16, 8, 4, 2, 1):
+                sq = sq + P.shfl_xor(sq, m_)
+            if lane == 0:
+                for cr in cutlass.range_constexpr(s.cl):
+                    P.st_cluster_f32(P.mapa(hsq + (rank * bt + t) * 4, Int32(cr)), sq)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        for e in cutlass.range_constexpr(bt // WARPS):
+            t = warp + e * WARPS
+            live = Int32(row0 + t < tokens)
+            tot = P.lds_f32(hsq + t * 4)
+            for cr in cutlass.range_constexpr(1, s.cl):
+                tot = tot + P.lds_f32(hsq + (cr * bt + t) * 4)
+            r2 = P.rsqrt(tot / Float32(s.c) + norm_eps)
+            for f in cutlass.range_constexpr(per_lane):
+                u = lane + 32 * f
+                if u < s.units:
+                    h = self._mix(xr, hpre, t, u)
+                    wv = P.ldg_v4_f32(w_a + Int64(u) * 32) + P.ldg_v4_f32(w_a + Int64(u) * 32 + 16)
+                    o = [P.pack((h[2 * k] * r2) * wv[2 * k], (h[2 * k + 1] * r2) * wv[2 * k + 1]) for k in range(4)]
+                    dst = Int64(out.toint()) + (Int64(row0 + t) * sit + Int64(col0 + 8 * u)) * 2
+                    P.stg_v4(dst, o[0], o[1], o[2], o[3], live)
+
+    @cute.jit
+    def _issue(self, chunk, stage, tid, stage0, col0, row0, rank, tokens, x_a, y_a, phf_a, sxt, sxn, syt):
+        """cp.async of chunk ``chunk``'s stream tiles, y tile and phi fragments into stage ``stage``, one group."""
+        s = self.s
+        n, bt = s.n, s.bt
+        base = stage0 + stage * s.stage_bytes
+        c_off = col0 + chunk * 16
+        px = n * bt * 2
+        py = bt * 2 if s.update else 0
+        total = px + py + s.phi_chunk // 16
+        for k in cutlass.range_constexpr((total + THREADS - 1) // THREADS):
+            idx = tid + k * THREADS
+            if idx < px:
+                j = idx // (2 * bt)
+                rem = idx - j * (2 * bt)
+                row = rem // 2
+                half = rem % 2
+                live = Int32(row0 + row < tokens)
+                off = (Int64(row0 + row) * sxt + Int64(j) * sxn + Int64(c_off + 8 * half)) * 2
+                P.cp_async16(base + (j * bt + row) * 32 + half * 16, x_a + off * Int64(live), 16 * live)
+            elif idx < px + py:
+                rem = idx - px
+                row = rem // 2
+                half = rem % 2
+                live = Int32(row0 + row < tokens)
+                off = (Int64(row0 + row) * syt + Int64(c_off + 8 * half)) * 2
+                P.cp_async16(base + s.sx + row * 32 + half * 16, y_a + off * Int64(live), 16 * live)
+            elif idx < total:
+                pi = idx - px - py
+                src = phf_a + Int64(rank * s.nch + chunk) * s.phi_chunk + Int64(pi * 16)
+                P.cp_async16(base + s.sx + s.sy + pi * 16, src, Int32(16))
+        P.cp_async_commit()
+
+    @cute.jit
+    def _mix(self, xr, hpre, t, u):
+        """s = sum_j H_pre[t, j] x'_j over the 8 columns of unit ``u`` of token ``t``, FP32."""
+        s = self.s
+        h = [Float32(0.0)] * 8
+        for j in cutlass.range_constexpr(s.n):
+            c = P.lds_f32(hpre + (t * s.n + j) * 4)
+            wds = P.lds_v4(xr + (j * s.bt + t) * (s.hs * 2) + (u ^ (t % 8)) * 16)
+            vals = []
+            for wv in wds:
+                lo, hi = P.unpack(wv)
+                vals += [lo, hi]
+            h = [P.fma(c, vals[k], h[k]) for k in range(8)]
+        return h
+
+
+def compile_cluster(shape: ClusterShape, ptx_dir: str = ""):
+    """Compile one variant ahead of time from placeholder pointers and stream (no GPU needed, with
+    ``CUTE_DSL_ARCH=sm_90a``). Called as ``f(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out,
+    hpo, hro, tokens, blocks, sxt, sxn, syt, sot, son, sit, eps, norm_eps, stream)`` with pointers from
+    ``cutlass.cute.runtime.make_ptr`` (bf16 streams, FP32 coefficients, parameters and weight)."""
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    def ptr(dtype, align=16):
+        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
+
+    bf, f32 = cutlass.BFloat16, Float32
+    args = [ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(f32, 4),
+            ptr(f32, 4), ptr(f32), ptr(bf), ptr(f32, 4), ptr(f32, 4)]
+    ints = [Int32(1)] * 8
+    options = f"--keep-ptx --dump-dir={ptx_dir}" if ptx_dir else None
+    return cute.compile(MhcCluster(shape), *args, *ints, Float32(1e-6), Float32(1e-6), make_fake_stream(),
+                        options=options)

@@ -1,0 +1,170 @@
+"""PTX one-liners for ``cute_cluster``: the CuTe DSL kernel is written as SIMT code over raw
+addresses (shared-memory addresses as 32-bit integers, global ones as 64-bit), and these wrap the
+instructions it needs that have no plain DSL spelling: cp.async with zero fill, vector loads and
+stores, ``mma.sync`` on bf16, the distributed-shared-memory accesses of a cluster, and the
+bit tricks between bf16 pairs and FP32. Imports ``cutlass``: load through ``cute_cluster`` only.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+
+
+def _v(a):
+    return a.ir_value() if hasattr(a, "ir_value") else a
+
+
+def asm(ret, args, text: str, cons: str, side: bool = True):
+    return llvm.inline_asm(ret, [_v(a) for a in args], text, cons, has_side_effects=side, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _fields(res, kind, count: int):
+    return [llvm.extractvalue(kind, res, [i]) for i in range(count)]
+
+
+def _struct(kind, count: int):
+    return llvm.StructType.get_literal([kind] * count)
+
+
+# --- shared memory (32-bit addresses) -------------------------------------------------------
+
+def lds_v2(addr):
+    r = asm(_struct(T.i32(), 2), [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r")
+    return [Int32(v) for v in _fields(r, T.i32(), 2)]
+
+
+def lds_v4(addr):
+    r = asm(_struct(T.i32(), 4), [addr], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r")
+    return [Int32(v) for v in _fields(r, T.i32(), 4)]
+
+
+def lds_f32(addr):
+    return Float32(asm(T.f32(), [addr], "ld.shared.f32 $0, [$1];", "=f,r"))
+
+
+def sts_v2(addr, a, b):
+    asm(None, [addr, a, b], "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r")
+
+
+def sts_f32(addr, v):
+    asm(None, [addr, v], "st.shared.f32 [$0], $1;", "r,f")
+
+
+def cp_async16(dst, src, nbytes):
+    # nbytes < 16 zero-fills the rest: masked rows arrive as zeros.
+    asm(None, [dst, src, nbytes], "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r")
+
+
+def cp_async_commit():
+    asm(None, [], "cp.async.commit_group;", "")
+
+
+def cp_async_wait(pending: int):
+    asm(None, [], f"cp.async.wait_group {pending};", "")
+
+
+# --- the cluster's distributed shared memory ----------------------------------------------
+
+def mapa(addr, rank):
+    return Int32(asm(T.i32(), [addr, rank], "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", side=False))
+
+
+def ld_cluster_f32(addr):
+    return Float32(asm(T.f32(), [addr], "ld.shared::cluster.f32 $0, [$1];", "=f,r"))
+
+
+def st_cluster_f32(addr, v):
+    asm(None, [addr, v], "st.shared::cluster.f32 [$0], $1;", "r,f")
+
+
+# --- global memory (64-bit addresses), predicated ---------------------------------------
+
+def ldg_f32(addr, live):
+    return Float32(asm(T.f32(), [addr, live],
+                       "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.f32 $0, [$1]; }",
+                       "=f,l,r"))
+
+
+def ldg_v4_f32(addr):
+    r = asm(_struct(T.f32(), 4), [addr], "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")
+    return [Float32(v) for v in _fields(r, T.f32(), 4)]
+
+
+def stg_v2(addr, a, b, live):
+    asm(None, [addr, a, b, live],
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.b32 [$0], {$1, $2}; }", "l,r,r,r")
+
+
+def stg_v4(addr, a, b, c, d, live):
+    asm(None, [addr, a, b, c, d, live],
+        "{ .reg .pred p; setp.ne.b32 p, $5, 0; @p st.global.v4.b32 [$0], {$1, $2, $3, $4}; }", "l,r,r,r,r,r")
+
+
+def stg_f32(addr, v, live):
+    asm(None, [addr, v, live], "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.f32 [$0], $1; }", "l,f,r")
+
+
+# --- bf16 pairs and FP32 ------------------------------------------------------------------
+
+def unpack(word):
+    """A bf16x2 word -> (low element, high element) as FP32, exactly."""
+    r = asm(_struct(T.f32(), 2), [word], "shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, 0xffff0000;", "=f,=f,r", side=False)
+    lo, hi = _fields(r, T.f32(), 2)
+    return Float32(lo), Float32(hi)
+
+
+def pack(lo, hi):
+    """Two FP32 values rounded to nearest even into one bf16x2 word (``lo`` in the low half)."""
+    return Int32(asm(T.i32(), [hi, lo], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", side=False))
+
+
+def mma_bf16(a, b, c):
+    """``mma.sync.m16n8k16`` bf16 x bf16 + FP32: ``a`` 4 words, ``b`` 2 words, ``c`` 4 FP32."""
+    r = asm(_struct(T.f32(), 4), list(a) + list(b) + list(c),
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+            "{$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side=False)
+    return [Float32(v) for v in _fields(r, T.f32(), 4)]
+
+
+def shfl_xor(v, mask: int):
+    return Float32(asm(T.f32(), [v], f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, 0xffffffff;", "=f,f"))
+
+
+def shfl_idx(v, lane):
+    return Float32(asm(T.f32(), [v, lane], "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=f,f,r"))
+
+
+def fmax(a, b):
+    return Float32(asm(T.f32(), [a, b], "max.f32 $0, $1, $2;", "=f,f,f", side=False))
+
+
+def rsqrt(v):
+    # What Triton's tl.rsqrt emits, so both kernels normalize alike.
+    return Float32(asm(T.f32(), [v], "rsqrt.approx.f32 $0, $1;", "=f,f", side=False))
+
+
+def exp(v):
+    # exp(v) = 2^(v log2 e), as Triton's tl.exp on FP32.
+    return Float32(asm(T.f32(), [v], "{ .reg .f32 t; mul.f32 t, $1, 0f3FB8AA3B; ex2.approx.f32 $0, t; }", "=f,f",
+                       side=False))
+
+
+def div(a, b):
+    return Float32(asm(T.f32(), [a, b], "div.rn.f32 $0, $1, $2;", "=f,f,f", side=False))
+
+
+def sigmoid(v):
+    return div(Float32(1.0), Float32(1.0) + exp(-v))
+
+
+def fma(a, b, c):
+    return Float32(asm(T.f32(), [a, b, c], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", side=False))
+
+
+def sel(cond, a, b):
+    """``a`` where the Int32 ``cond`` is nonzero, else ``b`` (FP32)."""
+    return Float32(asm(T.f32(), [cond, a, b], "{ .reg .pred p; setp.ne.b32 p, $1, 0; selp.f32 $0, $2, $3, p; }",
+                       "=f,r,f,f", side=False))

@@ -1,0 +1,166 @@
+"""The MHC cluster kernel (``layer_boundary_mhc.cute_cluster``, CuTe DSL, one thread-block cluster per
+token block with x' kept in shared memory).
+
+On the CPU: phi's fragment layout against the mma.sync register mapping the kernel uses (emulated
+from the PTX definition of m16n8k16), the shape plan and its refusals, and, where the CuTe DSL
+imports, the sm_90a compile. On an H200 (``-m gpu``): every output against the reference within the
+tolerance table, bitwise replays, CUDA-graph capture, and the Triton kernels' results.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from layer_boundary_mhc.cluster_ops import cluster_shape, phi_fragments
+from layer_boundary_mhc.cluster_shape import ClusterShape
+from layer_boundary_mhc.projection import bf16_parts
+
+
+def _lane_fragments(xt: torch.Tensor, frag: torch.Tensor, ch: int, i: int, part: int, nt: int):
+    """The A matrix (16 x 16, k slots) and B matrix (16 x 8) that mma.sync sees when each lane
+    ``(g, q)`` passes the kernel's registers: x' rows g, g + 8 at columns 4q .. 4q + 3 of chunk
+    ``ch`` (``xt``: [16, C] of one stream), and phi's fragment words."""
+    a = torch.zeros(16, 16, dtype=torch.float64)
+    b = torch.zeros(16, 8, dtype=torch.float64)
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        cols = [16 * ch + 4 * q + e for e in range(4)]
+        regs = [(g, cols[0:2]), (g + 8, cols[0:2]), (g, cols[2:4]), (g + 8, cols[2:4])]
+        # PTX m16n8k16 A: a0 = (row g, k 2q, 2q+1), a1 = (g+8, same), a2 = (g, k 2q+8, +9), a3 = (g+8, ...)
+        slots = [(g, 2 * q), (g + 8, 2 * q), (g, 2 * q + 8), (g + 8, 2 * q + 8)]
+        for (row, c2), (srow, k0) in zip(regs, slots):
+            assert row == srow
+            a[row, k0], a[row, k0 + 1] = float(xt[row, c2[0]]), float(xt[row, c2[1]])
+        # B: b0 = (k 2q, 2q+1; n g), b1 = (k 2q+8, 2q+9; n g)
+        vals = frag[ch, i, part, nt, g, q].double()
+        b[2 * q, g], b[2 * q + 1, g], b[2 * q + 8, g], b[2 * q + 9, g] = vals
+    return a, b
+
+
+@pytest.mark.parametrize("n,c", [(4, 64), (3, 32), (2, 48)])
+def test_phi_fragments_follow_the_kernels_mma_mapping(n, c):
+    g = torch.Generator().manual_seed(n * c)
+    k = n * n + 2 * n
+    phi = torch.randn(n * c, k, generator=g) * 0.02
+    xs = torch.randn(n, 16, c, generator=g).to(torch.bfloat16)
+    frag = phi_fragments(phi, n)
+    nt_count = (k + 7) // 8
+    assert frag.shape == (c // 16, n, 3, nt_count, 8, 4, 4) and frag.dtype == torch.bfloat16
+    # The three parts sum to phi bit for bit, as projection.bf16_parts does.
+    parts = frag.permute(2, 1, 0, 5, 6, 3, 4).reshape(3, n * c, 8 * nt_count).double()
+    assert torch.equal(parts.sum(0)[:, :k], phi.double()) and not parts[:, :, k:].any()
+    np_ = 4 if n > 2 else 2
+    kp = max(16, 1 << k.bit_length())
+    joined = bf16_parts(phi, n, np_, kp).view(3, c, np_, kp)[:, :, :n, :k].permute(0, 2, 1, 3).reshape(3, n * c, k)
+    assert torch.equal(parts[:, :, :k].to(torch.bfloat16), joined)
+    want = sum(xs[i].double() @ phi[i * c:(i + 1) * c].double() for i in range(n))  # [16, K]
+    got = torch.zeros(16, 8 * nt_count, dtype=torch.float64)
+    for ch in range(c // 16):
+        for i in range(n):
+            for part in range(3):
+                for nt in range(nt_count):
+                    a, b = _lane_fragments(xs[i], frag, ch, i, part, nt)
+                    got[:, 8 * nt:8 * nt + 8] += a @ b
+    assert torch.allclose(got[:, :k], want, rtol=0, atol=1e-12), (got[:, :k] - want).abs().max()
+
+
+def test_shape_plan_and_refusals():
+    s = cluster_shape(4, 4096, True)
+    assert (s.cl, s.bt, s.hs, s.nch, s.k, s.nt, s.problem) == (16, 64, 256, 16, 24, 3, "")
+    assert s.xr_bytes == 128 * 1024 and s.smem <= 227 * 1024 and s.stages >= 2
+    wide = cluster_shape(4, 7168, True)
+    assert (wide.cl, wide.bt, wide.problem) == (16, 32, "")
+    assert cluster_shape(2, 2048, False).problem == ""
+    assert "at most 4" in ClusterShape(8, 4096, 16, 64, True, 20).problem
+    assert "multiple of 256" in ClusterShape(4, 4000, 16, 64, True, 20).problem
+    assert "shared memory" in ClusterShape(4, 8192, 16, 64, True, 20).problem
+    assert cluster_shape(4, 1000, True).problem  # no cluster of 16 or 8 divides it into 16-column chunks
+
+
+def _cute():
+    try:
+        from layer_boundary_mhc import cute_cluster
+    except Exception as e:
+        pytest.skip(f"the CuTe DSL is not importable here ({type(e).__name__}: {e})")
+    return cute_cluster
+
+
+@pytest.mark.parametrize("n,c,update", [(4, 4096, True), (4, 7168, True), (3, 2048, False)])
+def test_cluster_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    mod = _cute()
+    shape = cluster_shape(n, c, update)
+    ptx = mod.compile_cluster(shape, str(tmp_path)).__ptx__
+    assert ".target sm_90a" in ptx
+    streams_per_warp = -(-n // shape.kh)
+    # One k16 step a stream and chunk: 3 parts x NT n-tiles of mma.sync, in the chunk loop.
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)) == \
+        streams_per_warp * 3 * shape.nt
+    assert "barrier.cluster.arrive" in ptx and "mapa.shared::cluster" in ptx
+    assert ("st.global.v2.b32" in ptx) == update  # x' is stored only by an update
+
+
+# -- GPU ---------------------------------------------------------------------------------------------
+
+def _gpu_ready():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    _cute()
+
+
+CASES = [(8192, 4, 4096), (1, 4, 4096), (100, 4, 4096), (1100, 4, 7168), (333, 2, 2048), (70, 3, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,n,c", CASES, ids=str)
+@pytest.mark.parametrize("op", ["update+read", "read"])
+def test_gpu_cluster_matches_reference(t, n, c, op):
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import accuracy, cluster_ops
+
+    params = _params(n, c)
+    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, stride=8)
+    if op == "read":
+        got = cluster_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0)
+        again = cluster_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0)
+        kw = {}
+    else:
+        got = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
+        again = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
+        kw = dict(y=y, h_post=h_post, h_res=h_res)
+    accuracy.assert_matches_reference(op, got, x, params=params, norm_weight=w, norm_eps=1e-6, norm_offset=1.0,
+                                      where=f"cluster T={t} n={n} C={c}", **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "replays differ"
+    if op == "update+read":
+        from layer_boundary_mhc import triton_ops
+
+        tri = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
+        # The same mix (FMAs in the same order, one rounding): the same x'.
+        assert torch.equal(tri[0], got[0]), "x' differs from the Triton kernel's"
+
+
+@pytest.mark.gpu
+def test_gpu_cluster_under_cuda_graph_capture():
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import cluster_ops
+
+    t, n, c = 4096, 4, 4096
+    params = _params(n, c)
+    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
+    cluster_ops.prepare_cluster(n, c)
+    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+    outs = [torch.empty_like(e) for e in eager]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, streams_out=outs[0], out=outs[1],
+                                            h_post_out=outs[2], h_res_out=outs[3])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, outs))
