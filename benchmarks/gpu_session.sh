@@ -29,10 +29,9 @@
 #   k  bench mhc at H = 7168 on GPU 1; the one-launch / two-launch tests on GPU 0
 #   l  one GPU: decode and mid sizes (one launch and two) after the finish's dead-row skip, then
 #      the tests it touches
-#   u  (carry .cute1a, one GPU): the first part of the CuTe DSL libraries; meanwhile the joined stream pass at
-#      128-token blocks (phi read from L2 half as often) beside the defaults, T = 1024 and 8192
-#   m  (carry .cute1b and .cute2, right after u): the rest, unpacked and installed; the MHC cluster kernel (CuTe DSL): its GPU tests, then bench mhc
-#      (update+read at H = 4096 and 7168, read at 8192) with the Triton kernels beside it
+#   u  (carry .cute1a, one GPU): the first part of the CuTe DSL libraries, kept for stage m
+#   m  (carry .cute1b and .cute2, right after u): the rest, unpacked and installed; the MHC cluster
+#      kernel's GPU tests, then its variants (MHC_CLUSTER_VARIANTS) beside the Triton two launches
 #   w  every GPU visible (4 or 8: the 4- and 8-GPU issue): the NCCL parallel matrix at 2, 4 and 8
 #      ranks, bench allreduce --world N and bench decode --tp 1 2 N (dated records)
 # Logs and results go to $OUT (the device tool brings them back).
@@ -215,24 +214,23 @@ l)
 u)
   # The recompressed library (61 MiB) and the tree are over one call's 64 MiB: its first 42 MiB
   # (split -b 42M .cute1/cu13.tar.xz: .cute1a/ *.aa) wait here for stage m, which brings the rest.
-  mkdir -p /tmp/cute_parts && cp .cute1a/* /tmp/cute_parts/ || exit 1
-  versions | tee "$OUT/versions-u.txt"
-  ( cd benchmarks/sweeps && timeout 200 python3 mhc_variants.py "" "JOINED_BLOCK_TOKENS=16,64,128 JOINED_WARPS=8,4,8" \
-      --tokens 1024 8192 > "$OUT/mhc-variants-bt128.log" 2>&1 )
-  cat "$OUT/mhc-variants-bt128.log"
+  mkdir -p /tmp/cute_parts && cp .cute1a/* /tmp/cute_parts/ && echo "part 1 in place" || exit 1
   ;;
 m)
   [ -f /tmp/cute_parts/cu13part.aa ] || { echo "machine not warm: redo stage u"; exit 3; }
   mkdir -p /tmp/site && cat /tmp/cute_parts/cu13part.aa .cute1b/* | xz -T8 -dc | tar -xf - -C /tmp/site || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 .cute2/*.whl \
-    && cp -rn /tmp/site2/. /tmp/site/ || exit 1
+    && cp -rn /tmp/site2/. /tmp/site/ 2>/dev/null || exit 1
   cute_env
   versions | tee "$OUT/versions-m.txt"
-  pt 240 -m gpu tests/test_mhc_cluster.py -rf -x > "$OUT/m-tests.log" 2>&1; tail -40 "$OUT/m-tests.log"
-  timeout 150 layer-boundary bench mhc --tokens 1 128 1024 8192 32768 --hidden 4096 --ops update+read \
-    --out "$OUT" > "$OUT/bench-mhc-4096.log" 2>&1; cat "$OUT/bench-mhc-4096.log" | grep -v "^ *$" | tail -32
-  mkdir -p "$OUT/h7168"; timeout 120 layer-boundary bench mhc --tokens 1024 8192 --hidden 7168 --ops update+read read \
-    --out "$OUT/h7168" > "$OUT/bench-mhc-7168.log" 2>&1; cat "$OUT/bench-mhc-7168.log" | grep -v "^ *$" | tail -24
+  pt 200 -m gpu tests/test_mhc_cluster.py -rf > "$OUT/m-tests.log" 2>&1; grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
+  tail -2 "$OUT/m-tests.log"
+  # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items) at H = 4096, then H = 7168.
+  ( cd benchmarks/sweeps && eval "timeout 200 python3 mhc_cluster_variants.py ${MHC_CLUSTER_VARIANTS:-\"\"} --tokens 1024 8192 --phases" \
+      > "$OUT/cluster-variants.log" 2>&1
+    eval "timeout 120 python3 mhc_cluster_variants.py ${MHC_CLUSTER_VARIANTS_WIDE:-\"\"} --hidden 7168 --tokens 1024 8192" \
+      >> "$OUT/cluster-variants.log" 2>&1 )
+  cat "$OUT/cluster-variants.log"
   ;;
 w)
   versions | tee "$OUT/versions-w.txt"

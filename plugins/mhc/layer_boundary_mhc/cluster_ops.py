@@ -23,14 +23,20 @@ import torch
 from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem", "phi_fragments",
-           "prepare_cluster", "CLUSTER", "BLOCK_TOKENS"]
+           "prepare_cluster", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS"]
 
-# Preferred cluster size and tokens a block (the largest block whose x' slice fits shared memory is
-# taken, at most BLOCK_TOKENS): 16 CTAs (a non-portable size Hopper allows) split H = 4096 into
-# 256-column slices, 64 tokens x 4 streams x 256 columns = 128 KiB of x' a CTA, and phi's fragments
-# are read from L2 once per 64 tokens.
+# The preferred variant (``cluster_shape`` falls back to smaller blocks, then to clusters of 8 and
+# one CTA an SM, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS tokens, WARPS warps a
+# CTA, shared memory sized for CTAS CTAs an SM. 16 CTAs (a non-portable size Hopper allows) split
+# H = 4096 into 256-column slices: 64 tokens x 4 streams x 256 columns = 128 KiB of x' a CTA, and
+# phi's fragments are read from L2 once per 64 tokens.
 CLUSTER = 16
 BLOCK_TOKENS = 64
+WARPS = 8
+CTAS = 1
+# An int64 CUDA tensor of at least blocks x cluster x 12 values: calls then run the profiled
+# variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES). Sweeps only.
+PROFILE: Optional[torch.Tensor] = None
 
 
 def phi_fragments(phi: torch.Tensor, n: int) -> torch.Tensor:
@@ -57,17 +63,16 @@ def phi_fragments(phi: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def cluster_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
-    """The variant for these sizes (``cute_cluster.ClusterShape``), or one whose ``problem`` says why none fits."""
+    """The variant for these sizes (``cluster_shape.ClusterShape``), or one whose ``problem`` says why none fits."""
     from .cluster_shape import ClusterShape
 
+    tries = [(CLUSTER, BLOCK_TOKENS, WARPS, CTAS)]
+    tries += [(cl, bt, 8, 1) for cl in (CLUSTER, 8) for bt in (64, 32, 16) if bt <= BLOCK_TOKENS]
     shape = None
-    for cl in (CLUSTER, 8):
-        for bt in (64, 32, 16):
-            if bt > BLOCK_TOKENS:
-                continue
-            shape = ClusterShape(n, hidden, cl, bt, update, iters)
-            if not shape.problem:
-                return shape
+    for cl, bt, warps, ctas in tries:
+        shape = ClusterShape(n, hidden, cl, bt, update, iters, warps=warps, ctas=ctas, profile=PROFILE is not None)
+        if not shape.problem:
+            return shape
     return shape
 
 
@@ -109,7 +114,8 @@ _CACHE: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def _compiled(shape: Any) -> Any:
-    key = (shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters)
+    key = (shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps, shape.ctas, shape.stages,
+           shape.profile)
     fn = _COMPILED.get(key)
     if fn is None:
         if torch.cuda.is_current_stream_capturing():
@@ -174,7 +180,7 @@ def _run(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tens
 
     def ptr(v: Optional[torch.Tensor], like: torch.Tensor, align: int = 16) -> Any:
         v = like if v is None else v
-        el = cutlass.BFloat16 if v.dtype == torch.bfloat16 else cutlass.Float32
+        el = {torch.bfloat16: cutlass.BFloat16, torch.int64: cutlass.Int64}.get(v.dtype, cutlass.Float32)
         return make_ptr(el, v.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
     yy = y if update else x
@@ -182,7 +188,7 @@ def _run(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tens
     fn(ptr(x, x), ptr(yy, x), ptr(h_post, h_post_out, 4), ptr(h_res, h_res_out, 4), ptr(xo, x), ptr(phf, phf),
        ptr(alpha, alpha, 4), ptr(b_pre, b_pre, 4), ptr(b_post, b_post, 4), ptr(b_res, b_res, 4), ptr(w32, w32),
        ptr(out, out), ptr(h_post_out, h_post_out, 4), ptr(h_res_out, h_res_out, 4),
-       t, (t + shape.bt - 1) // shape.bt, x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1),
+       ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), t, (t + shape.bt - 1) // shape.bt, x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1),
        out.stride(0), float(params.eps), float(norm_eps), cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
     return streams_out, out, h_post_out, h_res_out
 

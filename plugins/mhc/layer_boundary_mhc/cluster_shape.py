@@ -3,24 +3,33 @@ why a shape does not fit. No ``cutlass`` import, so eligibility is decided anywh
 
 from __future__ import annotations
 
-WARPS = 8
-THREADS = 32 * WARPS
+# Shared memory an SM gives its CTAs (228 KiB on Hopper, 1 KiB of it reserved per CTA), and the
+# most one CTA may take.
+SM_SMEM = 228 * 1024
 SMEM_LIMIT = 227 * 1024
 
 
+# Phase boundaries a profiled CTA stamps (globaltimer ns and SM id, 16 bytes each).
+PHASES = ("start", "streamed", "partials shared", "coefficients shared", "norms shared", "end")
+
+
 class ClusterShape:
-    """Compile-time shape of one variant (n streams, hidden size C, cluster CL, block BT)."""
+    """Compile-time shape of one variant: n streams, hidden size C, ``cluster`` CTAs a block of
+    ``block_tokens``, ``warps`` a CTA, shared memory sized for ``ctas`` CTAs an SM (two let one CTA's
+    cluster exchanges overlap another's stream pass), ``stages`` chunks in flight (0: as many as fit,
+    at most 6); ``profile``: each CTA stamps the time at its phase boundaries (``PHASES``)."""
 
     def __init__(self, n: int, hidden: int, cluster: int, block_tokens: int, update: bool, iters: int,
-                 stages: int = 0) -> None:
+                 stages: int = 0, warps: int = 8, ctas: int = 1, profile: bool = False) -> None:
         self.n, self.c, self.cl, self.bt, self.update, self.iters = n, hidden, cluster, block_tokens, update, iters
+        self.warps, self.threads, self.ctas, self.profile = warps, 32 * warps, ctas, profile
         self.hs = hidden // cluster
         self.nch = self.hs // 16
         self.k = n * n + 2 * n
         self.nt = (self.k + 7) // 8
         self.kpad = 8 * self.nt
         self.mt = block_tokens // 16
-        self.kh = WARPS // self.mt
+        self.kh = max(1, warps // self.mt)
         self.tpc = block_tokens // cluster
         self.units = self.hs // 8
         self.xr_bytes = n * block_tokens * self.hs * 2
@@ -29,11 +38,12 @@ class ClusterShape:
         self.phi_chunk = n * 3 * self.nt * 256
         self.stage_bytes = self.sx + self.sy + self.phi_chunk
         self.part_bytes = block_tokens * (self.kpad + 1) * 4
-        self.wp_bytes = WARPS * 16 * (self.kpad + 1) * 4
+        self.wp_bytes = warps * 16 * (self.kpad + 1) * 4
         self.hpre_bytes = block_tokens * n * 4
         self.hsq_bytes = cluster * block_tokens * 4
         fixed = self.xr_bytes + self.part_bytes + self.hpre_bytes + self.hsq_bytes + 1024
-        self.stages = stages or max(2, min(6, (SMEM_LIMIT - fixed) // self.stage_bytes))
+        self.budget = budget = min(SMEM_LIMIT, SM_SMEM // ctas - 1024)
+        self.stages = stages or max(2, min(6, (budget - fixed) // self.stage_bytes))
         self.smem = fixed + self.stages * self.stage_bytes
         self.problem = self._problem()
 
@@ -44,8 +54,10 @@ class ClusterShape:
             return f"hidden size {self.c} is not a multiple of {self.cl * 16} (cluster of {self.cl} x 16 columns)"
         if self.hs % 64:
             return f"{self.hs} columns a CTA (a multiple of 64: the resident x' is swizzled in 8-unit groups)"
-        if self.bt % 16 or WARPS % self.mt or self.bt % self.cl or not 1 <= self.tpc <= WARPS:
-            return f"block of {self.bt} tokens does not fit a cluster of {self.cl}"
-        if self.smem > SMEM_LIMIT or self.stages * self.stage_bytes < self.wp_bytes:
-            return f"{self.smem} bytes of shared memory (at most {SMEM_LIMIT})"
+        if (self.bt % 16 or self.warps % self.mt or self.bt % self.cl or not 1 <= self.tpc <= self.warps
+                or self.bt % self.warps):
+            return f"block of {self.bt} tokens does not fit a cluster of {self.cl} CTAs of {self.warps} warps"
+        budget = self.budget
+        if self.smem > budget or self.stages * self.stage_bytes < self.wp_bytes:
+            return f"{self.smem} bytes of shared memory a CTA (at most {budget} for {self.ctas} an SM)"
         return ""

@@ -42,7 +42,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import cute_ptx as P
-from .cluster_shape import THREADS, WARPS, ClusterShape
+from .cluster_shape import ClusterShape
 
 
 class MhcCluster:
@@ -53,18 +53,19 @@ class MhcCluster:
     @cute.jit
     def __call__(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                  phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
-                 w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer,
+                 w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
                  tokens: Int32, blocks: Int32, sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32,
                  sit: Int32, eps: Float32, norm_eps: Float32, stream: cuda.CUstream):
         s = self.s
-        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, tokens,
+        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, tokens,
                     sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
-            grid=[s.cl, blocks, 1], block=[THREADS, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
+            grid=[s.cl, blocks, 1], block=[s.threads, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
-               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, tokens: Int32,
+               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
+               tokens: Int32,
                sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32,
                eps: Float32, norm_eps: Float32):
         s = self.s
@@ -89,6 +90,8 @@ class MhcCluster:
         row0 = blk * bt
         col0 = rank * hs
         x_a, y_a, xo_a, phf_a = Int64(x.toint()), Int64(y.toint()), Int64(xo.toint()), Int64(phf.toint())
+        prof_a = Int64(prof.toint()) + Int64(blk * s.cl + rank) * (16 * 6)
+        self._stamp(prof_a, tid, 0)
 
         # ---- 1. stream pass ----------------------------------------------------------------
         mt = warp // kh_n
@@ -184,6 +187,7 @@ class MhcCluster:
                                 acc[nt * 4 + e] = d[e]
         P.cp_async_wait(0)
         cute.arch.sync_threads()
+        self._stamp(prof_a, tid, 1)
 
         # Per-warp partials -> shared memory, then summed over the warps of each m-tile in order.
         ssq0 = ssq[0] + P.shfl_xor(ssq[0], 1)
@@ -203,8 +207,8 @@ class MhcCluster:
             P.sts_f32(wbase + (g + 8) * row_bytes + kpad * 4, ssq1)
         cute.arch.sync_threads()
         cells = bt * (kpad + 1)
-        for k in cutlass.range_constexpr((cells + THREADS - 1) // THREADS):
-            idx = tid + k * THREADS
+        for k in cutlass.range_constexpr((cells + s.threads - 1) // s.threads):
+            idx = tid + k * s.threads
             if idx < cells:
                 t = idx // (kpad + 1)
                 col = idx - t * (kpad + 1)
@@ -215,6 +219,7 @@ class MhcCluster:
                 P.sts_f32(part + idx * 4, tot)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
+        self._stamp(prof_a, tid, 2)
 
         # ---- 2. coefficients of this CTA's tokens ---------------------------------------------
         if warp < s.tpc:
@@ -266,12 +271,13 @@ class MhcCluster:
                     P.st_cluster_f32(P.mapa(hpre + (t * n + lane) * 4, Int32(cr)), h_pre)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
+        self._stamp(prof_a, tid, 3)
 
         # ---- 3. combination and norm over the CTA's columns ---------------------------------
         per_lane = (s.units + 31) // 32
         w_a = Int64(w32.toint()) + Int64(col0) * 4
-        for e in cutlass.range_constexpr(bt // WARPS):
-            t = warp + e * WARPS
+        for e in cutlass.range_constexpr(bt // s.warps):
+            t = warp + e * s.warps
             sq = Float32(0.0)
             for f in cutlass.range_constexpr(per_lane):
                 u = lane + 32 * f
@@ -286,8 +292,9 @@ class MhcCluster:
                     P.st_cluster_f32(P.mapa(hsq + (rank * bt + t) * 4, Int32(cr)), sq)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
-        for e in cutlass.range_constexpr(bt // WARPS):
-            t = warp + e * WARPS
+        self._stamp(prof_a, tid, 4)
+        for e in cutlass.range_constexpr(bt // s.warps):
+            t = warp + e * s.warps
             live = Int32(row0 + t < tokens)
             tot = P.lds_f32(hsq + t * 4)
             for cr in cutlass.range_constexpr(1, s.cl):
@@ -301,6 +308,13 @@ class MhcCluster:
                     o = [P.pack((h[2 * k] * r2) * wv[2 * k], (h[2 * k + 1] * r2) * wv[2 * k + 1]) for k in range(4)]
                     dst = Int64(out.toint()) + (Int64(row0 + t) * sit + Int64(col0 + 8 * u)) * 2
                     P.stg_v4(dst, o[0], o[1], o[2], o[3], live)
+        self._stamp(prof_a, tid, 5)
+
+    @cute.jit
+    def _stamp(self, base: Int64, tid: Int32, k: int):
+        if cutlass.const_expr(self.s.profile):
+            if tid == 0:
+                P.stamp(base + k * 16)
 
     @cute.jit
     def _issue(self, chunk, stage, tid, stage0, col0, row0, rank, tokens, x_a, y_a, phf_a, sxt, sxn, syt):
@@ -312,8 +326,8 @@ class MhcCluster:
         px = n * bt * 2
         py = bt * 2 if s.update else 0
         total = px + py + s.phi_chunk // 16
-        for k in cutlass.range_constexpr((total + THREADS - 1) // THREADS):
-            idx = tid + k * THREADS
+        for k in cutlass.range_constexpr((total + s.threads - 1) // s.threads):
+            idx = tid + k * s.threads
             if idx < px:
                 j = idx // (2 * bt)
                 rem = idx - j * (2 * bt)
@@ -354,7 +368,7 @@ class MhcCluster:
 def compile_cluster(shape: ClusterShape, ptx_dir: str = ""):
     """Compile one variant ahead of time from placeholder pointers and stream (no GPU needed, with
     ``CUTE_DSL_ARCH=sm_90a``). Called as ``f(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out,
-    hpo, hro, tokens, blocks, sxt, sxn, syt, sot, son, sit, eps, norm_eps, stream)`` with pointers from
+    hpo, hro, prof, tokens, blocks, sxt, sxn, syt, sot, son, sit, eps, norm_eps, stream)`` with pointers from
     ``cutlass.cute.runtime.make_ptr`` (bf16 streams, FP32 coefficients, parameters and weight)."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
@@ -363,7 +377,7 @@ def compile_cluster(shape: ClusterShape, ptx_dir: str = ""):
 
     bf, f32 = cutlass.BFloat16, Float32
     args = [ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(f32, 4),
-            ptr(f32, 4), ptr(f32), ptr(bf), ptr(f32, 4), ptr(f32, 4)]
+            ptr(f32, 4), ptr(f32), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(cutlass.Int64)]
     ints = [Int32(1)] * 8
     options = f"--keep-ptx --dump-dir={ptx_dir}" if ptx_dir else None
     return cute.compile(MhcCluster(shape), *args, *ints, Float32(1e-6), Float32(1e-6), make_fake_stream(),

@@ -142,8 +142,8 @@ def fmax(a, b):
 
 
 def rsqrt(v):
-    # What Triton's tl.rsqrt emits, so both kernels normalize alike.
-    return Float32(asm(T.f32(), [v], "rsqrt.approx.f32 $0, $1;", "=f,f", side=False))
+    # What Triton's tl.rsqrt emits on sm_90, so both kernels normalize alike.
+    return Float32(asm(T.f32(), [v], "rsqrt.approx.ftz.f32 $0, $1;", "=f,f", side=False))
 
 
 def exp(v):
@@ -153,11 +153,19 @@ def exp(v):
 
 
 def div(a, b):
-    return Float32(asm(T.f32(), [a, b], "div.rn.f32 $0, $1, $2;", "=f,f,f", side=False))
+    # What Triton's "/" on FP32 emits (div.full: within 2 ulp, a fraction of div.rn's latency, which
+    # the Sinkhorn iterations wait on one after another).
+    return Float32(asm(T.f32(), [a, b], "div.full.f32 $0, $1, $2;", "=f,f,f", side=False))
 
 
 def sigmoid(v):
     return div(Float32(1.0), Float32(1.0) + exp(-v))
+
+
+def stamp(addr):
+    """The global nanosecond timer and this SM's id, stored at ``addr`` (two u64): phase profiles."""
+    asm(None, [addr], "{ .reg .u64 t; .reg .u32 sm; .reg .u64 s; mov.u64 t, %globaltimer; mov.u32 sm, %smid; "
+        "cvt.u64.u32 s, sm; st.global.v2.u64 [$0], {t, s}; }", "l")
 
 
 def fma(a, b, c):

@@ -1,0 +1,110 @@
+"""Variants of the MHC cluster kernel (``layer_boundary_mhc.cluster_ops``, CuTe DSL) on one GPU: for
+each variant and T, whether update+read passes ``accuracy.compare``, and its CUDA-graph median with
+its share of the byte roofline (``bench mhc``'s model, over the copy bandwidth of the same run),
+beside the Triton kernels' two launches.
+
+A variant is ``"CLUSTER=16 BLOCK_TOKENS=32 WARPS=8 CTAS=2"`` (settings of ``cluster_ops``; ``""`` the
+defaults). Run: python benchmarks/sweeps/mhc_cluster_variants.py "" "BLOCK_TOKENS=32 CTAS=2" --tokens 1024 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from layer_boundary.bench import mhc as bench
+from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call
+from layer_boundary_mhc import accuracy, cluster_ops, triton_ops
+
+N = 4
+SETTINGS = ("CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS")
+
+
+def _time(fn) -> float:
+    return time_call(fn, "cuda", TimingPlan(replays=20, max_calls=50)).median_us
+
+
+def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: bool = False) -> str:
+    i = bench._inputs(t, N, hidden, torch.bfloat16, "cuda")
+    shape = cluster_ops.cluster_shape(N, hidden, True)
+    got = cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
+    devs = accuracy.compare("update+read", got, i.x, y=i.y, h_post=i.h_post, h_res=i.h_res, params=i.params,
+                            norm_weight=i.w, norm_eps=bench.EPS)
+    ok = all(d.ok for d in devs)
+    outs = [torch.empty_like(g) for g in got]
+    us = _time(lambda: cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
+                                                           streams_out=outs[0], out=outs[1], h_post_out=outs[2],
+                                                           h_res_out=outs[3]))
+    roof = bench.bytes_moved("update+read", t, N, hidden, 2) / (copy_gbps * 1e3)
+    line = (f"T={t:5d} {'ok  ' if ok else 'FAIL'} cluster {us:7.1f} ({100 * roof / us:4.1f} %)  "
+            f"[CL={shape.cl} BT={shape.bt} warps={shape.warps} ctas={shape.ctas} stages={shape.stages} "
+            f"smem={shape.smem // 1024} KiB]")
+    if triton_too:
+        two = _time(lambda: triton_ops.mhc_update_read_triton(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
+                                                              streams_out=outs[0], out=outs[1], h_post_out=outs[2],
+                                                              h_res_out=outs[3], cooperative=False))
+        line += f"  triton 2-launch {two:7.1f} ({100 * roof / two:4.1f} %)"
+    if not ok:
+        line += "  " + "; ".join(str(d) for d in devs if not d.ok)
+    if phases:
+        line += "\n" + _phases(i, shape)
+    return line
+
+
+def _phases(i, shape) -> str:
+    """One profiled call: median phase durations over CTAs, how many clusters ran at once, SMs used."""
+    from layer_boundary_mhc.cluster_shape import PHASES
+
+    t = i.x.shape[0]
+    blocks = -(-t // shape.bt)
+    cluster_ops.PROFILE = torch.zeros(blocks * shape.cl * 12, dtype=torch.int64, device="cuda")
+    try:
+        cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
+        torch.cuda.synchronize()
+        st = cluster_ops.PROFILE.view(blocks, shape.cl, 6, 2).cpu()
+    finally:
+        cluster_ops.PROFILE = None
+    ns = st[..., 0].double()
+    ns -= ns.min()
+    steps = (ns[..., 1:] - ns[..., :-1]).reshape(-1, 5).median(dim=0).values / 1e3
+    span = (ns[..., 5].max(dim=1).values - ns[..., 0].min(dim=1).values)  # per block
+    starts, ends = ns[..., 0].min(dim=1).values, ns[..., 5].max(dim=1).values
+    live = max(int(((starts <= s0) & (ends > s0)).sum()) for s0 in starts.tolist())
+    parts = ", ".join(f"{a} -> {b} {v:.1f}" for a, b, v in zip(PHASES, PHASES[1:], steps.tolist()))
+    return (f"      phases (median µs): {parts}; block {span.median() / 1e3:.1f} µs; at most {live} clusters at once; "
+            f"{len(set(st[..., 1].flatten().tolist()))} SMs; all {float(ns.max()) / 1e3:.1f} µs")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", nargs="+", help='"NAME=VALUE ..." of cluster_ops settings; "" = defaults')
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[4096])
+    ap.add_argument("--phases", action="store_true", help="also one profiled call: the phase durations")
+    args = ap.parse_args(argv)
+    defaults = {k: getattr(cluster_ops, k) for k in SETTINGS}
+    copy = copy_bandwidth("cuda", 1 << 30)["gbps"]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, n={N}, bf16; copy {copy:.0f} GB/s")
+    with torch.no_grad():
+        for v in args.variants:
+            for k, val in defaults.items():
+                setattr(cluster_ops, k, val)
+            for item in v.split():
+                k, _, val = item.partition("=")
+                if k not in SETTINGS:
+                    raise SystemExit(f"{item!r}: settings are {', '.join(SETTINGS)}")
+                setattr(cluster_ops, k, int(val))
+            print(f"variant {v or 'defaults'}", flush=True)
+            for h in args.hidden:
+                for t in args.tokens:
+                    try:
+                        print(f"  H={h} " + measure(t, h, copy, not v, args.phases), flush=True)
+                    except Exception as e:  # one variant that does not compile must not end the sweep
+                        print(f"  H={h} T={t}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
