@@ -23,7 +23,7 @@ import torch
 from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem", "phi_fragments",
-           "prepare_cluster", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS"]
+           "prepare_cluster", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES"]
 
 # The preferred variant (``cluster_shape`` falls back to smaller blocks, then to clusters of 8 and
 # one CTA an SM, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS tokens, WARPS warps a
@@ -34,6 +34,7 @@ CLUSTER = 16
 BLOCK_TOKENS = 64
 WARPS = 8
 CTAS = 1
+STAGES = 0  # chunks in flight a CTA (0: as many as shared memory holds, cluster_shape.MAX_STAGES at most)
 # An int64 CUDA tensor of at least blocks x cluster x 12 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES). Sweeps only.
 PROFILE: Optional[torch.Tensor] = None
@@ -66,11 +67,12 @@ def cluster_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS
     """The variant for these sizes (``cluster_shape.ClusterShape``), or one whose ``problem`` says why none fits."""
     from .cluster_shape import ClusterShape
 
-    tries = [(CLUSTER, BLOCK_TOKENS, WARPS, CTAS)]
-    tries += [(cl, bt, 8, 1) for cl in (CLUSTER, 8) for bt in (64, 32, 16) if bt <= BLOCK_TOKENS]
+    tries = [(CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES)]
+    tries += [(cl, bt, 8, 1, 0) for cl in (CLUSTER, 8) for bt in (64, 32, 16) if bt <= BLOCK_TOKENS]
     shape = None
-    for cl, bt, warps, ctas in tries:
-        shape = ClusterShape(n, hidden, cl, bt, update, iters, warps=warps, ctas=ctas, profile=PROFILE is not None)
+    for cl, bt, warps, ctas, stages in tries:
+        shape = ClusterShape(n, hidden, cl, bt, update, iters, stages=stages, warps=warps, ctas=ctas,
+                             profile=PROFILE is not None)
         if not shape.problem:
             return shape
     return shape

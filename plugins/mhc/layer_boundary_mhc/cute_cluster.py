@@ -120,10 +120,15 @@ class MhcCluster:
 
         for c in cutlass.range_constexpr(s.stages - 1):
             if c < s.nch:
-                self._issue(Int32(c), Int32(c), tid, stage0, col0, row0, rank, tokens, x_a, y_a, phf_a, sxt, sxn, syt)
+                self._issue(Int32(c), Int32(c), tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt)
             else:
                 P.cp_async_commit()
 
+        # phi's fragments of this warp's streams go from L2 straight to registers, one chunk ahead:
+        # shared memory is left to the HBM stages (x' takes most of it).
+        nfrag = ls * 3 * s.nt
+        pf = cute.make_rmem_tensor((nfrag * 2,), Int32)
+        self._phi_load(pf, phf_a + Int64(rank * s.nch) * s.phi_chunk, kh, lane)
         acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
         acc.fill(0.0)
         ssq = cute.make_rmem_tensor((2,), Float32)
@@ -133,11 +138,13 @@ class MhcCluster:
             cute.arch.sync_threads()
             nxt = ch + s.stages - 1
             if nxt < s.nch:
-                self._issue(nxt, nxt % s.stages, tid, stage0, col0, row0, rank, tokens, x_a, y_a, phf_a, sxt, sxn,
-                            syt)
+                self._issue(nxt, nxt % s.stages, tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt)
             else:
                 P.cp_async_commit()
             base = stage0 + (ch % s.stages) * s.stage_bytes
+            cur = [pf[k] for k in range(nfrag * 2)]
+            if ch + 1 < s.nch:
+                self._phi_load(pf, phf_a + Int64(rank * s.nch + ch + 1) * s.phi_chunk, kh, lane)
             # Rows r0, r1 at columns 4q .. 4q + 3 of every stream and of y: two words a row.
             xs = []
             if cutlass.const_expr(s.update):
@@ -177,12 +184,11 @@ class MhcCluster:
                         unit = (2 * ch + q // 2) ^ (r % 8)
                         P.sts_v2(xr + (i * bt + r) * (hs * 2) + unit * 16 + (q % 2) * 8, words[ri][0], words[ri][1])
                     a = (words[0][0], words[1][0], words[0][1], words[1][1])
-                    phi_base = base + s.sx + s.sy + i * (3 * s.nt * 256) + lane * 8
                     for p in cutlass.range_constexpr(3):
                         part_idx = 2 - p  # the smallest part first
                         for nt in cutlass.range_constexpr(s.nt):
-                            b = P.lds_v2(phi_base + (part_idx * s.nt + nt) * 256)
-                            d = P.mma_bf16(a, b, [acc[nt * 4 + e] for e in range(4)])
+                            f = ((si * 3 + part_idx) * s.nt + nt) * 2
+                            d = P.mma_bf16(a, (cur[f], cur[f + 1]), [acc[nt * 4 + e] for e in range(4)])
                             for e in cutlass.range_constexpr(4):
                                 acc[nt * 4 + e] = d[e]
         P.cp_async_wait(0)
@@ -274,41 +280,75 @@ class MhcCluster:
         self._stamp(prof_a, tid, 3)
 
         # ---- 3. combination and norm over the CTA's columns ---------------------------------
+        # Warp w takes tokens w, w + warps, ...; lane l units l, l + 32, ... (8 columns each). Tokens
+        # go GROUP at a time, every load of a group issued before its arithmetic (the loads are
+        # inline assembly the compiler keeps in order).
         per_lane = (s.units + 31) // 32
+        ragged = per_lane * 32 != s.units
+        tpw = bt // s.warps
+        group = min(4, tpw)
         w_a = Int64(w32.toint()) + Int64(col0) * 4
-        for e in cutlass.range_constexpr(bt // s.warps):
-            t = warp + e * s.warps
-            sq = Float32(0.0)
-            for f in cutlass.range_constexpr(per_lane):
-                u = lane + 32 * f
-                if u < s.units:
-                    h = self._mix(xr, hpre, t, u)
-                    for v in h:
-                        sq = P.fma(v, v, sq)
+        wvs = []
+        for f in cutlass.range_constexpr(per_lane):
+            u_a = w_a + Int64(cutlass.min(lane + 32 * f, s.units - 1)) * 32
+            wvs.append(P.ldg_v4_f32(u_a) + P.ldg_v4_f32(u_a + 16))
+        for e0 in cutlass.range_constexpr(0, tpw, group):
+            ts = [warp + (e0 + e) * s.warps for e in range(group)]
+            hs_ = self._mix_group(xr, hpre, ts, lane, per_lane)
+            sqs = []
+            for e in cutlass.range_constexpr(group):
+                sq = Float32(0.0)
+                for f in cutlass.range_constexpr(per_lane):
+                    part_sq = Float32(0.0)
+                    for v in hs_[e][f]:
+                        part_sq = P.fma(v, v, part_sq)
+                    if cutlass.const_expr(ragged):
+                        part_sq = P.sel(Int32(lane + 32 * f < s.units), part_sq, Float32(0.0))
+                    sq = sq + part_sq
+                sqs.append(sq)
             for m_ in (16, 8, 4, 2, 1):
-                sq = sq + P.shfl_xor(sq, m_)
+                sqs = [v + P.shfl_xor(v, m_) for v in sqs]
             if lane == 0:
-                for cr in cutlass.range_constexpr(s.cl):
-                    P.st_cluster_f32(P.mapa(hsq + (rank * bt + t) * 4, Int32(cr)), sq)
+                for e in cutlass.range_constexpr(group):
+                    for cr in cutlass.range_constexpr(s.cl):
+                        P.st_cluster_f32(P.mapa(hsq + (rank * bt + ts[e]) * 4, Int32(cr)), sqs[e])
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         self._stamp(prof_a, tid, 4)
-        for e in cutlass.range_constexpr(bt // s.warps):
-            t = warp + e * s.warps
-            live = Int32(row0 + t < tokens)
-            tot = P.lds_f32(hsq + t * 4)
+        for e0 in cutlass.range_constexpr(0, tpw, group):
+            ts = [warp + (e0 + e) * s.warps for e in range(group)]
+            tots = [P.lds_f32(hsq + t * 4) for t in ts]
             for cr in cutlass.range_constexpr(1, s.cl):
-                tot = tot + P.lds_f32(hsq + (cr * bt + t) * 4)
-            r2 = P.rsqrt(tot / Float32(s.c) + norm_eps)
-            for f in cutlass.range_constexpr(per_lane):
-                u = lane + 32 * f
-                if u < s.units:
-                    h = self._mix(xr, hpre, t, u)
-                    wv = P.ldg_v4_f32(w_a + Int64(u) * 32) + P.ldg_v4_f32(w_a + Int64(u) * 32 + 16)
+                tots = [tots[e] + P.lds_f32(hsq + (cr * bt + ts[e]) * 4) for e in range(group)]
+            hs_ = self._mix_group(xr, hpre, ts, lane, per_lane)
+            for e in cutlass.range_constexpr(group):
+                t = ts[e]
+                live = Int32(row0 + t < tokens)
+                r2 = P.rsqrt(tots[e] / Float32(s.c) + norm_eps)
+                for f in cutlass.range_constexpr(per_lane):
+                    u = lane + 32 * f
+                    h = hs_[e][f]
+                    wv = wvs[f]
                     o = [P.pack((h[2 * k] * r2) * wv[2 * k], (h[2 * k + 1] * r2) * wv[2 * k + 1]) for k in range(4)]
                     dst = Int64(out.toint()) + (Int64(row0 + t) * sit + Int64(col0 + 8 * u)) * 2
-                    P.stg_v4(dst, o[0], o[1], o[2], o[3], live)
+                    ok = live * Int32(u < s.units) if ragged else live
+                    P.stg_v4(dst, o[0], o[1], o[2], o[3], ok)
         self._stamp(prof_a, tid, 5)
+
+    @cute.jit
+    def _phi_load(self, pf: cute.Tensor, chunk_a: Int64, kh: Int32, lane: Int32):
+        """This warp's streams' phi fragments of one chunk (``chunk_a``) into ``pf``: (stream, part,
+        n-tile) x 2 words; zeros for streams past n."""
+        s = self.s
+        for si in cutlass.range_constexpr((s.n + s.kh - 1) // s.kh):
+            i = kh + si * s.kh
+            ok = Int32(i < s.n)
+            for part in cutlass.range_constexpr(3):
+                for nt in cutlass.range_constexpr(s.nt):
+                    w = P.ldg_v2(chunk_a + Int64(((i * 3 + part) * s.nt + nt) * 256 + lane * 8) * ok, ok)
+                    f = ((si * 3 + part) * s.nt + nt) * 2
+                    pf[f] = w[0]
+                    pf[f + 1] = w[1]
 
     @cute.jit
     def _stamp(self, base: Int64, tid: Int32, k: int):
@@ -317,15 +357,15 @@ class MhcCluster:
                 P.stamp(base + k * 16)
 
     @cute.jit
-    def _issue(self, chunk, stage, tid, stage0, col0, row0, rank, tokens, x_a, y_a, phf_a, sxt, sxn, syt):
-        """cp.async of chunk ``chunk``'s stream tiles, y tile and phi fragments into stage ``stage``, one group."""
+    def _issue(self, chunk, stage, tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt):
+        """cp.async of chunk ``chunk``'s stream tiles and y tile into stage ``stage``, one group."""
         s = self.s
         n, bt = s.n, s.bt
         base = stage0 + stage * s.stage_bytes
         c_off = col0 + chunk * 16
         px = n * bt * 2
         py = bt * 2 if s.update else 0
-        total = px + py + s.phi_chunk // 16
+        total = px + py
         for k in cutlass.range_constexpr((total + s.threads - 1) // s.threads):
             idx = tid + k * s.threads
             if idx < px:
@@ -336,33 +376,42 @@ class MhcCluster:
                 live = Int32(row0 + row < tokens)
                 off = (Int64(row0 + row) * sxt + Int64(j) * sxn + Int64(c_off + 8 * half)) * 2
                 P.cp_async16(base + (j * bt + row) * 32 + half * 16, x_a + off * Int64(live), 16 * live)
-            elif idx < px + py:
+            elif idx < total:
                 rem = idx - px
                 row = rem // 2
                 half = rem % 2
                 live = Int32(row0 + row < tokens)
                 off = (Int64(row0 + row) * syt + Int64(c_off + 8 * half)) * 2
                 P.cp_async16(base + s.sx + row * 32 + half * 16, y_a + off * Int64(live), 16 * live)
-            elif idx < total:
-                pi = idx - px - py
-                src = phf_a + Int64(rank * s.nch + chunk) * s.phi_chunk + Int64(pi * 16)
-                P.cp_async16(base + s.sx + s.sy + pi * 16, src, Int32(16))
         P.cp_async_commit()
 
     @cute.jit
-    def _mix(self, xr, hpre, t, u):
-        """s = sum_j H_pre[t, j] x'_j over the 8 columns of unit ``u`` of token ``t``, FP32."""
+    def _mix_group(self, xr: Int32, hpre: Int32, ts: list, lane: Int32, per_lane: int):
+        """s = sum_j H_pre[t, j] x'_j, FP32, for tokens ``ts`` at this lane's units (8 columns each):
+        ``[token][unit] -> 8 values``. Every shared-memory load first, then the FMAs."""
         s = self.s
-        h = [Float32(0.0)] * 8
-        for j in cutlass.range_constexpr(s.n):
-            c = P.lds_f32(hpre + (t * s.n + j) * 4)
-            wds = P.lds_v4(xr + (j * s.bt + t) * (s.hs * 2) + (u ^ (t % 8)) * 16)
-            vals = []
-            for wv in wds:
-                lo, hi = P.unpack(wv)
-                vals += [lo, hi]
-            h = [P.fma(c, vals[k], h[k]) for k in range(8)]
-        return h
+        coefs, words = [], []
+        for t in ts:
+            coefs.append([P.lds_f32(hpre + (t * s.n + j) * 4) for j in range(s.n)])
+            per_t = []
+            for f in cutlass.range_constexpr(per_lane):
+                u = lane + 32 * f
+                per_t.append([P.lds_v4(xr + (j * s.bt + t) * (s.hs * 2) + (u ^ (t % 8)) * 16) for j in range(s.n)])
+            words.append(per_t)
+        out = []
+        for e in cutlass.range_constexpr(len(ts)):
+            per_t = []
+            for f in cutlass.range_constexpr(per_lane):
+                h = [Float32(0.0)] * 8
+                for j in cutlass.range_constexpr(s.n):
+                    vals = []
+                    for wv in words[e][f][j]:
+                        lo, hi = P.unpack(wv)
+                        vals += [lo, hi]
+                    h = [P.fma(coefs[e][j], vals[k], h[k]) for k in range(8)]
+                per_t.append(h)
+            out.append(per_t)
+        return out
 
 
 def compile_cluster(shape: ClusterShape, ptx_dir: str = ""):

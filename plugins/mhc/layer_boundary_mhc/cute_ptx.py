@@ -88,6 +88,14 @@ def ldg_f32(addr, live):
                        "=f,l,r"))
 
 
+def ldg_v2(addr, live):
+    """Two words from L2 (read-only path), zeros where ``live`` is 0."""
+    r = asm(_struct(T.i32(), 2), [addr, live],
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0; "
+            "@p ld.global.nc.v2.b32 {$0, $1}, [$2]; }", "=r,=r,l,r")
+    return [Int32(v) for v in _fields(r, T.i32(), 2)]
+
+
 def ldg_v4_f32(addr):
     r = asm(_struct(T.f32(), 4), [addr], "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")
     return [Float32(v) for v in _fields(r, T.f32(), 4)]
