@@ -59,11 +59,12 @@ def _phases(i, shape) -> str:
 
     t = i.x.shape[0]
     blocks = -(-t // shape.bt)
-    cluster_ops.PROFILE = torch.zeros(blocks * shape.cl * 12, dtype=torch.int64, device="cuda")
+    cluster_ops.PROFILE = torch.zeros(blocks * shape.cl * 16, dtype=torch.int64, device="cuda")
     try:
         cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
         torch.cuda.synchronize()
-        st = cluster_ops.PROFILE.view(blocks, shape.cl, 6, 2).cpu()
+        raw = cluster_ops.PROFILE.view(blocks, shape.cl, 8, 2).cpu()
+        st, cyc = raw[:, :, :6], raw[:, :, 6:].reshape(-1, 4).double()
     finally:
         cluster_ops.PROFILE = None
     ns = st[..., 0].double()
@@ -73,6 +74,8 @@ def _phases(i, shape) -> str:
     starts, ends = ns[..., 0].min(dim=1).values, ns[..., 5].max(dim=1).values
     live = max(int(((starts <= s0) & (ends > s0)).sum()) for s0 in starts.tolist())
     parts = ", ".join(f"{a} -> {b} {v:.1f}" for a, b, v in zip(PHASES, PHASES[1:], steps.tolist()))
+    per = (cyc[:, :3] / cyc[:, 3:4]).median(dim=0).values.tolist()
+    parts += f"; chunk loop (warp 0, cycles a chunk): wait {per[0]:.0f}, issue {per[1]:.0f}, compute {per[2]:.0f}"
     return (f"      phases (median µs): {parts}; block {span.median() / 1e3:.1f} µs; at most {live} clusters at once; "
             f"{len(set(st[..., 1].flatten().tolist()))} SMs; all {float(ns.max()) / 1e3:.1f} µs")
 

@@ -35,8 +35,9 @@ BLOCK_TOKENS = 64
 WARPS = 8
 CTAS = 1
 STAGES = 0  # chunks in flight a CTA (0: as many as shared memory holds, cluster_shape.MAX_STAGES at most)
-# An int64 CUDA tensor of at least blocks x cluster x 12 values: calls then run the profiled
-# variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES). Sweeps only.
+# An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
+# variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
+# clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
 PROFILE: Optional[torch.Tensor] = None
 
 

@@ -56,7 +56,7 @@ class ClusterShape:
             return f"n = {self.n} streams (at most 4)"
         if self.c % (self.cl * 16):
             return f"hidden size {self.c} is not a multiple of {self.cl * 16} (cluster of {self.cl} x 16 columns)"
-        if self.hs % 64:
+        if self.hs % 64 or self.nch % 2:
             return f"{self.hs} columns a CTA (a multiple of 64: the resident x' is swizzled in 8-unit groups)"
         if (self.bt % 16 or self.warps % self.mt or self.bt % self.cl or not 1 <= self.tpc <= self.warps
                 or self.bt % self.warps):

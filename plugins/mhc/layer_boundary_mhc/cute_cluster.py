@@ -90,7 +90,7 @@ class MhcCluster:
         row0 = blk * bt
         col0 = rank * hs
         x_a, y_a, xo_a, phf_a = Int64(x.toint()), Int64(y.toint()), Int64(xo.toint()), Int64(phf.toint())
-        prof_a = Int64(prof.toint()) + Int64(blk * s.cl + rank) * (16 * 6)
+        prof_a = Int64(prof.toint()) + Int64(blk * s.cl + rank) * 128
         self._stamp(prof_a, tid, 0)
 
         # ---- 1. stream pass ----------------------------------------------------------------
@@ -127,70 +127,90 @@ class MhcCluster:
         # phi's fragments of this warp's streams go from L2 straight to registers, one chunk ahead:
         # shared memory is left to the HBM stages (x' takes most of it).
         nfrag = ls * 3 * s.nt
-        pf = cute.make_rmem_tensor((nfrag * 2,), Int32)
-        self._phi_load(pf, phf_a + Int64(rank * s.nch) * s.phi_chunk, kh, lane)
+        pfs = (cute.make_rmem_tensor((nfrag * 2,), Int32), cute.make_rmem_tensor((nfrag * 2,), Int32))
+        self._phi_load(pfs[0], phf_a + Int64(rank * s.nch) * s.phi_chunk, kh, lane)
         acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
         acc.fill(0.0)
         ssq = cute.make_rmem_tensor((2,), Float32)
         ssq.fill(0.0)
-        for ch in cutlass.range(s.nch, unroll=1):
-            P.cp_async_wait(s.stages - 2)
-            cute.arch.sync_threads()
-            nxt = ch + s.stages - 1
-            if nxt < s.nch:
-                self._issue(nxt, nxt % s.stages, tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt)
-            else:
-                P.cp_async_commit()
-            base = stage0 + (ch % s.stages) * s.stage_bytes
-            cur = [pf[k] for k in range(nfrag * 2)]
-            if ch + 1 < s.nch:
-                self._phi_load(pf, phf_a + Int64(rank * s.nch + ch + 1) * s.phi_chunk, kh, lane)
-            # Rows r0, r1 at columns 4q .. 4q + 3 of every stream and of y: two words a row.
-            xs = []
-            if cutlass.const_expr(s.update):
-                for j in cutlass.range_constexpr(n):
-                    xs.append((P.lds_v2(base + (j * bt + r0) * 32 + q * 8),
-                               P.lds_v2(base + (j * bt + r1) * 32 + q * 8)))
-                ys = (P.lds_v2(base + s.sx + r0 * 32 + q * 8), P.lds_v2(base + s.sx + r1 * 32 + q * 8))
-            for si in cutlass.range_constexpr(ls):
-                i = kh + si * kh_n
-                if i < n:
-                    words = []  # [row][2 words]
-                    for ri in cutlass.range_constexpr(2):
-                        if cutlass.const_expr(s.update):
-                            vals = coef[si][ri]
-                            yv = P.unpack(ys[ri][0]) + P.unpack(ys[ri][1])
-                            xv = [P.unpack(xs[j][ri][0]) + P.unpack(xs[j][ri][1]) for j in range(n)]
-                            mixed = []
-                            for e in cutlass.range_constexpr(4):
-                                v = vals[0] * yv[e]
-                                for j in cutlass.range_constexpr(n):
-                                    v = P.fma(vals[1 + j], xv[j][e], v)
-                                mixed.append(v)
-                            row_words = [P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])]
-                        else:
-                            rr = r0 if ri == 0 else r1
-                            row_words = P.lds_v2(base + (i * bt + rr) * 32 + q * 8)
-                        words.append(row_words)
-                        for wv in row_words:
-                            lo, hi = P.unpack(wv)
-                            ssq[ri] = P.fma(hi, hi, P.fma(lo, lo, ssq[ri]))
-                    r_pairs = ((r0, live0), (r1, live1))
-                    for ri in cutlass.range_constexpr(2):
-                        r, live = r_pairs[ri]
-                        if cutlass.const_expr(s.update):
-                            dst = xo_a + (Int64(row0 + r) * sot + Int64(i) * son + Int64(col0 + ch * 16 + 4 * q)) * 2
-                            P.stg_v2(dst, words[ri][0], words[ri][1], live)
-                        unit = (2 * ch + q // 2) ^ (r % 8)
-                        P.sts_v2(xr + (i * bt + r) * (hs * 2) + unit * 16 + (q % 2) * 8, words[ri][0], words[ri][1])
-                    a = (words[0][0], words[1][0], words[0][1], words[1][1])
-                    for p in cutlass.range_constexpr(3):
-                        part_idx = 2 - p  # the smallest part first
-                        for nt in cutlass.range_constexpr(s.nt):
-                            f = ((si * 3 + part_idx) * s.nt + nt) * 2
-                            d = P.mma_bf16(a, (cur[f], cur[f + 1]), [acc[nt * 4 + e] for e in range(4)])
-                            for e in cutlass.range_constexpr(4):
-                                acc[nt * 4 + e] = d[e]
+        # Profiled: warp 0's clock cycles per section of the chunk loop (wait, issue, compute).
+        cyc = cute.make_rmem_tensor((3,), Int64)
+        cyc.fill(0)
+        # Two chunks an iteration, so that the fragments loaded for the next chunk land in the other
+        # buffer and feed its MMAs as loaded (one buffer would be copied at the end of each chunk,
+        # waiting there for the loads' L2 round trip).
+        for ch2 in cutlass.range(s.nch // 2, unroll=1):
+            for half in cutlass.range_constexpr(2):
+                ch = ch2 * 2 + half
+                k0 = self._clock()
+                P.cp_async_wait(s.stages - 2)
+                cute.arch.sync_threads()
+                k1 = self._clock()
+                nxt = ch + s.stages - 1
+                if nxt < s.nch:
+                    self._issue(nxt, nxt % s.stages, tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt)
+                else:
+                    P.cp_async_commit()
+                base = stage0 + (ch % s.stages) * s.stage_bytes
+                cur = pfs[half]
+                if ch + 1 < s.nch:
+                    self._phi_load(pfs[1 - half], phf_a + Int64(rank * s.nch + ch + 1) * s.phi_chunk, kh, lane)
+                k2 = self._clock()
+                # Rows r0, r1 at columns 4q .. 4q + 3 of every stream and of y: two words a row.
+                xs = []
+                if cutlass.const_expr(s.update):
+                    for j in cutlass.range_constexpr(n):
+                        xs.append((P.lds_v2(base + (j * bt + r0) * 32 + q * 8),
+                                   P.lds_v2(base + (j * bt + r1) * 32 + q * 8)))
+                    ys = (P.lds_v2(base + s.sx + r0 * 32 + q * 8), P.lds_v2(base + s.sx + r1 * 32 + q * 8))
+                for si in cutlass.range_constexpr(ls):
+                    i = kh + si * kh_n
+                    if i < n:
+                        words = []  # [row][2 words]
+                        for ri in cutlass.range_constexpr(2):
+                            if cutlass.const_expr(s.update):
+                                vals = coef[si][ri]
+                                yv = P.unpack(ys[ri][0]) + P.unpack(ys[ri][1])
+                                xv = [P.unpack(xs[j][ri][0]) + P.unpack(xs[j][ri][1]) for j in range(n)]
+                                mixed = []
+                                for e in cutlass.range_constexpr(4):
+                                    v = vals[0] * yv[e]
+                                    for j in cutlass.range_constexpr(n):
+                                        v = P.fma(vals[1 + j], xv[j][e], v)
+                                    mixed.append(v)
+                                row_words = [P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])]
+                            else:
+                                rr = r0 if ri == 0 else r1
+                                row_words = P.lds_v2(base + (i * bt + rr) * 32 + q * 8)
+                            words.append(row_words)
+                            for wv in row_words:
+                                lo, hi = P.unpack(wv)
+                                ssq[ri] = P.fma(hi, hi, P.fma(lo, lo, ssq[ri]))
+                        r_pairs = ((r0, live0), (r1, live1))
+                        for ri in cutlass.range_constexpr(2):
+                            r, live = r_pairs[ri]
+                            if cutlass.const_expr(s.update):
+                                dst = xo_a + (Int64(row0 + r) * sot + Int64(i) * son + Int64(col0 + ch * 16 + 4 * q)) * 2
+                                P.stg_v2(dst, words[ri][0], words[ri][1], live)
+                            unit = (2 * ch + q // 2) ^ (r % 8)
+                            P.sts_v2(xr + (i * bt + r) * (hs * 2) + unit * 16 + (q % 2) * 8, words[ri][0], words[ri][1])
+                        a = (words[0][0], words[1][0], words[0][1], words[1][1])
+                        for p in cutlass.range_constexpr(3):
+                            part_idx = 2 - p  # the smallest part first
+                            for nt in cutlass.range_constexpr(s.nt):
+                                f = ((si * 3 + part_idx) * s.nt + nt) * 2
+                                d = P.mma_bf16(a, (cur[f], cur[f + 1]), [acc[nt * 4 + e] for e in range(4)])
+                                for e in cutlass.range_constexpr(4):
+                                    acc[nt * 4 + e] = d[e]
+                if cutlass.const_expr(s.profile):
+                    k3 = self._clock()
+                    cyc[0] = cyc[0] + (k1 - k0)
+                    cyc[1] = cyc[1] + (k2 - k1)
+                    cyc[2] = cyc[2] + (k3 - k2)
+        if cutlass.const_expr(s.profile):
+            if tid == 0:
+                P.stg_v2_u64(prof_a + 96, cyc[0], cyc[1])
+                P.stg_v2_u64(prof_a + 112, cyc[2], Int64(s.nch))
         P.cp_async_wait(0)
         cute.arch.sync_threads()
         self._stamp(prof_a, tid, 1)
@@ -349,6 +369,12 @@ class MhcCluster:
                     f = ((si * 3 + part) * s.nt + nt) * 2
                     pf[f] = w[0]
                     pf[f + 1] = w[1]
+
+    @cute.jit
+    def _clock(self) -> Int64:
+        if cutlass.const_expr(self.s.profile):
+            return P.clock()
+        return Int64(0)
 
     @cute.jit
     def _stamp(self, base: Int64, tid: Int32, k: int):

@@ -176,6 +176,14 @@ def stamp(addr):
         "cvt.u64.u32 s, sm; st.global.v2.u64 [$0], {t, s}; }", "l")
 
 
+def clock():
+    return Int64(asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l"))
+
+
+def stg_v2_u64(addr, a, b):
+    asm(None, [addr, a, b], "st.global.v2.u64 [$0], {$1, $2};", "l,l,l")
+
+
 def fma(a, b, c):
     return Float32(asm(T.f32(), [a, b, c], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", side=False))
 
