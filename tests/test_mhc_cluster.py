@@ -96,9 +96,10 @@ def test_cluster_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     ptx = mod.compile_cluster(shape, str(tmp_path)).__ptx__
     assert ".target sm_90a" in ptx
     streams_per_warp = -(-n // shape.kh)
-    # One k16 step a stream and chunk: 3 parts x NT n-tiles of mma.sync, in the chunk loop.
+    # One k16 step a stream and chunk: 3 parts x NT n-tiles of mma.sync, in the chunk loop (two
+    # chunks an iteration).
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)) == \
-        streams_per_warp * 3 * shape.nt
+        2 * streams_per_warp * 3 * shape.nt
     assert "barrier.cluster.arrive" in ptx and "mapa.shared::cluster" in ptx
     assert ("st.global.v2.b32" in ptx) == update  # x' is stored only by an update
 
