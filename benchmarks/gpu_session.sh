@@ -231,6 +231,13 @@ m)
     eval "timeout 120 python3 mhc_cluster_variants.py ${MHC_CLUSTER_VARIANTS_WIDE:-\"\"} --hidden 7168 --tokens 1024 8192" \
       >> "$OUT/cluster-variants.log" 2>&1 )
   cat "$OUT/cluster-variants.log"
+  if [ -n "${MHC_NCU:-}" ]; then  # ncu of the cluster kernel, T = 8192, each variant in MHC_NCU
+    ( cd benchmarks/sweeps && eval "timeout 150 ncu --clock-control none -k regex:kernel_cutlass --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
+        python3 mhc_cluster_variants.py $MHC_NCU --once --tokens 8192" > "$OUT/ncu-cluster.txt" 2>&1 )
+    grep -v "^==PROF==\|^ *$\|----" "$OUT/ncu-cluster.txt" | cut -c1-110 | tail -150
+  fi
   ;;
 w)
   versions | tee "$OUT/versions-w.txt"

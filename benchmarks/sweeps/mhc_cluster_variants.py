@@ -86,9 +86,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--hidden", type=int, nargs="+", default=[4096])
     ap.add_argument("--phases", action="store_true", help="also one profiled call: the phase durations")
+    ap.add_argument("--once", action="store_true", help="one call of each variant and T, untimed (under ncu)")
     args = ap.parse_args(argv)
     defaults = {k: getattr(cluster_ops, k) for k in SETTINGS}
-    copy = copy_bandwidth("cuda", 1 << 30)["gbps"]
+    copy = 0.0 if args.once else copy_bandwidth("cuda", 1 << 30)["gbps"]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, n={N}, bf16; copy {copy:.0f} GB/s")
     with torch.no_grad():
         for v in args.variants:
@@ -103,6 +104,11 @@ def main(argv: list[str]) -> int:
             for h in args.hidden:
                 for t in args.tokens:
                     try:
+                        if args.once:
+                            i = bench._inputs(t, N, h, torch.bfloat16, "cuda")
+                            cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
+                            torch.cuda.synchronize()
+                            continue
                         print(f"  H={h} " + measure(t, h, copy, not v, args.phases), flush=True)
                     except Exception as e:  # one variant that does not compile must not end the sweep
                         print(f"  H={h} T={t}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
