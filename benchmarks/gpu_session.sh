@@ -31,7 +31,8 @@
 #      the tests it touches
 #   u  (carry .cute1a, one GPU): the first part of the CuTe DSL libraries, kept for stage m
 #   m  (carry .cute1b and .cute2, right after u): the rest, unpacked and installed; the MHC cluster
-#      kernel's GPU tests, then its variants (MHC_CLUSTER_VARIANTS) beside the Triton two launches
+#      kernel's GPU tests, then as asked: its variants (MHC_CLUSTER_VARIANTS) beside the Triton two
+#      launches, bench mhc (MHC_BENCH=1, the dated record), ncu of it (MHC_NCU)
 #   w  every GPU visible (4 or 8: the 4- and 8-GPU issue): the NCCL parallel matrix at 2, 4 and 8
 #      ranks, bench allreduce --world N and bench decode --tp 1 2 N (dated records)
 # Logs and results go to $OUT (the device tool brings them back).
@@ -225,12 +226,21 @@ m)
   versions | tee "$OUT/versions-m.txt"
   pt 200 -m gpu tests/test_mhc_cluster.py -rf > "$OUT/m-tests.log" 2>&1; grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
   tail -2 "$OUT/m-tests.log"
-  # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items) at H = 4096, then H = 7168.
-  ( cd benchmarks/sweeps && eval "timeout 200 python3 mhc_cluster_variants.py ${MHC_CLUSTER_VARIANTS:-\"\"} --tokens 1024 8192 --phases" \
-      > "$OUT/cluster-variants.log" 2>&1
-    eval "timeout 120 python3 mhc_cluster_variants.py ${MHC_CLUSTER_VARIANTS_WIDE:-\"\"} --hidden 7168 --tokens 1024 8192" \
-      >> "$OUT/cluster-variants.log" 2>&1 )
-  cat "$OUT/cluster-variants.log"
+  # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items) at H = 4096, then
+  # MHC_CLUSTER_VARIANTS_WIDE at H = 7168, each with one profiled call.
+  if [ -n "${MHC_CLUSTER_VARIANTS:-}" ]; then
+    ( cd benchmarks/sweeps && eval "timeout 200 python3 mhc_cluster_variants.py $MHC_CLUSTER_VARIANTS --tokens 1024 8192 --phases" \
+        > "$OUT/cluster-variants.log" 2>&1
+      eval "timeout 120 python3 mhc_cluster_variants.py ${MHC_CLUSTER_VARIANTS_WIDE:-\"\"} --hidden 7168 --tokens 1024 8192" \
+        >> "$OUT/cluster-variants.log" 2>&1 )
+    cat "$OUT/cluster-variants.log"
+  fi
+  if [ -n "${MHC_BENCH:-}" ]; then  # bench mhc, the dated record, cluster kernel beside the Triton kernels
+    timeout 200 layer-boundary bench mhc --tokens 1 128 1024 8192 32768 --hidden 4096 --ops update+read read \
+      --out "$OUT" > "$OUT/bench-mhc-4096.log" 2>&1; grep -v "^ *$" "$OUT/bench-mhc-4096.log" | tail -44
+    mkdir -p "$OUT/h7168"; timeout 120 layer-boundary bench mhc --tokens 1024 8192 --hidden 7168 --ops update+read \
+      --out "$OUT/h7168" > "$OUT/bench-mhc-7168.log" 2>&1; grep -v "^ *$" "$OUT/bench-mhc-7168.log" | tail -12
+  fi
   if [ -n "${MHC_NCU:-}" ]; then  # ncu of the cluster kernel, T = 8192, each variant in MHC_NCU
     ( cd benchmarks/sweeps && eval "timeout 150 ncu --clock-control none -k regex:kernel_cutlass --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \

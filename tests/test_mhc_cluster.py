@@ -69,10 +69,12 @@ def test_phi_fragments_follow_the_kernels_mma_mapping(n, c):
 
 def test_shape_plan_and_refusals():
     s = cluster_shape(4, 4096, True)
-    assert (s.cl, s.bt, s.hs, s.nch, s.k, s.nt, s.problem) == (16, 64, 256, 16, 24, 3, "")
-    assert s.xr_bytes == 128 * 1024 and s.smem <= 227 * 1024 and s.stages >= 2
-    wide = cluster_shape(4, 7168, True)
-    assert (wide.cl, wide.bt, wide.problem) == (16, 32, "")
+    assert (s.cl, s.bt, s.ctas, s.hs, s.nch, s.k, s.nt, s.problem) == (16, 32, 2, 256, 16, 24, 3, "")
+    assert s.xr_bytes == 64 * 1024 and 2 * (s.smem + 1024) <= 228 * 1024 and s.stages >= 2
+    one = ClusterShape(4, 4096, 16, 64, True, 20)
+    assert one.xr_bytes == 128 * 1024 and one.smem <= 227 * 1024 and one.problem == ""
+    wide = cluster_shape(4, 7168, True)  # 32 tokens x 448 columns do not fit two CTAs an SM
+    assert (wide.cl, wide.bt, wide.ctas, wide.problem) == (16, 32, 1, "")
     assert cluster_shape(2, 2048, False).problem == ""
     assert "at most 4" in ClusterShape(8, 4096, 16, 64, True, 20).problem
     assert "multiple of 256" in ClusterShape(4, 4000, 16, 64, True, 20).problem

@@ -25,15 +25,17 @@ from .coefficients import SINKHORN_ITERS
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem", "phi_fragments",
            "prepare_cluster", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES"]
 
-# The preferred variant (``cluster_shape`` falls back to smaller blocks, then to clusters of 8 and
-# one CTA an SM, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS tokens, WARPS warps a
-# CTA, shared memory sized for CTAS CTAs an SM. 16 CTAs (a non-portable size Hopper allows) split
-# H = 4096 into 256-column slices: 64 tokens x 4 streams x 256 columns = 128 KiB of x' a CTA, and
-# phi's fragments are read from L2 once per 64 tokens.
+# The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
+# an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
+# tokens, WARPS warps a CTA, shared memory sized for CTAS CTAs an SM. 16 CTAs (a non-portable size
+# Hopper allows) split H = 4096 into 256-column slices. Two CTAs an SM (32 tokens x 4 streams x 256
+# columns = 64 KiB of x' each) let one CTA's cluster exchanges overlap the other's stream pass:
+# H200, T = 8192, update+read 557 µs against 589 for one CTA of 64 tokens, 627 with 16 warps, 727
+# for clusters of 8 (benchmarks/results/2026-11-30-h200-session5.md).
 CLUSTER = 16
-BLOCK_TOKENS = 64
+BLOCK_TOKENS = 32
 WARPS = 8
-CTAS = 1
+CTAS = 2
 STAGES = 0  # chunks in flight a CTA (0: as many as shared memory holds, cluster_shape.MAX_STAGES at most)
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
@@ -69,7 +71,7 @@ def cluster_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS
     from .cluster_shape import ClusterShape
 
     tries = [(CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES)]
-    tries += [(cl, bt, 8, 1, 0) for cl in (CLUSTER, 8) for bt in (64, 32, 16) if bt <= BLOCK_TOKENS]
+    tries += [(cl, bt, 8, 1, 0) for cl in (CLUSTER, 8) for bt in (64, 32, 16)]
     shape = None
     for cl, bt, warps, ctas, stages in tries:
         shape = ClusterShape(n, hidden, cl, bt, update, iters, stages=stages, warps=warps, ctas=ctas,
