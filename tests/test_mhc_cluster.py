@@ -169,3 +169,51 @@ def test_gpu_cluster_under_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(eager, outs))
+
+
+@pytest.mark.gpu
+def test_gpu_open_launch_form_takes_the_cluster_kernel_at_mid_sizes():
+    """cooperative=None (what the model's read passes) sends CLUSTER_TOKENS calls to the cluster
+    kernel, bit for bit, and leaves decode and prefill sizes to the Triton kernels."""
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import cluster_ops, triton_ops
+
+    n, c = 4, 4096
+    params = _params(n, c)
+    lo, hi = cluster_ops.CLUSTER_TOKENS
+    for t, form in ((lo, "cluster"), (128, "cluster"), (hi, "cluster"), (lo - 1, True), (hi + 1, False)):
+        x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, seed=t)
+        auto = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6)
+        if form == "cluster":
+            want = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+        else:
+            want = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, cooperative=form)
+        assert all(torch.equal(a, b) for a, b in zip(auto, want)), f"T={t}: not the {form} result"
+        read = triton_ops.mhc_read_triton(x, params, w, 1e-6)
+        if form == "cluster":
+            assert all(torch.equal(a, b) for a, b in zip(read, cluster_ops.mhc_read_cluster(x, params, w, 1e-6)))
+
+
+@pytest.mark.gpu
+def test_gpu_capture_of_an_uncompiled_shape_warns_and_runs_triton():
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import cluster_ops, triton_ops
+
+    t, n, c = 64, 3, 3072  # a shape no other test compiles
+    assert not cluster_ops.cluster_shape(n, c, True).problem
+    params = _params(n, c)
+    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
+    want = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, cooperative=False)
+    outs = [torch.empty_like(v) for v in want]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match="not compiled before CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, streams_out=outs[0], out=outs[1],
+                                              h_post_out=outs[2], h_res_out=outs[3])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(outs, want))

@@ -23,7 +23,7 @@ import torch
 from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem", "phi_fragments",
-           "prepare_cluster", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES"]
+           "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "CLUSTER_TOKENS"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -118,9 +118,13 @@ _COMPILED: dict[tuple, Any] = {}
 _CACHE: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
+def _key(shape: Any) -> tuple:
+    return (shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps, shape.ctas, shape.stages,
+            shape.profile)
+
+
 def _compiled(shape: Any) -> Any:
-    key = (shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps, shape.ctas, shape.stages,
-           shape.profile)
+    key = _key(shape)
     fn = _COMPILED.get(key)
     if fn is None:
         if torch.cuda.is_current_stream_capturing():
@@ -171,12 +175,25 @@ def _run(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tens
     problem = cluster_problem(x, y, streams_out, out, update=update, iters=iters)
     if problem:
         raise ValueError(f"the MHC cluster kernel cannot take this call: {problem}")
+    launch(x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res, norm_weight, out, h_post_out, h_res_out,
+           float(params.eps), float(norm_eps), float(norm_offset), iters)
+    return streams_out, out, h_post_out, h_res_out
+
+
+def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
+           streams_out: Optional[torch.Tensor], phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor,
+           b_post: torch.Tensor, b_res: torch.Tensor, norm_weight: torch.Tensor, out: torch.Tensor,
+           h_post_out: torch.Tensor, h_res_out: torch.Tensor, eps: float, norm_eps: float, norm_offset: float,
+           iters: int) -> None:
+    """One launch on checked tensors (``cluster_problem`` is "" for them), on the current stream."""
+    t, n, c = x.shape
     if t == 0:
-        return streams_out, out, h_post_out, h_res_out
+        return
+    update = y is not None
     shape = cluster_shape(n, c, update, iters)
     fn = _compiled(shape)
     phf = _derived(phi, ("fragments", n), lambda: phi_fragments(phi, n))
-    w32 = _derived(norm_weight, ("w32", float(norm_offset)), lambda: (norm_weight.float() + float(norm_offset)).contiguous())
+    w32 = _derived(norm_weight, ("w32", norm_offset), lambda: (norm_weight.float() + norm_offset).contiguous())
 
     import cutlass
     import cutlass.cute as cute
@@ -193,9 +210,48 @@ def _run(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tens
     fn(ptr(x, x), ptr(yy, x), ptr(h_post, h_post_out, 4), ptr(h_res, h_res_out, 4), ptr(xo, x), ptr(phf, phf),
        ptr(alpha, alpha, 4), ptr(b_pre, b_pre, 4), ptr(b_post, b_post, 4), ptr(b_res, b_res, 4), ptr(w32, w32),
        ptr(out, out), ptr(h_post_out, h_post_out, 4), ptr(h_res_out, h_res_out, 4),
-       ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), t, (t + shape.bt - 1) // shape.bt, x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1),
-       out.stride(0), float(params.eps), float(norm_eps), cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
-    return streams_out, out, h_post_out, h_res_out
+       ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), t, (t + shape.bt - 1) // shape.bt,
+       x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1), out.stride(0), eps, norm_eps,
+       cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
+
+
+# Token counts whose update+read or read the Triton path hands to the cluster kernel when the
+# caller leaves the launch form open (cooperative=None). H200, n = 4, H = 4096, bf16, CUDA graphs:
+# T = 128 update+read 17.8 µs against 29.5 for the Triton two launches, read 13.5 against 24.4; at
+# T = 1 (16.1 against 13.7) and T = 1024 (81.0 against 53.2) the Triton kernels are faster.
+CLUSTER_TOKENS = (17, 256)
+_ELIGIBLE: dict[tuple, bool] = {}
+_WARNED: set[tuple] = set()
+
+
+def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torch.Tensor], out: torch.Tensor,
+          iters: int) -> bool:
+    """Whether an automatic launch-form choice sends this call to the cluster kernel: a token count
+    in ``CLUSTER_TOKENS``, a call ``cluster_problem`` accepts (decided once per device and shape,
+    bar the per-call alignment), and a variant compiled already if a CUDA graph is being captured
+    (else a warning, once, and the Triton kernels)."""
+    t = x.shape[0]
+    if not (CLUSTER_TOKENS[0] <= t <= CLUSTER_TOKENS[1]) or x.dtype != torch.bfloat16 or not x.is_cuda:
+        return False
+    update = y is not None
+    key = (x.device.index, x.shape[1], x.shape[2], update, iters)
+    ok = _ELIGIBLE.get(key)
+    if ok is None:
+        ok = _ELIGIBLE[key] = not cluster_problem(x, update=update, iters=iters)
+    if not ok or not all(_rows_ok(v) for v in (x, y, streams_out, out) if v is not None):
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        shape = cluster_shape(x.shape[1], x.shape[2], update, iters)
+        if _key(shape) not in _COMPILED:
+            if key not in _WARNED:
+                _WARNED.add(key)
+                import warnings
+
+                warnings.warn(f"MHC cluster kernel for n={x.shape[1]}, hidden={x.shape[2]} not compiled before CUDA-graph "
+                              "capture: this graph runs the Triton kernels; call "
+                              "layer_boundary_mhc.cluster_ops.prepare_cluster(n, hidden) before capturing", stacklevel=3)
+            return False
+    return True
 
 
 def mhc_read_cluster(

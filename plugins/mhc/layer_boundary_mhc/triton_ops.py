@@ -140,12 +140,30 @@ def _boundary_body(
     x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
     phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
     b_res: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_eps: float, norm_offset: float, iters: int,
-    cooperative: bool,
+    cooperative: bool, auto: bool,
     streams_out: Optional[torch.Tensor], out: torch.Tensor, h_post_out: torch.Tensor, h_res_out: torch.Tensor,
 ) -> None:
+    # auto: the caller left the launch form open; the cluster kernel (CuTe DSL, Hopper) takes the
+    # mid sizes where it is faster and where it imports (decided here, on the real tensors: under
+    # torch.compile this body runs at run time).
+    if auto and _cluster_takes(x, y, streams_out, out, iters):
+        from . import cluster_ops
+
+        cluster_ops.launch(x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res, norm_weight, out,
+                           h_post_out, h_res_out, eps, norm_eps, norm_offset, iters)
+        return
     _launch_boundary(mhc_boundary_kernel, x, y, h_post, h_res, streams_out, phi, _split_for(phi, x), alpha, b_pre,
                      b_post, b_res, norm_weight, out, h_post_out, h_res_out, eps, norm_eps, norm_offset, iters,
                      cooperative)
+
+
+def _cluster_takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torch.Tensor],
+                   out: torch.Tensor, iters: int) -> bool:
+    if INTERPRETED or not x.is_cuda or torch.version.hip:
+        return False
+    from . import cluster_ops
+
+    return cluster_ops.takes(x, y, streams_out, out, iters)
 
 
 def _update_body(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
@@ -296,18 +314,18 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
     h_post_out = _coefficient_dest(h_post_out, (t, n), x, "h_post")
     h_res_out = _coefficient_dest(h_res_out, (t, n, n), x, "h_res")
     eps = float(params.eps)
-    if cooperative is None:
+    auto = cooperative is None
+    if auto:
         cooperative = t <= triton_mhc.COOPERATIVE_TOKENS or (t > triton_mhc.MID_TOKENS
                                                              and bool(triton_mhc.PREFILL_ONE_LAUNCH))
     # Dynamo sees is_compiling() as True: the compiled graph gets the operator; eager bypasses it.
     if torch.compiler.is_compiling():
         torch.ops.layer_boundary_mhc.boundary(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res,
                                               norm_weight, eps, float(norm_eps), float(norm_offset), int(iters), cooperative,
-                                              streams_out, out, h_post_out, h_res_out)
+                                              auto, streams_out, out, h_post_out, h_res_out)
     else:
-        _launch_boundary(mhc_boundary_kernel, x, y, h_post, h_res, streams_out, phi, _split_for(phi, x), alpha,
-                         b_pre, b_post, b_res, norm_weight, out, h_post_out, h_res_out, eps, float(norm_eps),
-                         float(norm_offset), int(iters), cooperative)
+        _boundary_body(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_weight, eps, float(norm_eps),
+                       float(norm_offset), int(iters), cooperative, auto, streams_out, out, h_post_out, h_res_out)
     return streams_out, out, h_post_out, h_res_out
 
 
@@ -321,7 +339,9 @@ def mhc_read_triton(
     """``(input [T, C], H_post [T, n], H_res [T, n, n])`` of streams ``x`` (``mhc_read_ref``).
     ``cooperative=False`` runs the stream passes and the finishes as two launches, ``True`` as one;
     ``None`` picks one launch up to ``triton_mhc.COOPERATIVE_TOKENS`` tokens, two above (faster
-    there on an H200). Both give the same bits."""
+    there on an H200), and on Hopper, where the CuTe DSL imports, the cluster kernel for
+    ``cluster_ops.CLUSTER_TOKENS`` tokens (``cluster_ops.takes``). The two Triton forms give the
+    same bits; the cluster kernel agrees within the tolerance table."""
     _, inp, hp, hr = _boundary(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters,
                                cooperative, None, out, h_post, h_res)
     return inp, hp, hr
