@@ -224,7 +224,9 @@ m)
     && cp -rn /tmp/site2/. /tmp/site/ 2>/dev/null || exit 1
   cute_env
   versions | tee "$OUT/versions-m.txt"
-  pt 200 -m gpu tests/test_mhc_cluster.py -rf > "$OUT/m-tests.log" 2>&1; grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
+  # MHC_TESTS: more pytest arguments (files, -k) beside the cluster kernel's tests.
+  eval "pt 300 -m gpu tests/test_mhc_cluster.py -rf ${MHC_TESTS:-}" > "$OUT/m-tests.log" 2>&1
+  grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
   tail -2 "$OUT/m-tests.log"
   # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items) at H = 4096, then
   # MHC_CLUSTER_VARIANTS_WIDE at H = 7168, each with one profiled call.
@@ -236,10 +238,10 @@ m)
     cat "$OUT/cluster-variants.log"
   fi
   if [ -n "${MHC_BENCH:-}" ]; then  # bench mhc, the dated record, cluster kernel beside the Triton kernels
-    timeout 200 layer-boundary bench mhc --tokens 1 128 1024 8192 32768 --hidden 4096 --ops update+read read \
+    timeout 200 layer-boundary bench mhc --tokens ${MHC_BENCH_TOKENS:-1 128 1024 8192 32768} --hidden 4096 --ops update+read read \
       --out "$OUT" > "$OUT/bench-mhc-4096.log" 2>&1; grep -v "^ *$" "$OUT/bench-mhc-4096.log" | tail -44
-    mkdir -p "$OUT/h7168"; timeout 120 layer-boundary bench mhc --tokens 1024 8192 --hidden 7168 --ops update+read \
-      --out "$OUT/h7168" > "$OUT/bench-mhc-7168.log" 2>&1; grep -v "^ *$" "$OUT/bench-mhc-7168.log" | tail -12
+    [ -n "${MHC_BENCH_TOKENS:-}" ] || { mkdir -p "$OUT/h7168"; timeout 120 layer-boundary bench mhc --tokens 1024 8192 --hidden 7168 --ops update+read \
+      --out "$OUT/h7168" > "$OUT/bench-mhc-7168.log" 2>&1; grep -v "^ *$" "$OUT/bench-mhc-7168.log" | tail -12; }
   fi
   if [ -n "${MHC_NCU:-}" ]; then  # ncu of the cluster kernel, T = 8192, each variant in MHC_NCU
     ( cd benchmarks/sweeps && eval "timeout 150 ncu --clock-control none -k regex:kernel_cutlass --launch-count 1 \
