@@ -216,10 +216,11 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
 
 
 # Token counts whose update+read or read the Triton path hands to the cluster kernel when the
-# caller leaves the launch form open (cooperative=None). H200, n = 4, H = 4096, bf16, CUDA graphs:
-# T = 128 update+read 17.8 µs against 29.5 for the Triton two launches, read 13.5 against 24.4; at
-# T = 1 (16.1 against 13.7) and T = 1024 (81.0 against 53.2) the Triton kernels are faster.
-CLUSTER_TOKENS = (17, 256)
+# caller leaves the launch form open (cooperative=None). H200, n = 4, H = 4096, bf16, CUDA graphs,
+# update+read against the faster Triton form (benchmarks/results/2026-11-30-h200-session5.md):
+# T = 16 16.5 µs against 22.3, 128 17.8 against 29.9, 256 25.3 against 30.3, 384 25.9 against 31.9;
+# the Triton kernels are faster at T = 1 (13.7 against 16.1) and from 512 (38.8 against 45.5).
+CLUSTER_TOKENS = (16, 384)
 _ELIGIBLE: dict[tuple, bool] = {}
 _WARNED: set[tuple] = set()
 
