@@ -161,14 +161,24 @@ def test_gpu_cluster_under_cuda_graph_capture():
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
     cluster_ops.prepare_cluster(n, c)
     eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
-    outs = [torch.empty_like(e) for e in eager]
+    outs = _captured_and_replayed(eager, lambda o: cluster_ops.mhc_update_read_cluster(
+        x, y, h_post, h_res, params, w, 1e-6, streams_out=o[0], out=o[1], h_post_out=o[2], h_res_out=o[3]))
+    assert all(torch.equal(a, b) for a, b in zip(eager, outs))
+
+
+def _captured_and_replayed(like, call, capture_context=None):
+    """``call(outs)`` captured in a CUDA graph (inside ``capture_context``) into buffers shaped as
+    ``like``, replayed once: the buffers."""
+    import contextlib
+
+    outs = [torch.empty_like(v) for v in like]
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, streams_out=outs[0], out=outs[1],
-                                            h_post_out=outs[2], h_res_out=outs[3])
+    with capture_context or contextlib.nullcontext():
+        with torch.cuda.graph(graph):
+            call(outs)
     graph.replay()
     torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(eager, outs))
+    return outs
 
 
 @pytest.mark.gpu
@@ -208,12 +218,7 @@ def test_gpu_capture_of_an_uncompiled_shape_warns_and_runs_triton():
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
     want = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, cooperative=False)
-    outs = [torch.empty_like(v) for v in want]
-    graph = torch.cuda.CUDAGraph()
-    with pytest.warns(UserWarning, match="not compiled before CUDA-graph capture"):
-        with torch.cuda.graph(graph):
-            triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, streams_out=outs[0], out=outs[1],
-                                              h_post_out=outs[2], h_res_out=outs[3])
-    graph.replay()
-    torch.cuda.synchronize()
+    outs = _captured_and_replayed(want, lambda o: triton_ops.mhc_update_read_triton(
+        x, y, h_post, h_res, params, w, 1e-6, streams_out=o[0], out=o[1], h_post_out=o[2], h_res_out=o[3]),
+        pytest.warns(UserWarning, match="not compiled before CUDA-graph capture"))
     assert all(torch.equal(a, b) for a, b in zip(outs, want))
