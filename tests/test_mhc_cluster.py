@@ -76,10 +76,59 @@ def test_shape_plan_and_refusals():
     wide = cluster_shape(4, 7168, True)  # 32 tokens x 448 columns do not fit two CTAs an SM
     assert (wide.cl, wide.bt, wide.ctas, wide.problem) == (16, 32, 1, "")
     assert cluster_shape(2, 2048, False).problem == ""
-    assert "at most 4" in ClusterShape(8, 4096, 16, 64, True, 20).problem
+    assert "2 to 4" in ClusterShape(8, 4096, 16, 64, True, 20).problem
+    assert "2 to 4" in ClusterShape(1, 4096, 16, 64, True, 20).problem  # compiles, never ran on a GPU
     assert "multiple of 256" in ClusterShape(4, 4000, 16, 64, True, 20).problem
     assert "shared memory" in ClusterShape(4, 8192, 16, 64, True, 20).problem
     assert cluster_shape(4, 1000, True).problem  # no cluster of 16 or 8 divides it into 16-column chunks
+
+
+class _FakeCudaStreams:
+    """Stands in for bf16 CUDA streams [T, n, C] (what ``cluster_ops.takes`` reads of a tensor)."""
+
+    def __init__(self, t: int, n: int = 4, c: int = 4096, aligned: bool = True) -> None:
+        self.shape = (t, n, c)
+        self.dtype = torch.bfloat16
+        self.is_cuda = True
+        self.device = torch.device("cuda", 0)
+        self._ptr = 0 if aligned else 8
+
+    def stride(self, dim=None):
+        strides = (self.shape[1] * self.shape[2], self.shape[2], 1)
+        return strides if dim is None else strides[dim]
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def test_open_calls_dispatch_by_token_count_and_fall_back_when_the_kernel_fails(monkeypatch):
+    """cluster_ops.takes on the CPU, with the device checks and the compiler stood in for."""
+    from layer_boundary_mhc import cluster_ops
+
+    compiled = []
+    monkeypatch.setattr(cluster_ops, "cluster_problem", lambda x, *a, **k: "")
+    monkeypatch.setattr(cluster_ops, "_compiled", lambda shape: compiled.append(shape.c))
+    monkeypatch.setattr(cluster_ops, "_ELIGIBLE", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    y = object()  # the stage output of an update: only its presence counts here
+    monkeypatch.setattr(cluster_ops, "_rows_ok", lambda v: v is y or v.data_ptr() % 16 == 0)
+    lo, hi = cluster_ops.READ_TOKENS
+    reads = {t: cluster_ops.takes(_FakeCudaStreams(t), None, None, _FakeCudaStreams(t), 20) for t in (lo, hi, hi + 1)}
+    assert reads == {lo: True, hi: True, hi + 1: False}
+    lo, hi = cluster_ops.UPDATE_READ_TOKENS
+    got = {t: cluster_ops.takes(_FakeCudaStreams(t), y, None, _FakeCudaStreams(t), 20)
+           for t in (lo - 1, lo, 128, hi, hi + 1)}
+    assert got == {lo - 1: False, lo: True, 128: True, hi: True, hi + 1: False}
+    assert compiled == [4096, 4096]  # the read and the update variant, each compiled once
+    assert not cluster_ops.takes(_FakeCudaStreams(128, aligned=False), y, None, _FakeCudaStreams(128), 20)
+
+    def broken(shape):
+        raise RuntimeError("no cubin for this driver")
+
+    monkeypatch.setattr(cluster_ops, "_compiled", broken)
+    with pytest.warns(UserWarning, match="no cubin for this driver"):
+        assert not cluster_ops.takes(_FakeCudaStreams(128, c=2048), y, None, _FakeCudaStreams(128, c=2048), 20)
+    assert not cluster_ops.takes(_FakeCudaStreams(128, c=2048), y, None, _FakeCudaStreams(128, c=2048), 20)  # no retry
 
 
 def _cute():
@@ -183,8 +232,9 @@ def _captured_and_replayed(like, call, capture_context=None):
 
 @pytest.mark.gpu
 def test_gpu_open_launch_form_takes_the_cluster_kernel_at_mid_sizes():
-    """cooperative=None (what the model's read passes) sends CLUSTER_TOKENS calls to the cluster
-    kernel, bit for bit, and leaves decode and prefill sizes to the Triton kernels."""
+    """cooperative=None (what the model's read passes) sends UPDATE_READ_TOKENS update+reads and
+    READ_TOKENS reads to the cluster kernel, bit for bit, and leaves the sizes around them to the
+    Triton kernels (one launch up to 16 tokens, two above)."""
     _gpu_ready()
     from mhc_gpu import _inputs, _params
 
@@ -192,7 +242,11 @@ def test_gpu_open_launch_form_takes_the_cluster_kernel_at_mid_sizes():
 
     n, c = 4, 4096
     params = _params(n, c)
-    lo, hi = cluster_ops.CLUSTER_TOKENS
+
+    def same(a, b, where):
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), where
+
+    lo, hi = cluster_ops.UPDATE_READ_TOKENS
     for t, form in ((lo, "cluster"), (128, "cluster"), (hi, "cluster"), (lo - 1, True), (hi + 1, False)):
         x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, seed=t)
         auto = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6)
@@ -200,10 +254,14 @@ def test_gpu_open_launch_form_takes_the_cluster_kernel_at_mid_sizes():
             want = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
         else:
             want = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, cooperative=form)
-        assert all(torch.equal(a, b) for a, b in zip(auto, want)), f"T={t}: not the {form} result"
-        read = triton_ops.mhc_read_triton(x, params, w, 1e-6)
-        if form == "cluster":
-            assert all(torch.equal(a, b) for a, b in zip(read, cluster_ops.mhc_read_cluster(x, params, w, 1e-6)))
+        same(auto, want, f"update+read T={t}: not the {form} result")
+    lo, hi = cluster_ops.READ_TOKENS
+    for t, form in ((lo, "cluster"), (hi, "cluster"), (hi + 1, False)):
+        x, _, w, _, _ = _inputs(t, n, c, torch.bfloat16, seed=t)
+        auto = triton_ops.mhc_read_triton(x, params, w, 1e-6)
+        want = (cluster_ops.mhc_read_cluster(x, params, w, 1e-6) if form == "cluster"
+                else triton_ops.mhc_read_triton(x, params, w, 1e-6, cooperative=form))
+        same(auto, want, f"read T={t}: not the {form} result")
 
 
 @pytest.mark.gpu

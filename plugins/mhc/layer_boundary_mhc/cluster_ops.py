@@ -23,7 +23,7 @@ import torch
 from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem", "phi_fragments",
-           "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "CLUSTER_TOKENS"]
+           "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "UPDATE_READ_TOKENS", "READ_TOKENS"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -215,30 +215,55 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
 
 
-# Token counts whose update+read or read the Triton path hands to the cluster kernel when the
-# caller leaves the launch form open (cooperative=None). H200, n = 4, H = 4096, bf16, CUDA graphs,
-# update+read against the faster Triton form (benchmarks/results/2026-11-30-h200-session5.md):
-# T = 16 16.5 µs against 22.3, 128 17.8 against 29.9, 256 25.3 against 30.3, 384 25.9 against 31.9;
-# the Triton kernels are faster at T = 1 (13.7 against 16.1) and from 512 (38.8 against 45.5).
-CLUSTER_TOKENS = (16, 384)
+# Token counts whose update+read (UPDATE_READ_TOKENS) or read (READ_TOKENS) the Triton path hands
+# to the cluster kernel when the caller leaves the launch form open (cooperative=None). H200, n = 4,
+# H = 4096, bf16, CUDA graphs, against the form the Triton path would pick
+# (benchmarks/results/2026-11-30-h200-session5.md):
+# - update+read: T = 16 16.5 µs against 23.2, 128 17.8 against 29.9, 256 25.3 against 30.3, 384 25.9
+#   against 31.9; the Triton kernels are faster at T = 1 (15.4 in one launch against 16.1) and from
+#   512 (38.8 against 45.5);
+# - read: T = 1 12.5 against 15.6, 128 13.5 against 24.7, 384 18.3 against 26.5; 512 30.4 against 26.4.
+UPDATE_READ_TOKENS = (16, 384)
+READ_TOKENS = (1, 384)
 _ELIGIBLE: dict[tuple, bool] = {}
 _WARNED: set[tuple] = set()
+
+
+def _eligible(x: torch.Tensor, update: bool, iters: int) -> bool:
+    """Whether (device, n, C, update) can take the cluster kernel: ``cluster_problem`` of the
+    shape, and a variant that compiles (compiled here, outside any capture). A failure is a
+    warning and the Triton kernels, never an error in the forward."""
+    if cluster_problem(x, update=update, iters=iters):
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return True  # decided per call by the capture check in takes()
+    try:
+        _compiled(cluster_shape(x.shape[1], x.shape[2], update, iters))
+    except Exception as e:  # a broken CuTe DSL install must not end the forward
+        import warnings
+
+        warnings.warn(f"MHC cluster kernel unavailable for n={x.shape[1]}, hidden={x.shape[2]} "
+                      f"({type(e).__name__}: {e}); the Triton kernels serve these calls", stacklevel=4)
+        return False
+    return True
 
 
 def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torch.Tensor], out: torch.Tensor,
           iters: int) -> bool:
     """Whether an automatic launch-form choice sends this call to the cluster kernel: a token count
-    in ``CLUSTER_TOKENS``, a call ``cluster_problem`` accepts (decided once per device and shape,
-    bar the per-call alignment), and a variant compiled already if a CUDA graph is being captured
-    (else a warning, once, and the Triton kernels)."""
+    in ``UPDATE_READ_TOKENS`` / ``READ_TOKENS``, a call ``cluster_problem`` accepts and whose variant
+    compiles (decided once per device and shape, bar the per-call alignment), and, while a CUDA
+    graph is being captured, a variant compiled already (else a warning, once, and the Triton
+    kernels)."""
     t = x.shape[0]
-    if not (CLUSTER_TOKENS[0] <= t <= CLUSTER_TOKENS[1]) or x.dtype != torch.bfloat16 or not x.is_cuda:
-        return False
     update = y is not None
+    lo, hi = UPDATE_READ_TOKENS if update else READ_TOKENS
+    if not lo <= t <= hi or x.dtype != torch.bfloat16 or not x.is_cuda:
+        return False
     key = (x.device.index, x.shape[1], x.shape[2], update, iters)
     ok = _ELIGIBLE.get(key)
     if ok is None:
-        ok = _ELIGIBLE[key] = not cluster_problem(x, update=update, iters=iters)
+        ok = _ELIGIBLE[key] = _eligible(x, update, iters)
     if not ok or not all(_rows_ok(v) for v in (x, y, streams_out, out) if v is not None):
         return False
     if torch.cuda.is_current_stream_capturing():

@@ -52,8 +52,9 @@ class ClusterShape:
         self.problem = self._problem()
 
     def _problem(self) -> str:
-        if self.n > 4:
-            return f"n = {self.n} streams (at most 4)"
+        if not 2 <= self.n <= 4:
+            # n = 1 would compile, but has not run on a GPU.
+            return f"n = {self.n} streams (2 to 4)"
         if self.c % (self.cl * 16):
             return f"hidden size {self.c} is not a multiple of {self.cl * 16} (cluster of {self.cl} x 16 columns)"
         if self.hs % 64 or self.nch % 2:

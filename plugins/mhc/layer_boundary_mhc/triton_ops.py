@@ -340,7 +340,7 @@ def mhc_read_triton(
     ``cooperative=False`` runs the stream passes and the finishes as two launches, ``True`` as one;
     ``None`` picks one launch up to ``triton_mhc.COOPERATIVE_TOKENS`` tokens, two above (faster
     there on an H200), and on Hopper, where the CuTe DSL imports, the cluster kernel for
-    ``cluster_ops.CLUSTER_TOKENS`` tokens (``cluster_ops.takes``). The two Triton forms give the
+    ``cluster_ops.READ_TOKENS`` / ``UPDATE_READ_TOKENS`` tokens (``cluster_ops.takes``). The two Triton forms give the
     same bits; the cluster kernel agrees within the tolerance table."""
     _, inp, hp, hr = _boundary(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters,
                                cooperative, None, out, h_post, h_res)
