@@ -23,7 +23,7 @@ import torch
 from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem", "phi_fragments",
-           "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "UPDATE_READ_TOKENS", "READ_TOKENS"]
+           "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED", "UPDATE_READ_TOKENS", "READ_TOKENS"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -37,6 +37,11 @@ BLOCK_TOKENS = 32
 WARPS = 8
 CTAS = 2
 STAGES = 0  # chunks in flight a CTA (0: as many as shared memory holds, cluster_shape.MAX_STAGES at most)
+# 1: phi's fragments travel in the stages (cp.async, one copy a CTA; the form measured fastest,
+# 456.7 against 556.8 µs at T = 8192, before the stages were freed of them), 0: from L2 to each
+# warp's registers, a chunk ahead (the form the last GPU runs verified). The staged form as it is
+# now (fragments loaded before the MMAs, two chunks an iteration) has not run on a GPU.
+PHI_STAGED = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
@@ -70,12 +75,12 @@ def cluster_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS
     """The variant for these sizes (``cluster_shape.ClusterShape``), or one whose ``problem`` says why none fits."""
     from .cluster_shape import ClusterShape
 
-    tries = [(CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES)]
+    tries = [(CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES)]  # then fallbacks of the default form
     tries += [(cl, bt, 8, 1, 0) for cl in (CLUSTER, 8) for bt in (64, 32, 16)]
     shape = None
     for cl, bt, warps, ctas, stages in tries:
         shape = ClusterShape(n, hidden, cl, bt, update, iters, stages=stages, warps=warps, ctas=ctas,
-                             profile=PROFILE is not None)
+                             profile=PROFILE is not None, phi_staged=bool(PHI_STAGED))
         if not shape.problem:
             return shape
     return shape
@@ -120,7 +125,7 @@ _CACHE: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 def _key(shape: Any) -> tuple:
     return (shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps, shape.ctas, shape.stages,
-            shape.profile)
+            shape.profile, shape.phi_staged)
 
 
 def _compiled(shape: Any) -> Any:

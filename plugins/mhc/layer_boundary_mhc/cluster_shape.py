@@ -21,12 +21,16 @@ class ClusterShape:
     """Compile-time shape of one variant: n streams, hidden size C, ``cluster`` CTAs a block of
     ``block_tokens``, ``warps`` a CTA, shared memory sized for ``ctas`` CTAs an SM (two let one CTA's
     cluster exchanges overlap another's stream pass), ``stages`` chunks in flight (0: as many as fit,
-    at most MAX_STAGES); ``profile``: each CTA stamps the time at its phase boundaries (``PHASES``)."""
+    at most MAX_STAGES); ``profile``: each CTA stamps the time at its phase boundaries (``PHASES``);
+    ``phi_staged``: phi's fragments travel in the stages (cp.async, one copy a CTA) rather than from
+    L2 to each warp's registers."""
 
     def __init__(self, n: int, hidden: int, cluster: int, block_tokens: int, update: bool, iters: int,
-                 stages: int = 0, warps: int = 8, ctas: int = 1, profile: bool = False) -> None:
+                 stages: int = 0, warps: int = 8, ctas: int = 1, profile: bool = False,
+                 phi_staged: bool = False) -> None:
         self.n, self.c, self.cl, self.bt, self.update, self.iters = n, hidden, cluster, block_tokens, update, iters
         self.warps, self.threads, self.ctas, self.profile = warps, 32 * warps, ctas, profile
+        self.phi_staged = phi_staged
         self.hs = hidden // cluster
         self.nch = self.hs // 16
         self.k = n * n + 2 * n
@@ -39,8 +43,8 @@ class ClusterShape:
         self.xr_bytes = n * block_tokens * self.hs * 2
         self.sx = n * block_tokens * 32
         self.sy = block_tokens * 32 if update else 0
-        self.phi_chunk = n * 3 * self.nt * 256  # bytes of phi fragments a chunk (from L2 to registers)
-        self.stage_bytes = self.sx + self.sy
+        self.phi_chunk = n * 3 * self.nt * 256  # bytes of phi fragments a chunk
+        self.stage_bytes = self.sx + self.sy + (self.phi_chunk if phi_staged else 0)
         self.part_bytes = block_tokens * (self.kpad + 1) * 4
         self.wp_bytes = warps * 16 * (self.kpad + 1) * 4
         self.hpre_bytes = block_tokens * n * 4

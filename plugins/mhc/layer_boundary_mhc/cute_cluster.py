@@ -120,7 +120,7 @@ class MhcCluster:
 
         for c in cutlass.range_constexpr(s.stages - 1):
             if c < s.nch:
-                self._issue(Int32(c), Int32(c), tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt)
+                self._issue(Int32(c), Int32(c), tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt, phf_a, rank)
             else:
                 P.cp_async_commit()
 
@@ -128,7 +128,8 @@ class MhcCluster:
         # shared memory is left to the HBM stages (x' takes most of it).
         nfrag = ls * 3 * s.nt
         pfs = (cute.make_rmem_tensor((nfrag * 2,), Int32), cute.make_rmem_tensor((nfrag * 2,), Int32))
-        self._phi_load(pfs[0], phf_a + Int64(rank * s.nch) * s.phi_chunk, kh, lane)
+        if cutlass.const_expr(not s.phi_staged):
+            self._phi_load(pfs[0], phf_a + Int64(rank * s.nch) * s.phi_chunk, kh, lane)
         acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
         acc.fill(0.0)
         ssq = cute.make_rmem_tensor((2,), Float32)
@@ -148,12 +149,15 @@ class MhcCluster:
                 k1 = self._clock()
                 nxt = ch + s.stages - 1
                 if nxt < s.nch:
-                    self._issue(nxt, nxt % s.stages, tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt)
+                    self._issue(nxt, nxt % s.stages, tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt, phf_a, rank)
                 else:
                     P.cp_async_commit()
                 base = stage0 + (ch % s.stages) * s.stage_bytes
                 cur = pfs[half]
-                if ch + 1 < s.nch:
+                if cutlass.const_expr(s.phi_staged):
+                    # Every fragment of this warp's streams from the stage, before the MMAs need them.
+                    self._phi_stage_load(cur, base + s.sx + s.sy, kh, lane)
+                elif ch + 1 < s.nch:
                     self._phi_load(pfs[1 - half], phf_a + Int64(rank * s.nch + ch + 1) * s.phi_chunk, kh, lane)
                 k2 = self._clock()
                 # Rows r0, r1 at columns 4q .. 4q + 3 of every stream and of y: two words a row.
@@ -371,6 +375,19 @@ class MhcCluster:
                     pf[f + 1] = w[1]
 
     @cute.jit
+    def _phi_stage_load(self, pf: cute.Tensor, stage_phi: Int32, kh: Int32, lane: Int32):
+        """As ``_phi_load``, from a stage's copy of the chunk's fragments (``phi_staged``)."""
+        s = self.s
+        for si in cutlass.range_constexpr((s.n + s.kh - 1) // s.kh):
+            i = cutlass.min(kh + si * s.kh, s.n - 1)  # streams past n: loaded, never used
+            for part in cutlass.range_constexpr(3):
+                for nt in cutlass.range_constexpr(s.nt):
+                    w = P.lds_v2(stage_phi + ((i * 3 + part) * s.nt + nt) * 256 + lane * 8)
+                    f = ((si * 3 + part) * s.nt + nt) * 2
+                    pf[f] = w[0]
+                    pf[f + 1] = w[1]
+
+    @cute.jit
     def _clock(self) -> Int64:
         if cutlass.const_expr(self.s.profile):
             return P.clock()
@@ -383,15 +400,16 @@ class MhcCluster:
                 P.stamp(base + k * 16)
 
     @cute.jit
-    def _issue(self, chunk, stage, tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt):
-        """cp.async of chunk ``chunk``'s stream tiles and y tile into stage ``stage``, one group."""
+    def _issue(self, chunk, stage, tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt, phf_a, rank):
+        """cp.async of chunk ``chunk``'s stream tiles and y tile (and, ``phi_staged``, this CTA's
+        phi fragments of the chunk, from ``phf_a``) into stage ``stage``, one group."""
         s = self.s
         n, bt = s.n, s.bt
         base = stage0 + stage * s.stage_bytes
         c_off = col0 + chunk * 16
         px = n * bt * 2
         py = bt * 2 if s.update else 0
-        total = px + py
+        total = px + py + (s.phi_chunk // 16 if s.phi_staged else 0)
         for k in cutlass.range_constexpr((total + s.threads - 1) // s.threads):
             idx = tid + k * s.threads
             if idx < px:
@@ -402,13 +420,17 @@ class MhcCluster:
                 live = Int32(row0 + row < tokens)
                 off = (Int64(row0 + row) * sxt + Int64(j) * sxn + Int64(c_off + 8 * half)) * 2
                 P.cp_async16(base + (j * bt + row) * 32 + half * 16, x_a + off * Int64(live), 16 * live)
-            elif idx < total:
+            elif idx < px + py:
                 rem = idx - px
                 row = rem // 2
                 half = rem % 2
                 live = Int32(row0 + row < tokens)
                 off = (Int64(row0 + row) * syt + Int64(c_off + 8 * half)) * 2
                 P.cp_async16(base + s.sx + row * 32 + half * 16, y_a + off * Int64(live), 16 * live)
+            elif idx < total:
+                pi = idx - px - py
+                src = phf_a + Int64(rank * s.nch + chunk) * s.phi_chunk + Int64(pi * 16)
+                P.cp_async16(base + s.sx + s.sy + pi * 16, src, Int32(16))
         P.cp_async_commit()
 
     @cute.jit
