@@ -22,8 +22,8 @@ instruction choices: FMA mixes, one rounding, approximate rsqrt and exp, true di
 Sinkhorn); the summation orders differ, so the two kernels agree within the check, not in bits.
 
 Layouts. A stream pass chunk is 16 hidden columns: per stage, the n stream tiles and y (``[BT, 16]``
-bf16, 32-byte rows, cp.async with zero fill past the last token) and phi's fragments for those
-columns. Warp ``w`` takes m-tile ``w // KH`` (16 tokens) and streams ``i = w % KH (mod KH)``; lane
+bf16, 32-byte rows, cp.async with zero fill past the last token). phi's fragments for those columns
+go from L2 to each warp's registers a chunk ahead, or (``phi_staged``) come with the stage. Warp ``w`` takes m-tile ``w // KH`` (16 tokens) and streams ``i = w % KH (mod KH)``; lane
 ``(g, q) = (lane / 4, lane % 4)`` computes rows ``g, g + 8`` of the tile at columns ``4q .. 4q + 3``.
 Those four columns are the lane's A-fragment values for one k16 step: the MMA's k slots
 ``2q, 2q + 1, 2q + 8, 2q + 9`` are mapped to columns ``4q .. 4q + 3`` (any permutation of k is
@@ -124,8 +124,9 @@ class MhcCluster:
             else:
                 P.cp_async_commit()
 
-        # phi's fragments of this warp's streams go from L2 straight to registers, one chunk ahead:
-        # shared memory is left to the HBM stages (x' takes most of it).
+        # phi's fragments of this warp's streams go from L2 straight to registers, one chunk ahead,
+        # leaving shared memory to the HBM stages (x' takes most of it); or, phi_staged, they come
+        # with the stages (measured faster: PERFORMANCE.md, "Sixth pass").
         nfrag = ls * 3 * s.nt
         pfs = (cute.make_rmem_tensor((nfrag * 2,), Int32), cute.make_rmem_tensor((nfrag * 2,), Int32))
         if cutlass.const_expr(not s.phi_staged):
