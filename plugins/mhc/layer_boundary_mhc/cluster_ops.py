@@ -5,7 +5,7 @@
 | ``mhc_read_cluster``       | ``mhc_read_ref``        | (input, H_post, H_res)           |
 | ``mhc_update_read_cluster``| ``mhc_update_read_ref`` | (x', input, H_post', H_res')     |
 
-For bf16 streams ``[T, n, C]`` with ``n <= 4`` on Hopper (sm_90) GPUs where ``nvidia-cutlass-dsl``
+For bf16 streams ``[T, n, C]`` with ``2 <= n <= 4`` on Hopper (sm_90) GPUs where ``nvidia-cutlass-dsl``
 imports; ``cluster_problem`` says why a call cannot take it (the Triton kernels then serve it).
 Each (n, C, update) variant compiles once, on first use (about a second), never during CUDA-graph
 capture: ``prepare_cluster`` compiles ahead. phi's bf16 fragments and the FP32 norm weight (with
@@ -22,8 +22,9 @@ import torch
 
 from .coefficients import SINKHORN_ITERS
 
-__all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem", "phi_fragments",
-           "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED", "UPDATE_READ_TOKENS", "READ_TOKENS"]
+__all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
+           "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
+           "PHI_STAGED", "UPDATE_READ_TOKENS", "READ_TOKENS"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS

@@ -23,7 +23,8 @@ Sinkhorn); the summation orders differ, so the two kernels agree within the chec
 
 Layouts. A stream pass chunk is 16 hidden columns: per stage, the n stream tiles and y (``[BT, 16]``
 bf16, 32-byte rows, cp.async with zero fill past the last token). phi's fragments for those columns
-go from L2 to each warp's registers a chunk ahead, or (``phi_staged``) come with the stage. Warp ``w`` takes m-tile ``w // KH`` (16 tokens) and streams ``i = w % KH (mod KH)``; lane
+go from L2 to each warp's registers a chunk ahead, or (``phi_staged``) come with the stage. Warp
+``w`` takes m-tile ``w // KH`` (16 tokens) and streams ``i = w % KH (mod KH)``; lane
 ``(g, q) = (lane / 4, lane % 4)`` computes rows ``g, g + 8`` of the tile at columns ``4q .. 4q + 3``.
 Those four columns are the lane's A-fragment values for one k16 step: the MMA's k slots
 ``2q, 2q + 1, 2q + 8, 2q + 9`` are mapped to columns ``4q .. 4q + 3`` (any permutation of k is
