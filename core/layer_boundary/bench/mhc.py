@@ -30,8 +30,9 @@ its tolerance allows (at most 1 passes); rows keep each output's figures under `
 
 Methods: ``triton`` (the cooperative single launch), ``triton 2-launch`` (stream passes, then
 finishes: x' is re-read from HBM), ``cute cluster`` (on CUDA where the CuTe DSL imports: one
-thread-block cluster a token block, x' kept in shared memory, ``layer_boundary_mhc.cluster_ops``), ``torch reference`` (what the plugin runs off CUDA, and the
-meaning of the kernels) and, with ``--compile``, ``torch.compile`` of the reference. The MHC plugin
+thread-block cluster a token block, x' kept in shared memory, ``layer_boundary_mhc.cluster_ops``),
+``torch reference`` (what the plugin runs off CUDA, and the meaning of the kernels) and, with
+``--compile``, ``torch.compile`` of the reference. The MHC plugin
 is imported only here, when the benchmark runs: the core does not depend on it.
 """
 
@@ -177,39 +178,28 @@ def _cluster_methods(ops: Sequence[str]) -> list[MhcMethod]:
     return [MhcMethod("cute cluster", op, calls[op]) for op in ops if op in calls]
 
 
-def _cluster_destinations(method: MhcMethod, i: Inputs) -> Callable[[], Any]:
-    from layer_boundary_mhc import cluster_ops as k
-
-    t, n, c = i.x.shape
-    streams, out = torch.empty_like(i.x), i.x.new_empty((t, c))
-    h_post, h_res = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
-    if method.op == "read":
-        return lambda: k.mhc_read_cluster(i.x, i.params, i.w, EPS, out=out, h_post=h_post, h_res=h_res)
-    return lambda: k.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS, streams_out=streams,
-                                             out=out, h_post_out=h_post, h_res_out=h_res)
-
-
 def _destinations(method: MhcMethod, i: Inputs) -> Callable[[], Any]:
     """``method`` writing into destinations allocated once (no allocation a replay repeats beyond
     the kernels' workspace) where it takes them; the reference allocates as it always does."""
-    if method.name == "cute cluster":
-        return _cluster_destinations(method, i)
-    if not method.name.startswith("triton"):
+    cluster = method.name == "cute cluster"
+    if not (cluster or method.name.startswith("triton")):
         return lambda: method.call(i)
-    from layer_boundary_mhc import triton_ops as k
+    from layer_boundary_mhc import cluster_ops, triton_ops
 
     t, n, c = i.x.shape
     streams = torch.empty_like(i.x)
     out = i.x.new_empty((t, c))
     h_post, h_res = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
-    coop = method.name == "triton"
     if method.op == "update":
-        return lambda: (k.mhc_update_triton(i.x, i.y, i.h_post, i.h_res, out=streams),)
+        return lambda: (triton_ops.mhc_update_triton(i.x, i.y, i.h_post, i.h_res, out=streams),)
+    # The cluster kernel's callables take the Triton ones' arguments, less the launch form.
+    read, update_read = ((cluster_ops.mhc_read_cluster, cluster_ops.mhc_update_read_cluster) if cluster else
+                         (triton_ops.mhc_read_triton, triton_ops.mhc_update_read_triton))
+    form = {} if cluster else {"cooperative": method.name == "triton"}
     if method.op == "read":
-        return lambda: k.mhc_read_triton(i.x, i.params, i.w, EPS, out=out, h_post=h_post, h_res=h_res,
-                                         cooperative=coop)
-    return lambda: k.mhc_update_read_triton(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS, streams_out=streams,
-                                            out=out, h_post_out=h_post, h_res_out=h_res, cooperative=coop)
+        return lambda: read(i.x, i.params, i.w, EPS, out=out, h_post=h_post, h_res=h_res, **form)
+    return lambda: update_read(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS, streams_out=streams, out=out,
+                               h_post_out=h_post, h_res_out=h_res, **form)
 
 
 def _check(method: MhcMethod, got: Sequence[torch.Tensor], i: Inputs) -> dict[str, Any]:

@@ -15,7 +15,6 @@ version, like the Triton kernels' phi split.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -72,8 +71,20 @@ def phi_fragments(phi: torch.Tensor, n: int) -> torch.Tensor:
     return parts.view(3, n, c // 16, 4, 4, nt, 8).permute(2, 1, 0, 5, 6, 3, 4).contiguous()
 
 
+_SHAPES: dict[tuple, Any] = {}
+
+
 def cluster_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
-    """The variant for these sizes (``cluster_shape.ClusterShape``), or one whose ``problem`` says why none fits."""
+    """The variant for these sizes (``cluster_shape.ClusterShape``), or one whose ``problem`` says why
+    none fits; planned once per sizes and settings (every launch asks)."""
+    key = (n, hidden, update, iters, CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES, PHI_STAGED, PROFILE is not None)
+    shape = _SHAPES.get(key)
+    if shape is None:
+        shape = _SHAPES[key] = _plan(n, hidden, update, iters)
+    return shape
+
+
+def _plan(n: int, hidden: int, update: bool, iters: int) -> Any:
     from .cluster_shape import ClusterShape
 
     tries = [(CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES)]  # then fallbacks of the default form
@@ -121,7 +132,6 @@ def cluster_problem(x: torch.Tensor, *tensors: Optional[torch.Tensor], update: b
 
 
 _COMPILED: dict[tuple, Any] = {}
-_CACHE: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def _key(shape: Any) -> tuple:
@@ -148,44 +158,6 @@ def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None
         _compiled(cluster_shape(n, hidden, update, iters))
 
 
-def _derived(t: torch.Tensor, kind: tuple, make: Any) -> torch.Tensor:
-    """``make()`` once per (tensor, version, kind), as ``triton_ops._phi_split``."""
-    base = t if t._base is None else t._base
-    key = (id(base), t.data_ptr(), kind)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is base and hit[1] == t._version:
-        return hit[2]
-    value = make()
-    if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _CACHE[key] = (weakref.ref(base, lambda _, k=key: _CACHE.pop(k, None)), t._version, value)
-    return value
-
-
-def _run(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
-         params: Any, norm_weight: torch.Tensor, norm_eps: float, norm_offset: float, iters: int,
-         streams_out: Optional[torch.Tensor], out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor],
-         h_res_out: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_ops import _check_shape, _check_streams, _check_update, _checked_params, _coefficient_dest, _dest
-
-    t, n, c = _check_streams(x)
-    phi, alpha, b_pre, b_post, b_res = _checked_params(params, x)
-    _check_shape(norm_weight, (c,), "the norm weight")
-    update = y is not None
-    if update:
-        _check_update(x, y, h_post, h_res)
-        h_post, h_res = h_post.contiguous(), h_res.contiguous()
-        streams_out = _dest(streams_out, (t, n, c), x.dtype, x, "streams_out")
-    out = _dest(out, (t, c), x.dtype, x, "out")
-    h_post_out = _coefficient_dest(h_post_out, (t, n), x, "h_post")
-    h_res_out = _coefficient_dest(h_res_out, (t, n, n), x, "h_res")
-    problem = cluster_problem(x, y, streams_out, out, update=update, iters=iters)
-    if problem:
-        raise ValueError(f"the MHC cluster kernel cannot take this call: {problem}")
-    launch(x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res, norm_weight, out, h_post_out, h_res_out,
-           float(params.eps), float(norm_eps), float(norm_offset), iters)
-    return streams_out, out, h_post_out, h_res_out
-
-
 def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
            streams_out: Optional[torch.Tensor], phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor,
            b_post: torch.Tensor, b_res: torch.Tensor, norm_weight: torch.Tensor, out: torch.Tensor,
@@ -198,8 +170,10 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
     update = y is not None
     shape = cluster_shape(n, c, update, iters)
     fn = _compiled(shape)
-    phf = _derived(phi, ("fragments", n), lambda: phi_fragments(phi, n))
-    w32 = _derived(norm_weight, ("w32", norm_offset), lambda: (norm_weight.float() + norm_offset).contiguous())
+    from .triton_ops import derived
+
+    phf = derived(phi, ("fragments", n), lambda: phi_fragments(phi, n))
+    w32 = derived(norm_weight, ("w32", norm_offset), lambda: (norm_weight.float() + norm_offset).contiguous())
 
     import cutlass
     import cutlass.cute as cute
@@ -237,12 +211,10 @@ _WARNED: set[tuple] = set()
 
 def _eligible(x: torch.Tensor, update: bool, iters: int) -> bool:
     """Whether (device, n, C, update) can take the cluster kernel: ``cluster_problem`` of the
-    shape, and a variant that compiles (compiled here, outside any capture). A failure is a
-    warning and the Triton kernels, never an error in the forward."""
+    shape, and a variant that compiles (here, outside any capture). A failure is a warning and the
+    Triton kernels, never an error in the forward."""
     if cluster_problem(x, update=update, iters=iters):
         return False
-    if torch.cuda.is_current_stream_capturing():
-        return True  # decided per call by the capture check in takes()
     try:
         _compiled(cluster_shape(x.shape[1], x.shape[2], update, iters))
     except Exception as e:  # a broken CuTe DSL install must not end the forward
@@ -257,10 +229,11 @@ def _eligible(x: torch.Tensor, update: bool, iters: int) -> bool:
 def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torch.Tensor], out: torch.Tensor,
           iters: int) -> bool:
     """Whether an automatic launch-form choice sends this call to the cluster kernel: a token count
-    in ``UPDATE_READ_TOKENS`` / ``READ_TOKENS``, a call ``cluster_problem`` accepts and whose variant
-    compiles (decided once per device and shape, bar the per-call alignment), and, while a CUDA
-    graph is being captured, a variant compiled already (else a warning, once, and the Triton
-    kernels)."""
+    in ``UPDATE_READ_TOKENS`` / ``READ_TOKENS``, aligned rows, and a (device, n, C, update) that
+    ``cluster_problem`` accepts and whose variant compiles, decided on its first call. A first call
+    inside a CUDA-graph capture cannot compile: it warns once and runs the Triton kernels, and the
+    shape is decided again outside the capture. Past the first call: attribute reads and a
+    dictionary lookup, no device query."""
     t = x.shape[0]
     update = y is not None
     lo, hi = UPDATE_READ_TOKENS if update else READ_TOKENS
@@ -269,21 +242,19 @@ def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torc
     key = (x.device.index, x.shape[1], x.shape[2], update, iters)
     ok = _ELIGIBLE.get(key)
     if ok is None:
-        ok = _ELIGIBLE[key] = _eligible(x, update, iters)
-    if not ok or not all(_rows_ok(v) for v in (x, y, streams_out, out) if v is not None):
-        return False
-    if torch.cuda.is_current_stream_capturing():
-        shape = cluster_shape(x.shape[1], x.shape[2], update, iters)
-        if _key(shape) not in _COMPILED:
+        if (torch.cuda.is_current_stream_capturing()
+                and _key(cluster_shape(x.shape[1], x.shape[2], update, iters)) not in _COMPILED):
             if key not in _WARNED:
                 _WARNED.add(key)
                 import warnings
 
-                warnings.warn(f"MHC cluster kernel for n={x.shape[1]}, hidden={x.shape[2]} not compiled before CUDA-graph "
-                              "capture: this graph runs the Triton kernels; call "
-                              "layer_boundary_mhc.cluster_ops.prepare_cluster(n, hidden) before capturing", stacklevel=3)
+                warnings.warn(f"MHC cluster kernel for n={x.shape[1]}, hidden={x.shape[2]} not compiled before "
+                              "CUDA-graph capture: this graph runs the Triton kernels; call "
+                              "layer_boundary_mhc.cluster_ops.prepare_cluster(n, hidden) before capturing",
+                              stacklevel=3)
             return False
-    return True
+        ok = _ELIGIBLE[key] = _eligible(x, update, iters)
+    return ok and all(_rows_ok(v) for v in (x, y, streams_out, out) if v is not None)
 
 
 def mhc_read_cluster(
@@ -292,8 +263,10 @@ def mhc_read_cluster(
     h_res: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input [T, C], H_post [T, n], H_res [T, n, n])`` of streams ``x`` (``mhc_read_ref``)."""
-    _, inp, hp, hr = _run(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters, None, out,
-                          h_post, h_res)
+    from .triton_ops import _boundary
+
+    _, inp, hp, hr = _boundary(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters, None, None, out,
+                               h_post, h_res, cluster=True)
     return inp, hp, hr
 
 
@@ -304,7 +277,9 @@ def mhc_update_read_cluster(
     h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x', input, H_post', H_res')`` (``mhc_update_read_ref``) in one launch, x' never re-read."""
-    streams, inp, hp, hr = _run(x, y, h_post, h_res, params, norm_weight, norm_eps, norm_offset, iters,
-                                streams_out, out, h_post_out, h_res_out)
+    from .triton_ops import _boundary
+
+    streams, inp, hp, hr = _boundary(x, y, h_post, h_res, params, norm_weight, norm_eps, norm_offset, iters, None,
+                                     streams_out, out, h_post_out, h_res_out, cluster=True)
     assert streams is not None
     return streams, inp, hp, hr

@@ -57,6 +57,9 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Which kernel a boundary call runs: the Triton form ``cooperative`` says, the cluster kernel where
+# it takes the call (an open launch form), or the cluster kernel as asked (``cluster_ops``).
+FORM_TRITON, FORM_AUTO, FORM_CLUSTER = 0, 1, 2
 
 
 # -- launches (shared by the eager path and the operators) -----------------------------------------
@@ -140,15 +143,19 @@ def _boundary_body(
     x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
     phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
     b_res: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_eps: float, norm_offset: float, iters: int,
-    cooperative: bool, auto: bool,
+    cooperative: bool, form: int,
     streams_out: Optional[torch.Tensor], out: torch.Tensor, h_post_out: torch.Tensor, h_res_out: torch.Tensor,
 ) -> None:
-    # auto: the caller left the launch form open; the cluster kernel (CuTe DSL, Hopper) takes the
-    # mid sizes where it is faster and where it imports (decided here, on the real tensors: under
-    # torch.compile this body runs at run time).
-    if auto and _cluster_takes(x, y, streams_out, out, iters):
+    # FORM_AUTO: the caller left the launch form open, and the cluster kernel (CuTe DSL, Hopper)
+    # takes the sizes where it is faster and where it imports; FORM_CLUSTER: the caller asked for
+    # it. Decided here, on the real tensors: under torch.compile this body runs at run time.
+    if form == FORM_CLUSTER or (form == FORM_AUTO and _cluster_takes(x, y, streams_out, out, iters)):
         from . import cluster_ops
 
+        if form == FORM_CLUSTER:
+            problem = cluster_ops.cluster_problem(x, y, streams_out, out, update=y is not None, iters=iters)
+            if problem:
+                raise ValueError(f"the MHC cluster kernel cannot take this call: {problem}")
         cluster_ops.launch(x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res, norm_weight, out,
                            h_post_out, h_res_out, eps, norm_eps, norm_offset, iters)
         return
@@ -257,11 +264,26 @@ def _split_for(phi: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 # (id(parameter), data pointer, kind) -> (weak reference to the parameter, its version counter, the
-# split); the parameter is phi's base where phi is a view (as a compiled graph may pass). Split once per
-# parameter version, not per call: a split is a few elementwise kernels over phi, more than a decode
-# step's launch overhead. The TF32 parts hold twice phi's memory (3 MiB a stage at n = 4, C = 4096),
-# the bf16 parts 1.5 times (with the padding columns, 2 at n = 4).
-_PHI_PARTS: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
+# derived tensor); the parameter is the base where it is a view (as a compiled graph may pass).
+# phi's splits (and the cluster kernel's fragments and FP32 weight) are made once per parameter
+# version, not per call: a split is a few elementwise kernels over phi, more than a decode step's
+# launch overhead. The TF32 parts hold twice phi's memory (3 MiB a stage at n = 4, C = 4096), the
+# bf16 parts 1.5 times (with the padding columns, 2 at n = 4).
+_DERIVED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def derived(t: torch.Tensor, kind: tuple, make: Any) -> torch.Tensor:
+    """``make()``, computed once per (parameter ``t``, its version, ``kind``)."""
+    base = t if t._base is None else t._base
+    key = (id(base), t.data_ptr(), kind)
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0]() is base and hit[1] == t._version:
+        return hit[2]
+    value = make()
+    # While a CUDA graph is captured the kernels that make it do not run: keep nothing made then.
+    if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _DERIVED[key] = (weakref.ref(base, lambda _, k=key: _DERIVED.pop(k, None)), t._version, value)
+    return value
 
 
 def _split(phi: torch.Tensor, kind: tuple) -> torch.Tensor:
@@ -269,16 +291,7 @@ def _split(phi: torch.Tensor, kind: tuple) -> torch.Tensor:
 
 
 def _phi_split(phi: torch.Tensor, kind: tuple) -> torch.Tensor:
-    base = phi if phi._base is None else phi._base
-    key = (id(base), phi.data_ptr(), kind)
-    hit = _PHI_PARTS.get(key)
-    if hit is not None and hit[0]() is base and hit[1] == phi._version:
-        return hit[2]
-    parts = _split(phi, kind)
-    # While a CUDA graph is captured the split's kernels do not run: keep no split made then.
-    if not (phi.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _PHI_PARTS[key] = (weakref.ref(base, lambda _, k=key: _PHI_PARTS.pop(k, None)), phi._version, parts)
-    return parts
+    return derived(phi, kind, lambda: _split(phi, kind))
 
 
 def _dest(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor,
@@ -301,8 +314,10 @@ def _coefficient_dest(t: Optional[torch.Tensor], shape: tuple[int, ...], like: t
 def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor],
               h_res: Optional[torch.Tensor], params: Any, norm_weight: torch.Tensor, norm_eps: float,
               norm_offset: float, iters: int, cooperative: Optional[bool], streams_out: Optional[torch.Tensor],
-              out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor],
-              h_res_out: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+              out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor], h_res_out: Optional[torch.Tensor],
+              cluster: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks, destinations and the launch of every public callable here and in ``cluster_ops``
+    (``cluster``: the cluster kernel, refused with its reason where it cannot run)."""
     t, n, c = _check_streams(x)
     phi, alpha, b_pre, b_post, b_res = _checked_params(params, x)
     _check_shape(norm_weight, (c,), "the norm weight")
@@ -314,18 +329,18 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
     h_post_out = _coefficient_dest(h_post_out, (t, n), x, "h_post")
     h_res_out = _coefficient_dest(h_res_out, (t, n, n), x, "h_res")
     eps = float(params.eps)
-    auto = cooperative is None
-    if auto:
+    form = FORM_CLUSTER if cluster else FORM_AUTO if cooperative is None else FORM_TRITON
+    if cooperative is None:
         cooperative = t <= triton_mhc.COOPERATIVE_TOKENS or (t > triton_mhc.MID_TOKENS
                                                              and bool(triton_mhc.PREFILL_ONE_LAUNCH))
     # Dynamo sees is_compiling() as True: the compiled graph gets the operator; eager bypasses it.
     if torch.compiler.is_compiling():
         torch.ops.layer_boundary_mhc.boundary(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res,
                                               norm_weight, eps, float(norm_eps), float(norm_offset), int(iters), cooperative,
-                                              auto, streams_out, out, h_post_out, h_res_out)
+                                              form, streams_out, out, h_post_out, h_res_out)
     else:
         _boundary_body(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_weight, eps, float(norm_eps),
-                       float(norm_offset), int(iters), cooperative, auto, streams_out, out, h_post_out, h_res_out)
+                       float(norm_offset), int(iters), cooperative, form, streams_out, out, h_post_out, h_res_out)
     return streams_out, out, h_post_out, h_res_out
 
 
@@ -340,8 +355,8 @@ def mhc_read_triton(
     ``cooperative=False`` runs the stream passes and the finishes as two launches, ``True`` as one;
     ``None`` picks one launch up to ``triton_mhc.COOPERATIVE_TOKENS`` tokens, two above (faster
     there on an H200), and on Hopper, where the CuTe DSL imports, the cluster kernel for
-    ``cluster_ops.READ_TOKENS`` / ``UPDATE_READ_TOKENS`` tokens (``cluster_ops.takes``). The two Triton forms give the
-    same bits; the cluster kernel agrees within the tolerance table."""
+    ``cluster_ops.READ_TOKENS`` / ``UPDATE_READ_TOKENS`` tokens (``cluster_ops.takes``). The two
+    Triton forms give the same bits; the cluster kernel agrees within the tolerance table."""
     _, inp, hp, hr = _boundary(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters,
                                cooperative, None, out, h_post, h_res)
     return inp, hp, hr
