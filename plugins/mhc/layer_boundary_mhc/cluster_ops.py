@@ -37,11 +37,10 @@ BLOCK_TOKENS = 32
 WARPS = 8
 CTAS = 2
 STAGES = 0  # chunks in flight a CTA (0: as many as shared memory holds, cluster_shape.MAX_STAGES at most)
-# 1: phi's fragments travel in the stages (cp.async, one copy a CTA; the form measured fastest,
-# 456.7 against 556.8 µs at T = 8192, before the stages were freed of them), 0: from L2 to each
-# warp's registers, a chunk ahead (the form the last GPU runs verified). The staged form as it is
-# now (fragments loaded before the MMAs, two chunks an iteration) has not run on a GPU.
-PHI_STAGED = 0
+# 1: phi's fragments travel in the stages (cp.async, one copy a CTA), loaded to registers before
+# the MMAs; 0: from L2 to each warp's registers, a chunk ahead. H200, T = 8192: 444.5 against
+# 552.1 µs (benchmarks/results/2026-11-30-h200-session6.md).
+PHI_STAGED = 1
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
