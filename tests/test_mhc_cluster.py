@@ -153,17 +153,19 @@ def test_cluster_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
         2 * streams_per_warp * 3 * shape.nt
     assert "barrier.cluster.arrive" in ptx and "mapa.shared::cluster" in ptx
     assert ("st.global.v2.b32" in ptx) == update  # x' is stored only by an update
-    assert "ld.global.nc.v2.b32" in ptx  # phi's fragments from L2 to registers (the default)
+    # phi's fragments come with the stages (the default, PHI_STAGED=1), never from L2 per warp
+    assert shape.phi_staged and shape.stage_bytes == shape.sx + shape.sy + shape.phi_chunk
+    assert "ld.global.nc.v2.b32" not in ptx and "cp.async.cg.shared.global" in ptx
 
 
-def test_staged_phi_variant_compiles_without_fragment_loads_from_global(tmp_path, monkeypatch):
-    """PHI_STAGED=1: the fragments come with the stages (cp.async) and are read from shared memory."""
+def test_phi_from_l2_variant_compiles_to_fragment_loads_from_global(tmp_path, monkeypatch):
+    """PHI_STAGED=0: each warp loads its fragments from L2 to registers, a chunk ahead."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     mod = _cute()
-    shape = ClusterShape(4, 4096, 16, 32, True, 20, ctas=2, phi_staged=True)
-    assert not shape.problem and shape.stage_bytes == shape.sx + shape.sy + shape.phi_chunk
+    shape = ClusterShape(4, 4096, 16, 32, True, 20, ctas=2, phi_staged=False)
+    assert not shape.problem and shape.stage_bytes == shape.sx + shape.sy
     ptx = mod.compile_cluster(shape, str(tmp_path)).__ptx__
-    assert "ld.global.nc.v2.b32" not in ptx and "cp.async.cg.shared.global" in ptx
+    assert "ld.global.nc.v2.b32" in ptx
 
 
 # -- GPU ---------------------------------------------------------------------------------------------
