@@ -32,7 +32,8 @@
 #   u  (carry .cute1a, one GPU): the first part of the CuTe DSL libraries, kept for stage m
 #   m  (carry .cute1b and .cute2, right after u): the rest, unpacked and installed; the MHC cluster
 #      kernel's GPU tests, then as asked: its variants (MHC_CLUSTER_VARIANTS) beside the Triton two
-#      launches, bench mhc (MHC_BENCH=1, the dated record), ncu of it (MHC_NCU)
+#      launches, bench mhc (MHC_BENCH=1, the dated record), ncu of it (MHC_NCU), ncu's warp-stall
+#      samples per SASS instruction of one variant (MHC_NCU_SASS)
 #   w  every GPU visible (4 or 8: the 4- and 8-GPU issue): the NCCL parallel matrix at 2, 4 and 8
 #      ranks, bench allreduce --world N and bench decode --tp 1 2 N (dated records)
 # Logs and results go to $OUT (the device tool brings them back).
@@ -249,6 +250,13 @@ m)
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
         python3 mhc_cluster_variants.py $MHC_NCU --once --tokens 8192" > "$OUT/ncu-cluster.txt" 2>&1 )
     grep -v "^==PROF==\|^ *$\|----" "$OUT/ncu-cluster.txt" | cut -c1-110 | tail -150
+  fi
+  if [ -n "${MHC_NCU_SASS:-}" ]; then  # warp-stall samples per SASS instruction, T = 8192, one variant
+    ( cd benchmarks/sweeps && eval "timeout 200 ncu --clock-control none -k regex:kernel_cutlass --launch-count 1 \
+        --section WarpStateStats --section SourceCounters -f -o $OUT/cluster \
+        python3 mhc_cluster_variants.py $MHC_NCU_SASS --once --tokens 8192" > "$OUT/ncu-sass.log" 2>&1 )
+    ncu -i "$OUT/cluster.ncu-rep" --page source --csv --print-source sass > "$OUT/cluster-sass.csv" 2>>"$OUT/ncu-sass.log"
+    tail -3 "$OUT/ncu-sass.log"; wc -l "$OUT/cluster-sass.csv"; head -3 "$OUT/cluster-sass.csv" | cut -c1-600
   fi
   ;;
 w)

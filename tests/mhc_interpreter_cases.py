@@ -21,6 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run with TRITON_INTERPRET=1 (tests/test_mhc_kernels.py does)", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 pytest.importorskip("layer_boundary_mhc", reason="the MHC plugin is not installed")
+import triton  # noqa: E402
 
 from layer_boundary_mhc import MhcSemantics, MhcStageParams  # noqa: E402
 from layer_boundary_mhc import triton_mhc as tm  # noqa: E402
@@ -132,6 +133,23 @@ def test_the_sinkhorn_iteration_count_is_the_reference_s():
     one = mhc_read_triton(x, p, w, EPS, iters=1)[2]
     torch.testing.assert_close(one, mhc_read_ref(x, p, w, EPS, iters=1)[2], atol=2e-6, rtol=0)
     assert not torch.allclose(one, mhc_read_triton(x, p, w, EPS)[2], atol=1e-4)
+
+
+@pytest.mark.parametrize("t,n", [(1, 4), (70, 4), (130, 3), (9, 2)], ids=str)
+def test_the_sinkhorn_after_the_cluster_kernel_is_the_reference_s(t, n):
+    """``finish.sinkhorn_kernel`` (what runs on the cluster kernel's H_res logits): in place, the
+    rows past T untouched, and the reference's matrices from the same logits (n x n, not a
+    power of two at n = 3; one token; a block and a ragged tail)."""
+    from layer_boundary_mhc.coefficients import sinkhorn
+    from layer_boundary_mhc.finish import sinkhorn_kernel
+
+    g = torch.Generator().manual_seed(t)
+    logits = torch.randn(t + 3, n, n, generator=g) * 3
+    logits[0, 0, 0] = 120.0  # a saturating entry: the floor keeps its column summable
+    h = logits.clone()
+    sinkhorn_kernel[(-(-t // 64),)](h, t, N=n, NP=triton.next_power_of_2(n), TB=64, ITERS=20)
+    torch.testing.assert_close(h[:t], sinkhorn(logits[:t]), atol=2e-6, rtol=0)
+    assert torch.equal(h[t:], logits[t:])
 
 
 def test_unbalanced_logits_saturate_without_nan():

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import triton
 
 from .coefficients import SINKHORN_ITERS
 
@@ -41,6 +42,8 @@ STAGES = 0  # chunks in flight a CTA (0: as many as shared memory holds, cluster
 # the MMAs; 0: from L2 to each warp's registers, a chunk ahead. H200, T = 8192: 444.5 against
 # 552.1 µs (benchmarks/results/2026-11-30-h200-session6.md).
 PHI_STAGED = 1
+# Tokens a program of the Sinkhorn that follows the kernel ([TB, n, n] FP32 tiles).
+SINKHORN_TOKENS = 64
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
@@ -192,6 +195,12 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
        ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), t, (t + shape.bt - 1) // shape.bt,
        x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1), out.stride(0), eps, norm_eps,
        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
+    # The kernel leaves H_res's logits; the Sinkhorn's dependent iterations run here on all tokens
+    # at once rather than on two warps a CTA while the cluster waits (cute_cluster, phase 2).
+    from .finish import sinkhorn_kernel
+
+    sinkhorn_kernel[(triton.cdiv(t, SINKHORN_TOKENS),)](h_res_out, t, N=n, NP=triton.next_power_of_2(n),
+                                                       TB=SINKHORN_TOKENS, ITERS=int(iters), num_warps=4)
 
 
 # Token counts whose update+read (UPDATE_READ_TOKENS) or read (READ_TOKENS) the Triton path hands

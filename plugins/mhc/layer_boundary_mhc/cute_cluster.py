@@ -11,15 +11,16 @@ and the combination. What crosses CTAs is small and goes through distributed sha
                   once, stored to HBM and to shared memory; partial x' @ phi (bf16 parts of phi,
                   mma.sync, products exact in FP32) and partial sum x'^2 over the CTA's columns
     2. cluster    each CTA sums the CL partials of BT / CL tokens (in rank order), computes rstd,
-                  H_pre, H_post, H_res (Sinkhorn) for them, stores H_post and H_res, and sends H_pre
-                  to every CTA
+                  H_pre, H_post and H_res's logits for them, stores H_post and the logits, and sends
+                  H_pre to every CTA (the Sinkhorn of the logits runs after the kernel)
     3. combine    s = sum_j H_pre[j] x'_j from shared memory; partial sum s^2 to every CTA; then
                   input = s rsqrt(sum s^2 / C + eps) (w + offset), rounded once
 
 Every CTA sums the same partials in the same order, so all agree on each token's coefficients and
 norm, and replays are bitwise. The arithmetic is that of ``triton_mhc`` (the same formulas and
-instruction choices: FMA mixes, one rounding, approximate rsqrt and exp, true divisions in
-Sinkhorn); the summation orders differ, so the two kernels agree within the check, not in bits.
+instruction choices: FMA mixes, one rounding, approximate rsqrt and sigmoid; the Sinkhorn is the
+Triton finish's own code); the summation orders differ, so the two kernels agree within the check,
+not in bits.
 
 Layouts. A stream pass chunk is 16 hidden columns: per stage, the n stream tiles and y (``[BT, 16]``
 bf16, 32-byte rows, cp.async with zero fill past the last token). phi's fragments for those columns
@@ -118,12 +119,21 @@ class MhcCluster:
                         vals.append(P.ldg_f32(Int64(hr.toint()) + ((t64 * n + i) * n + j) * 4, live * ok))
                 per_row.append(vals)
             coef.append(per_row)
+        xo_rows = [[xo_a + (Int64(row0 + r) * sot + Int64(kh + si * kh_n) * son + Int64(col0 + 4 * q)) * 2
+                    for r in (r0, r1)] for si in range(ls)]
 
+        plan = self._issue_plan(tid, col0, row0, tokens, x_a, y_a, sxt, sxn, syt, phf_a, rank)
         for c in cutlass.range_constexpr(s.stages - 1):
             if c < s.nch:
-                self._issue(Int32(c), Int32(c), tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt, phf_a, rank)
+                self._issue(plan, Int32(c), stage0 + c * s.stage_bytes)
             else:
                 P.cp_async_commit()
+        # Stage indices of the chunk read and of the chunk issued, carried rather than computed as
+        # ch % stages (a multiply-shift sequence each time at 3 stages). x' goes to HBM at
+        # xo_row[ri] + 32 ch: the rows' addresses are computed once.
+        stg = cute.make_rmem_tensor((2,), Int32)
+        stg[0] = Int32(0)
+        stg[1] = Int32(s.stages - 1)
 
         # phi's fragments of this warp's streams go from L2 straight to registers, one chunk ahead,
         # leaving shared memory to the HBM stages (x' takes most of it); or, phi_staged, they come
@@ -150,11 +160,15 @@ class MhcCluster:
                 cute.arch.sync_threads()
                 k1 = self._clock()
                 nxt = ch + s.stages - 1
+                rd = stg[0]
+                wr = stg[1]
                 if nxt < s.nch:
-                    self._issue(nxt, nxt % s.stages, tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt, phf_a, rank)
+                    self._issue(plan, nxt, stage0 + wr * s.stage_bytes)
                 else:
                     P.cp_async_commit()
-                base = stage0 + (ch % s.stages) * s.stage_bytes
+                stg[0] = rd + 1 - s.stages * Int32(rd + 1 >= s.stages)
+                stg[1] = wr + 1 - s.stages * Int32(wr + 1 >= s.stages)
+                base = stage0 + rd * s.stage_bytes
                 cur = pfs[half]
                 if cutlass.const_expr(s.phi_staged):
                     # Every fragment of this warp's streams from the stage, before the MMAs need them.
@@ -196,8 +210,7 @@ class MhcCluster:
                         for ri in cutlass.range_constexpr(2):
                             r, live = r_pairs[ri]
                             if cutlass.const_expr(s.update):
-                                dst = xo_a + (Int64(row0 + r) * sot + Int64(i) * son + Int64(col0 + ch * 16 + 4 * q)) * 2
-                                P.stg_v2(dst, words[ri][0], words[ri][1], live)
+                                P.stg_v2(xo_rows[si][ri] + Int64(ch * 32), words[ri][0], words[ri][1], live)
                             unit = (2 * ch + q // 2) ^ (r % 8)
                             P.sts_v2(xr + (i * bt + r) * (hs * 2) + unit * 16 + (q % 2) * 8, words[ri][0], words[ri][1])
                         a = (words[0][0], words[1][0], words[0][1], words[1][1])
@@ -276,28 +289,13 @@ class MhcCluster:
             b_res = P.ldg_f32(Int64(bres.toint()) + Int64(lane - 2 * n) * 4, is_res)
             h_pre = P.sigmoid(P.fma(a_pre, v, b_pre))
             h_post = Float32(2.0) * P.sigmoid(P.fma(a_post, v, b_post))
-            lg = P.sel(is_res, P.fma(a_res, v, b_res), Float32(-float("inf")))
-            top = lg
-            for m_ in (16, 8, 4, 2, 1):
-                top = P.fmax(top, P.shfl_xor(top, m_))
-            zero = Float32(0.0)
-            m = P.sel(is_res, P.fmax(P.exp(lg - top), Float32(1.1754943508222875e-38)), zero)
-            # Lane 2n + i n + j holds H_res[i, j]; the other lanes read valid lanes and keep 0.
-            cell = (lane - 2 * n) * is_res
-            ri = cell // n
-            cj = cell - ri * n
-            for _ in cutlass.range(s.iters, unroll=1):
-                csum = P.shfl_idx(m, 2 * n + cj)
-                for i2 in cutlass.range_constexpr(1, n):
-                    csum = csum + P.shfl_idx(m, 2 * n + i2 * n + cj)
-                m = P.sel(is_res, P.div(m, csum), zero)
-                rsum = P.shfl_idx(m, 2 * n + ri * n)
-                for j2 in cutlass.range_constexpr(1, n):
-                    rsum = rsum + P.shfl_idx(m, 2 * n + ri * n + j2)
-                m = P.sel(is_res, P.div(m, rsum), zero)
+            # H_res leaves as its logits: the Sinkhorn (20 dependent iterations on two warps while the
+            # CTA's others waited: 4 of the 6 µs this phase took, H200) runs after the kernel, on every
+            # token at once (cluster_ops.launch).
+            lg = P.fma(a_res, v, b_res)
             tg = Int64(row0 + t)
             P.stg_f32(Int64(hpo.toint()) + (tg * n + lane - n) * 4, h_post, live * is_post)
-            P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, m, live * is_res)
+            P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, lg, live * is_res)
             if is_pre != 0:
                 for cr in cutlass.range_constexpr(s.cl):
                     P.st_cluster_f32(P.mapa(hpre + (t * n + lane) * 4, Int32(cr)), h_pre)
@@ -402,37 +400,51 @@ class MhcCluster:
                 P.stamp(base + k * 16)
 
     @cute.jit
-    def _issue(self, chunk, stage, tid, stage0, col0, row0, tokens, x_a, y_a, sxt, sxn, syt, phf_a, rank):
-        """cp.async of chunk ``chunk``'s stream tiles and y tile (and, ``phi_staged``, this CTA's
-        phi fragments of the chunk, from ``phf_a``) into stage ``stage``, one group."""
+    def _issue_plan(self, tid, col0, row0, tokens, x_a, y_a, sxt, sxn, syt, phf_a, rank):
+        """This thread's cp.async of every chunk, worked out once: per copy (offset in a stage,
+        source at chunk 0, source step a chunk, bytes, whether it copies). A stage holds the chunk's
+        stream tiles and y tile (16 columns: two 16-byte halves a row; rows past the last token
+        arrive as zeros) and, ``phi_staged``, this CTA's phi fragments of the chunk."""
         s = self.s
         n, bt = s.n, s.bt
-        base = stage0 + stage * s.stage_bytes
-        c_off = col0 + chunk * 16
         px = n * bt * 2
         py = bt * 2 if s.update else 0
         total = px + py + (s.phi_chunk // 16 if s.phi_staged else 0)
+        plan = []
         for k in cutlass.range_constexpr((total + s.threads - 1) // s.threads):
             idx = tid + k * s.threads
-            if idx < px:
-                j = idx // (2 * bt)
-                rem = idx - j * (2 * bt)
-                row = rem // 2
-                half = rem % 2
-                live = Int32(row0 + row < tokens)
-                off = (Int64(row0 + row) * sxt + Int64(j) * sxn + Int64(c_off + 8 * half)) * 2
-                P.cp_async16(base + (j * bt + row) * 32 + half * 16, x_a + off * Int64(live), 16 * live)
-            elif idx < px + py:
-                rem = idx - px
-                row = rem // 2
-                half = rem % 2
-                live = Int32(row0 + row < tokens)
-                off = (Int64(row0 + row) * syt + Int64(c_off + 8 * half)) * 2
-                P.cp_async16(base + s.sx + row * 32 + half * 16, y_a + off * Int64(live), 16 * live)
-            elif idx < total:
-                pi = idx - px - py
-                src = phf_a + Int64(rank * s.nch + chunk) * s.phi_chunk + Int64(pi * 16)
-                P.cp_async16(base + s.sx + s.sy + pi * 16, src, Int32(16))
+            is_x = Int32(idx < px)
+            is_y = Int32(idx >= px) * Int32(idx < px + py)
+            is_p = Int32(idx >= px + py) * Int32(idx < total)
+            # x: copy idx = (stream j, row, half); y: (row, half); phi: 16-byte piece pi
+            j = idx // (2 * bt)
+            rem = idx - j * (2 * bt)
+            row_x, half_x = rem // 2, rem % 2
+            rem_y = cutlass.max(idx - px, Int32(0))
+            row_y, half_y = rem_y // 2, rem_y % 2
+            live_x = is_x * Int32(row0 + row_x < tokens)
+            live_y = is_y * Int32(row0 + row_y < tokens)
+            off_x = (Int64(row0 + row_x) * sxt + Int64(j) * sxn + Int64(col0 + 8 * half_x)) * 2
+            off_y = (Int64(row0 + row_y) * syt + Int64(col0 + 8 * half_y)) * 2
+            pi = cutlass.max(idx - px - py, Int32(0))
+            off_p = Int64(rank * s.nch) * s.phi_chunk + Int64(pi * 16)
+            src = (x_a + off_x * Int64(live_x)) * Int64(is_x) + (y_a + off_y * Int64(live_y)) * Int64(is_y) \
+                + (phf_a + off_p) * Int64(is_p)
+            dst = is_x * ((j * bt + row_x) * 32 + half_x * 16) + is_y * (s.sx + row_y * 32 + half_y * 16) \
+                + is_p * (s.sx + s.sy + pi * 16)
+            step = (live_x + live_y) * 32 + is_p * s.phi_chunk
+            nbytes = (live_x + live_y + is_p) * 16
+            plan.append((dst, src, step, nbytes, is_x + is_y + is_p, (k + 1) * s.threads <= total))
+        return plan
+
+    @cute.jit
+    def _issue(self, plan, chunk, stage_a):
+        """cp.async of chunk ``chunk`` into the stage at ``stage_a``, as ``plan`` says, one group."""
+        for dst, src, step, nbytes, ok, every in plan:
+            if cutlass.const_expr(every):
+                P.cp_async16(stage_a + dst, src + Int64(chunk * step), nbytes)
+            else:
+                P.cp_async16_if(stage_a + dst, src + Int64(chunk * step), nbytes, ok)
         P.cp_async_commit()
 
     @cute.jit

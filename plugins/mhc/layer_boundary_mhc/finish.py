@@ -30,6 +30,21 @@ def _sinkhorn(logits, valid, im, ITERS: tl.constexpr):
 
 
 @triton.jit
+def sinkhorn_kernel(h_ptr, T, N: tl.constexpr, NP: tl.constexpr, TB: tl.constexpr, ITERS: tl.constexpr):
+    """In place on ``[T, N, N]`` FP32: H_res's logits -> ``_sinkhorn`` of them, TB tokens a program
+    (the cluster kernel's H_res, bit for bit what the finishes compute from the same logits)."""
+    row0 = tl.program_id(0).to(tl.int64) * TB
+    tt = row0 + tl.arange(0, TB)
+    i = tl.arange(0, NP)
+    im = i < N
+    valid = im[:, None] & im[None, :]
+    ptr = h_ptr + tt[:, None, None] * (N * N) + i[None, :, None] * N + i[None, None, :]
+    mask = (tt < T)[:, None, None] & valid[None, :, :]
+    lg = tl.load(ptr, mask=mask, other=0.0)
+    tl.store(ptr, _sinkhorn(lg, valid, im, ITERS), mask=mask)
+
+
+@triton.jit
 def _mix(src, rows, st, cols, m2, sn, sc, hp, i, N: tl.constexpr, POLICY: tl.constexpr):
     # The mixed input sum_j H_pre[:, j] x_j of FR tokens' rows over one chunk of columns, [FR, CP]
     # in FP32 (the norm's two passes each recompute it rather than hold a whole row).
