@@ -168,6 +168,22 @@ def test_phi_from_l2_variant_compiles_to_fragment_loads_from_global(tmp_path, mo
     assert "ld.global.nc.v2.b32" in ptx
 
 
+def test_the_sinkhorn_leaves_the_kernel_at_prefill_sizes(tmp_path, monkeypatch):
+    """From SINKHORN_AFTER_TOKENS tokens the kernel stores H_res's logits, without the Sinkhorn loop
+    (its 2 n shuffles by index and 2 divisions a column-and-row step), and
+    ``finish.sinkhorn_kernel`` follows."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    mod = _cute()
+    counts = {}
+    for sinkhorn in (True, False):
+        shape = cluster_shape(4, 4096, True, 20, sinkhorn=sinkhorn)
+        assert shape.sinkhorn is sinkhorn and not shape.problem
+        (tmp_path / str(sinkhorn)).mkdir()
+        ptx = mod.compile_cluster(shape, str(tmp_path / str(sinkhorn))).__ptx__
+        counts[sinkhorn] = (len(re.findall(r"shfl\.sync\.idx", ptx)), len(re.findall(r"div\.full\.f32", ptx)))
+    assert counts[True][0] - counts[False][0] == 2 * 4 and counts[True][1] - counts[False][1] == 2
+
+
 # -- GPU ---------------------------------------------------------------------------------------------
 
 def _gpu_ready():

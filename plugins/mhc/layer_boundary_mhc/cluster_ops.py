@@ -24,7 +24,7 @@ from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
-           "PHI_STAGED", "UPDATE_READ_TOKENS", "READ_TOKENS"]
+           "PHI_STAGED", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -42,7 +42,12 @@ STAGES = 0  # chunks in flight a CTA (0: as many as shared memory holds, cluster
 # the MMAs; 0: from L2 to each warp's registers, a chunk ahead. H200, T = 8192: 444.5 against
 # 552.1 µs (benchmarks/results/2026-11-30-h200-session6.md).
 PHI_STAGED = 1
-# Tokens a program of the Sinkhorn that follows the kernel ([TB, n, n] FP32 tiles).
+# Calls of at least SINKHORN_AFTER_TOKENS tokens (more blocks than one wave of clusters) leave
+# H_res's logits to a Sinkhorn launched after the kernel on all tokens at once, SINKHORN_TOKENS a
+# program: in the kernel, its dependent iterations held each block's cluster 4 µs of 25 (H200,
+# T = 8192: 448.5 -> 382.8 µs with the cp.async plan). Below, one wave, the second launch costs
+# more than it frees (update+read T = 128: 17.8 µs in the kernel, 20.4 after).
+SINKHORN_AFTER_TOKENS = 512
 SINKHORN_TOKENS = 64
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
@@ -76,17 +81,19 @@ def phi_fragments(phi: torch.Tensor, n: int) -> torch.Tensor:
 _SHAPES: dict[tuple, Any] = {}
 
 
-def cluster_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
-    """The variant for these sizes (``cluster_shape.ClusterShape``), or one whose ``problem`` says why
-    none fits; planned once per sizes and settings (every launch asks)."""
-    key = (n, hidden, update, iters, CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES, PHI_STAGED, PROFILE is not None)
+def cluster_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS, sinkhorn: bool = True) -> Any:
+    """The variant for these sizes (``cluster_shape.ClusterShape``; ``sinkhorn``: H_res's Sinkhorn in
+    the kernel, else after it), or one whose ``problem`` says why none fits; planned once per sizes
+    and settings (every launch asks)."""
+    key = (n, hidden, update, iters, sinkhorn, CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES, PHI_STAGED,
+           PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
-        shape = _SHAPES[key] = _plan(n, hidden, update, iters)
+        shape = _SHAPES[key] = _plan(n, hidden, update, iters, sinkhorn)
     return shape
 
 
-def _plan(n: int, hidden: int, update: bool, iters: int) -> Any:
+def _plan(n: int, hidden: int, update: bool, iters: int, sinkhorn: bool) -> Any:
     from .cluster_shape import ClusterShape
 
     tries = [(CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES)]  # then fallbacks of the default form
@@ -94,7 +101,7 @@ def _plan(n: int, hidden: int, update: bool, iters: int) -> Any:
     shape = None
     for cl, bt, warps, ctas, stages in tries:
         shape = ClusterShape(n, hidden, cl, bt, update, iters, stages=stages, warps=warps, ctas=ctas,
-                             profile=PROFILE is not None, phi_staged=bool(PHI_STAGED))
+                             profile=PROFILE is not None, phi_staged=bool(PHI_STAGED), sinkhorn=sinkhorn)
         if not shape.problem:
             return shape
     return shape
@@ -138,7 +145,7 @@ _COMPILED: dict[tuple, Any] = {}
 
 def _key(shape: Any) -> tuple:
     return (shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps, shape.ctas, shape.stages,
-            shape.profile, shape.phi_staged)
+            shape.profile, shape.phi_staged, shape.sinkhorn)
 
 
 def _compiled(shape: Any) -> Any:
@@ -155,9 +162,11 @@ def _compiled(shape: Any) -> Any:
 
 
 def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None:
-    """Compile the read and update+read variants for (n, hidden) now (before CUDA-graph capture)."""
+    """Compile the read and update+read variants for (n, hidden) now (before CUDA-graph capture),
+    with the Sinkhorn in the kernel and after it."""
     for update in (False, True):
-        _compiled(cluster_shape(n, hidden, update, iters))
+        for sinkhorn in (True, False):
+            _compiled(cluster_shape(n, hidden, update, iters, sinkhorn))
 
 
 def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
@@ -170,7 +179,7 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
     if t == 0:
         return
     update = y is not None
-    shape = cluster_shape(n, c, update, iters)
+    shape = cluster_shape(n, c, update, iters, sinkhorn=t < SINKHORN_AFTER_TOKENS)
     fn = _compiled(shape)
     from .triton_ops import derived
 
@@ -195,8 +204,8 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
        ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), t, (t + shape.bt - 1) // shape.bt,
        x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1), out.stride(0), eps, norm_eps,
        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
-    # The kernel leaves H_res's logits; the Sinkhorn's dependent iterations run here on all tokens
-    # at once rather than on two warps a CTA while the cluster waits (cute_cluster, phase 2).
+    if shape.sinkhorn:
+        return
     from .finish import sinkhorn_kernel
 
     sinkhorn_kernel[(triton.cdiv(t, SINKHORN_TOKENS),)](h_res_out, t, N=n, NP=triton.next_power_of_2(n),

@@ -23,14 +23,15 @@ class ClusterShape:
     cluster exchanges overlap another's stream pass), ``stages`` chunks in flight (0: as many as fit,
     at most MAX_STAGES); ``profile``: each CTA stamps the time at its phase boundaries (``PHASES``);
     ``phi_staged``: phi's fragments travel in the stages (cp.async, one copy a CTA) rather than from
-    L2 to each warp's registers."""
+    L2 to each warp's registers; ``sinkhorn``: H_res's Sinkhorn in the kernel, or (off) its logits
+    stored for a Sinkhorn after it."""
 
     def __init__(self, n: int, hidden: int, cluster: int, block_tokens: int, update: bool, iters: int,
                  stages: int = 0, warps: int = 8, ctas: int = 1, profile: bool = False,
-                 phi_staged: bool = False) -> None:
+                 phi_staged: bool = False, sinkhorn: bool = True) -> None:
         self.n, self.c, self.cl, self.bt, self.update, self.iters = n, hidden, cluster, block_tokens, update, iters
         self.warps, self.threads, self.ctas, self.profile = warps, 32 * warps, ctas, profile
-        self.phi_staged = phi_staged
+        self.phi_staged, self.sinkhorn = phi_staged, sinkhorn
         self.hs = hidden // cluster
         self.nch = self.hs // 16
         self.k = n * n + 2 * n

@@ -11,16 +11,16 @@ and the combination. What crosses CTAs is small and goes through distributed sha
                   once, stored to HBM and to shared memory; partial x' @ phi (bf16 parts of phi,
                   mma.sync, products exact in FP32) and partial sum x'^2 over the CTA's columns
     2. cluster    each CTA sums the CL partials of BT / CL tokens (in rank order), computes rstd,
-                  H_pre, H_post and H_res's logits for them, stores H_post and the logits, and sends
-                  H_pre to every CTA (the Sinkhorn of the logits runs after the kernel)
+                  H_pre, H_post and H_res (Sinkhorn; or, ``sinkhorn`` off, its logits, for a
+                  Sinkhorn after the kernel) for them, stores H_post and H_res, and sends H_pre to
+                  every CTA
     3. combine    s = sum_j H_pre[j] x'_j from shared memory; partial sum s^2 to every CTA; then
                   input = s rsqrt(sum s^2 / C + eps) (w + offset), rounded once
 
 Every CTA sums the same partials in the same order, so all agree on each token's coefficients and
 norm, and replays are bitwise. The arithmetic is that of ``triton_mhc`` (the same formulas and
-instruction choices: FMA mixes, one rounding, approximate rsqrt and sigmoid; the Sinkhorn is the
-Triton finish's own code); the summation orders differ, so the two kernels agree within the check,
-not in bits.
+instruction choices: FMA mixes, one rounding, approximate rsqrt and exp, true divisions in
+Sinkhorn); the summation orders differ, so the two kernels agree within the check, not in bits.
 
 Layouts. A stream pass chunk is 16 hidden columns: per stage, the n stream tiles and y (``[BT, 16]``
 bf16, 32-byte rows, cp.async with zero fill past the last token). phi's fragments for those columns
@@ -289,10 +289,12 @@ class MhcCluster:
             b_res = P.ldg_f32(Int64(bres.toint()) + Int64(lane - 2 * n) * 4, is_res)
             h_pre = P.sigmoid(P.fma(a_pre, v, b_pre))
             h_post = Float32(2.0) * P.sigmoid(P.fma(a_post, v, b_post))
-            # H_res leaves as its logits: the Sinkhorn (20 dependent iterations on two warps while the
-            # CTA's others waited: 4 of the 6 µs this phase took, H200) runs after the kernel, on every
-            # token at once (cluster_ops.launch).
             lg = P.fma(a_res, v, b_res)
+            if cutlass.const_expr(s.sinkhorn):
+                lg = self._sinkhorn(lg, is_res, lane)
+            # else H_res leaves as its logits and the Sinkhorn runs after the kernel on every token at
+            # once (cluster_ops.launch): its 20 dependent iterations on two warps, while the CTA's
+            # others wait, took 4 of this phase's 6 µs a block (H200, T = 8192).
             tg = Int64(row0 + t)
             P.stg_f32(Int64(hpo.toint()) + (tg * n + lane - n) * 4, h_post, live * is_post)
             P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, lg, live * is_res)
@@ -386,6 +388,31 @@ class MhcCluster:
                     f = ((si * 3 + part) * s.nt + nt) * 2
                     pf[f] = w[0]
                     pf[f + 1] = w[1]
+
+    @cute.jit
+    def _sinkhorn(self, lg: Float32, is_res: Int32, lane: Int32) -> Float32:
+        """H_res from its logits, one lane a matrix entry (lane 2n + i n + j holds [i, j]; the
+        other lanes read valid lanes and keep 0): as ``finish._sinkhorn``."""
+        n = self.s.n
+        lg = P.sel(is_res, lg, Float32(-float("inf")))
+        top = lg
+        for m_ in (16, 8, 4, 2, 1):
+            top = P.fmax(top, P.shfl_xor(top, m_))
+        zero = Float32(0.0)
+        m = P.sel(is_res, P.fmax(P.exp(lg - top), Float32(1.1754943508222875e-38)), zero)
+        cell = (lane - 2 * n) * is_res
+        ri = cell // n
+        cj = cell - ri * n
+        for _ in cutlass.range(self.s.iters, unroll=1):
+            csum = P.shfl_idx(m, 2 * n + cj)
+            for i2 in cutlass.range_constexpr(1, n):
+                csum = csum + P.shfl_idx(m, 2 * n + i2 * n + cj)
+            m = P.sel(is_res, P.div(m, csum), zero)
+            rsum = P.shfl_idx(m, 2 * n + ri * n)
+            for j2 in cutlass.range_constexpr(1, n):
+                rsum = rsum + P.shfl_idx(m, 2 * n + ri * n + j2)
+            m = P.sel(is_res, P.div(m, rsum), zero)
+        return m
 
     @cute.jit
     def _clock(self) -> Int64:

@@ -150,6 +150,10 @@ def shfl_idx(v, lane):
     return Float32(asm(T.f32(), [v, lane], "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=f,f,r"))
 
 
+def fmax(a, b):
+    return Float32(asm(T.f32(), [a, b], "max.f32 $0, $1, $2;", "=f,f,f", side=False))
+
+
 def rsqrt(v):
     # What Triton's tl.rsqrt emits on sm_90, so both kernels normalize alike.
     return Float32(asm(T.f32(), [v], "rsqrt.approx.ftz.f32 $0, $1;", "=f,f", side=False))
@@ -162,7 +166,8 @@ def exp(v):
 
 
 def div(a, b):
-    # What Triton's "/" on FP32 emits (div.full: within 2 ulp), so the sigmoids match the finish's.
+    # What Triton's "/" on FP32 emits (div.full: within 2 ulp, a fraction of div.rn's latency, which
+    # the Sinkhorn iterations wait on one after another).
     return Float32(asm(T.f32(), [a, b], "div.full.f32 $0, $1, $2;", "=f,f,f", side=False))
 
 
