@@ -225,14 +225,15 @@ m)
     && cp -rn /tmp/site2/. /tmp/site/ 2>/dev/null || exit 1
   cute_env
   versions | tee "$OUT/versions-m.txt"
-  # MHC_TESTS: more pytest arguments (files, -k) beside the cluster kernel's tests.
-  eval "pt 300 -m gpu tests/test_mhc_cluster.py -rf ${MHC_TESTS:-}" > "$OUT/m-tests.log" 2>&1
+  # MHC_TESTS: more pytest arguments (files, -k) beside the cluster kernel's tests;
+  # MHC_TESTS_TIMEOUT, MHC_VARIANTS_TIMEOUT: their limits in seconds (a variant that hangs costs no more).
+  eval "pt ${MHC_TESTS_TIMEOUT:-300} -m gpu tests/test_mhc_cluster.py -rf ${MHC_TESTS:-}" > "$OUT/m-tests.log" 2>&1
   grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
   tail -2 "$OUT/m-tests.log"
   # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items) at H = 4096, then
   # MHC_CLUSTER_VARIANTS_WIDE at H = 7168, each with one profiled call.
   if [ -n "${MHC_CLUSTER_VARIANTS:-}" ]; then
-    ( cd benchmarks/sweeps && eval "timeout 200 python3 mhc_cluster_variants.py $MHC_CLUSTER_VARIANTS --tokens 1024 8192 --phases" \
+    ( cd benchmarks/sweeps && eval "timeout ${MHC_VARIANTS_TIMEOUT:-200} python3 mhc_cluster_variants.py $MHC_CLUSTER_VARIANTS --tokens 1024 8192 --phases" \
         > "$OUT/cluster-variants.log" 2>&1
       eval "timeout 120 python3 mhc_cluster_variants.py ${MHC_CLUSTER_VARIANTS_WIDE:-\"\"} --hidden 7168 --tokens 1024 8192" \
         >> "$OUT/cluster-variants.log" 2>&1 )

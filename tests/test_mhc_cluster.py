@@ -184,6 +184,22 @@ def test_the_sinkhorn_leaves_the_kernel_at_prefill_sizes(tmp_path, monkeypatch):
     assert counts[True][0] - counts[False][0] == 2 * 4 and counts[True][1] - counts[False][1] == 2
 
 
+def test_pushed_exchanges_compile_without_cluster_loads_or_gpu_fences(tmp_path, monkeypatch):
+    """PUSH=1: partials, H_pre and the norms' sums are st.async stores completing the receivers'
+    mbarriers; one cluster barrier (arrive at the start, wait before the first store), no remote
+    loads, and no barrier.cluster around the exchanges."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    mod = _cute()
+    shape = ClusterShape(4, 4096, 16, 32, True, 20, ctas=2, phi_staged=True, push=True)
+    assert not shape.problem
+    ptx = mod.compile_cluster(shape, str(tmp_path)).__ptx__
+    assert "ld.shared::cluster" not in ptx and "st.shared::cluster" not in ptx
+    assert re.findall(r"barrier\.cluster\.\w+", ptx) == ["barrier.cluster.arrive", "barrier.cluster.wait"]
+    assert len(re.findall(r"mbarrier\.init", ptx)) == 3 and len(re.findall(r"mbarrier\.try_wait", ptx)) == 3
+    # per thread: partials (BT x (K + 1) cells over the threads), H_pre to 16 CTAs, 4 tokens' sums to 16
+    assert len(re.findall(r"st\.async", ptx)) == -(-32 * 25 // 256) + 16 + 4 * 16
+
+
 # -- GPU ---------------------------------------------------------------------------------------------
 
 def _gpu_ready():
@@ -225,6 +241,33 @@ def test_gpu_cluster_matches_reference(t, n, c, op):
         # first FMA (Triton's choice), an element can round the other way: rarely, by one ulp.
         differ = tri[0] != got[0]
         assert differ.float().mean() < 1e-3, f"x' differs from the Triton kernel's in {int(differ.sum())} elements"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,n,c,op", [(1, 4, 4096, "update+read"), (100, 4, 4096, "update+read"),
+                                      (1100, 4, 7168, "update+read"), (333, 2, 2048, "read"), (70, 3, 1024, "read")],
+                         ids=str)
+def test_gpu_pushed_exchanges_give_the_same_bits(t, n, c, op, monkeypatch):
+    """PUSH=1 (mbarrier-signalled st.async exchanges) sums the same partials in the same order as the
+    cluster barriers' form: every output bit for bit, with and without the Sinkhorn in the kernel."""
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import cluster_ops
+
+    params = _params(n, c)
+    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, seed=t)
+
+    def run():
+        if op == "read":
+            return cluster_ops.mhc_read_cluster(x, params, w, 1e-6)
+        return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+
+    monkeypatch.setattr(cluster_ops, "PUSH", 0)
+    barriers = run()
+    monkeypatch.setattr(cluster_ops, "PUSH", 1)
+    pushed = run()
+    assert all(torch.equal(a, b) for a, b in zip(barriers, pushed))
 
 
 @pytest.mark.gpu

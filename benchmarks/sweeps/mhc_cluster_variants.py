@@ -19,7 +19,7 @@ from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call
 from layer_boundary_mhc import accuracy, cluster_ops, triton_ops
 
 N = 4
-SETTINGS = ("CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED")
+SETTINGS = ("CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS")
 
 
 def _time(fn) -> float:

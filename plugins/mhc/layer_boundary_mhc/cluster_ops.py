@@ -24,7 +24,7 @@ from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
-           "PHI_STAGED", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS"]
+           "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -42,6 +42,11 @@ STAGES = 0  # chunks in flight a CTA (0: as many as shared memory holds, cluster
 # the MMAs; 0: from L2 to each warp's registers, a chunk ahead. H200, T = 8192: 444.5 against
 # 552.1 µs (benchmarks/results/2026-11-30-h200-session6.md).
 PHI_STAGED = 1
+# 1: the cluster's three exchanges are st.async stores into the receivers' shared memory, each
+# completing the receiver's mbarrier (one cluster barrier, at the start); 0: three barrier.cluster
+# around plain distributed-shared-memory stores and loads, each arrive a GPU-scope MEMBAR that waits
+# for the CTA's outstanding x' stores (5.7 % of the warps' stall samples, ncu, H200).
+PUSH = 0
 # Calls of at least SINKHORN_AFTER_TOKENS tokens (more blocks than one wave of clusters) leave
 # H_res's logits to a Sinkhorn launched after the kernel on all tokens at once, SINKHORN_TOKENS a
 # program: in the kernel, its dependent iterations held each block's cluster 4 µs of 25 (H200,
@@ -85,7 +90,7 @@ def cluster_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS
     """The variant for these sizes (``cluster_shape.ClusterShape``; ``sinkhorn``: H_res's Sinkhorn in
     the kernel, else after it), or one whose ``problem`` says why none fits; planned once per sizes
     and settings (every launch asks)."""
-    key = (n, hidden, update, iters, sinkhorn, CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES, PHI_STAGED,
+    key = (n, hidden, update, iters, sinkhorn, CLUSTER, BLOCK_TOKENS, WARPS, CTAS, STAGES, PHI_STAGED, PUSH,
            PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
@@ -101,7 +106,8 @@ def _plan(n: int, hidden: int, update: bool, iters: int, sinkhorn: bool) -> Any:
     shape = None
     for cl, bt, warps, ctas, stages in tries:
         shape = ClusterShape(n, hidden, cl, bt, update, iters, stages=stages, warps=warps, ctas=ctas,
-                             profile=PROFILE is not None, phi_staged=bool(PHI_STAGED), sinkhorn=sinkhorn)
+                             profile=PROFILE is not None, phi_staged=bool(PHI_STAGED), sinkhorn=sinkhorn,
+                             push=bool(PUSH))
         if not shape.problem:
             return shape
     return shape
@@ -145,7 +151,7 @@ _COMPILED: dict[tuple, Any] = {}
 
 def _key(shape: Any) -> tuple:
     return (shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps, shape.ctas, shape.stages,
-            shape.profile, shape.phi_staged, shape.sinkhorn)
+            shape.profile, shape.phi_staged, shape.sinkhorn, shape.push)
 
 
 def _compiled(shape: Any) -> Any:

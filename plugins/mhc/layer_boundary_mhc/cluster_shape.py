@@ -24,14 +24,16 @@ class ClusterShape:
     at most MAX_STAGES); ``profile``: each CTA stamps the time at its phase boundaries (``PHASES``);
     ``phi_staged``: phi's fragments travel in the stages (cp.async, one copy a CTA) rather than from
     L2 to each warp's registers; ``sinkhorn``: H_res's Sinkhorn in the kernel, or (off) its logits
-    stored for a Sinkhorn after it."""
+    stored for a Sinkhorn after it; ``push``: the three exchanges are stores into the receiving
+    CTAs' shared memory that complete their mbarriers (``st.async``), one cluster barrier at the
+    start, rather than three cluster barriers around stores and loads."""
 
     def __init__(self, n: int, hidden: int, cluster: int, block_tokens: int, update: bool, iters: int,
                  stages: int = 0, warps: int = 8, ctas: int = 1, profile: bool = False,
-                 phi_staged: bool = False, sinkhorn: bool = True) -> None:
+                 phi_staged: bool = False, sinkhorn: bool = True, push: bool = False) -> None:
         self.n, self.c, self.cl, self.bt, self.update, self.iters = n, hidden, cluster, block_tokens, update, iters
         self.warps, self.threads, self.ctas, self.profile = warps, 32 * warps, ctas, profile
-        self.phi_staged, self.sinkhorn = phi_staged, sinkhorn
+        self.phi_staged, self.sinkhorn, self.push = phi_staged, sinkhorn, push
         self.hs = hidden // cluster
         self.nch = self.hs // 16
         self.k = n * n + 2 * n
@@ -50,7 +52,7 @@ class ClusterShape:
         self.wp_bytes = warps * 16 * (self.kpad + 1) * 4
         self.hpre_bytes = block_tokens * n * 4
         self.hsq_bytes = cluster * block_tokens * 4
-        fixed = self.xr_bytes + self.part_bytes + self.hpre_bytes + self.hsq_bytes + 1024
+        fixed = self.xr_bytes + self.part_bytes + self.hpre_bytes + self.hsq_bytes + 32 + 1024
         self.budget = budget = min(SMEM_LIMIT, SM_SMEM // ctas - 1024)
         self.stages = stages or max(2, min(MAX_STAGES, (budget - fixed) // self.stage_bytes))
         self.smem = fixed + self.stages * self.stage_bytes

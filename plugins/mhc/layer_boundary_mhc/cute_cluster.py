@@ -88,6 +88,19 @@ class MhcCluster:
         hpre = part + s.part_bytes
         hsq = hpre + s.hpre_bytes
         wp = stage0  # per-warp partials, after the last stage is consumed
+        mb = hsq + s.hsq_bytes  # push: the mbarriers of the partials, H_pre and the norms' sums
+
+        if cutlass.const_expr(s.push):
+            # Every incoming byte of an exchange completes the receiver's barrier; the one cluster
+            # barrier, waited for before the first store, publishes the barriers' initialization.
+            if tid == 0:
+                for k in cutlass.range_constexpr(3):
+                    P.mbar_init(mb + 8 * k, 1)
+                P.fence_mbar_init()
+                P.mbar_expect_tx(mb, bt * (kpad + 1) * 4)
+                P.mbar_expect_tx(mb + 8, bt * n * 4)
+                P.mbar_expect_tx(mb + 16, s.cl * bt * 4)
+            P.cluster_arrive_relaxed()
 
         row0 = blk * bt
         col0 = rank * hs
@@ -251,6 +264,8 @@ class MhcCluster:
             P.sts_f32(wbase + g * row_bytes + kpad * 4, ssq0)
             P.sts_f32(wbase + (g + 8) * row_bytes + kpad * 4, ssq1)
         cute.arch.sync_threads()
+        if cutlass.const_expr(s.push):
+            P.cluster_wait()  # every CTA's barriers initialized (arrived at the start)
         cells = bt * (kpad + 1)
         for k in cutlass.range_constexpr((cells + s.threads - 1) // s.threads):
             idx = tid + k * s.threads
@@ -261,20 +276,35 @@ class MhcCluster:
                 tot = P.lds_f32(src)
                 for kk in cutlass.range_constexpr(1, kh_n):
                     tot = tot + P.lds_f32(src + kk * 16 * row_bytes)
-                P.sts_f32(part + idx * 4, tot)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+                if cutlass.const_expr(s.push):
+                    # To token t's owner, row (rank, t % tpc) of its partials.
+                    owner = t // s.tpc
+                    dst = part + ((rank * s.tpc + t % s.tpc) * (kpad + 1) + col) * 4
+                    P.st_async_f32(P.mapa(dst, owner), tot, P.mapa(mb, owner))
+                else:
+                    P.sts_f32(part + idx * 4, tot)
+        if cutlass.const_expr(not s.push):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
         self._stamp(prof_a, tid, 2)
 
         # ---- 2. coefficients of this CTA's tokens ---------------------------------------------
         if warp < s.tpc:
             t = rank * s.tpc + warp
             live = Int32(row0 + t < tokens)
-            # Lanes past kpad read column kpad again; nothing uses their values.
-            src = part + (t * (kpad + 1) + cutlass.min(lane, kpad)) * 4
-            tot = P.ld_cluster_f32(P.mapa(src, Int32(0)))
-            for cr in cutlass.range_constexpr(1, s.cl):
-                tot = tot + P.ld_cluster_f32(P.mapa(src, Int32(cr)))
+            # Lanes past kpad read column kpad again; nothing uses their values. Either way the
+            # CTAs' partials are summed in rank order.
+            if cutlass.const_expr(s.push):
+                P.mbar_wait(mb, 0)
+                src = part + (warp * (kpad + 1) + cutlass.min(lane, kpad)) * 4
+                tot = P.lds_f32(src)
+                for cr in cutlass.range_constexpr(1, s.cl):
+                    tot = tot + P.lds_f32(src + cr * s.tpc * (kpad + 1) * 4)
+            else:
+                src = part + (t * (kpad + 1) + cutlass.min(lane, kpad)) * 4
+                tot = P.ld_cluster_f32(P.mapa(src, Int32(0)))
+                for cr in cutlass.range_constexpr(1, s.cl):
+                    tot = tot + P.ld_cluster_f32(P.mapa(src, Int32(cr)))
             rstd = P.rsqrt(P.shfl_idx(tot, Int32(kpad)) / Float32(n * s.c) + eps)
             v = tot * rstd
             al = Int64(alpha.toint())
@@ -300,9 +330,15 @@ class MhcCluster:
             P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, lg, live * is_res)
             if is_pre != 0:
                 for cr in cutlass.range_constexpr(s.cl):
-                    P.st_cluster_f32(P.mapa(hpre + (t * n + lane) * 4, Int32(cr)), h_pre)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+                    if cutlass.const_expr(s.push):
+                        P.st_async_f32(P.mapa(hpre + (t * n + lane) * 4, Int32(cr)), h_pre, P.mapa(mb + 8, Int32(cr)))
+                    else:
+                        P.st_cluster_f32(P.mapa(hpre + (t * n + lane) * 4, Int32(cr)), h_pre)
+        if cutlass.const_expr(s.push):
+            P.mbar_wait(mb + 8, 0)
+        else:
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
         self._stamp(prof_a, tid, 3)
 
         # ---- 3. combination and norm over the CTA's columns ---------------------------------
@@ -337,9 +373,16 @@ class MhcCluster:
             if lane == 0:
                 for e in cutlass.range_constexpr(group):
                     for cr in cutlass.range_constexpr(s.cl):
-                        P.st_cluster_f32(P.mapa(hsq + (rank * bt + ts[e]) * 4, Int32(cr)), sqs[e])
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+                        dst = P.mapa(hsq + (rank * bt + ts[e]) * 4, Int32(cr))
+                        if cutlass.const_expr(s.push):
+                            P.st_async_f32(dst, sqs[e], P.mapa(mb + 16, Int32(cr)))
+                        else:
+                            P.st_cluster_f32(dst, sqs[e])
+        if cutlass.const_expr(s.push):
+            P.mbar_wait(mb + 16, 0)
+        else:
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
         self._stamp(prof_a, tid, 4)
         for e0 in cutlass.range_constexpr(0, tpw, group):
             ts = [warp + (e0 + e) * s.warps for e in range(group)]

@@ -85,6 +85,42 @@ def st_cluster_f32(addr, v):
     asm(None, [addr, v], "st.shared::cluster.f32 [$0], $1;", "r,f")
 
 
+# Exchanges signalled through mbarriers (``push``): a CTA's incoming bytes complete its barrier's
+# transaction count, so no exchange needs barrier.cluster (whose arrive compiles to a GPU-scope
+# MEMBAR on sm_90a, waiting for every outstanding x' store).
+
+def mbar_init(addr, count: int):
+    asm(None, [addr], f"mbarrier.init.shared::cta.b64 [$0], {count};", "r")
+
+
+def fence_mbar_init():
+    asm(None, [], "fence.mbarrier_init.release.cluster;", "")
+
+
+def mbar_expect_tx(addr, nbytes: int):
+    asm(None, [addr], f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {nbytes};", "r")
+
+
+def mbar_wait(addr, parity: int):
+    asm(None, [addr], "{ .reg .pred p; LB_WAIT_${:uid}: "
+        f"mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], {parity}; "
+        "@!p bra LB_WAIT_${:uid}; }", "r")
+
+
+def st_async_f32(addr, v, mbar):
+    """``v`` to another CTA's shared memory (``addr``, ``mbar``: mapa addresses), counted as 4 bytes
+    of that CTA's barrier ``mbar``'s transaction."""
+    asm(None, [addr, v, mbar], "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [$0], $1, [$2];", "r,f,r")
+
+
+def cluster_arrive_relaxed():
+    asm(None, [], "barrier.cluster.arrive.relaxed.aligned;", "")
+
+
+def cluster_wait():
+    asm(None, [], "barrier.cluster.wait.aligned;", "")
+
+
 # --- global memory (64-bit addresses), predicated ---------------------------------------
 
 def ldg_f32(addr, live):
