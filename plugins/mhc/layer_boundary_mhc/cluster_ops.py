@@ -222,12 +222,12 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
 # Token counts whose update+read (UPDATE_READ_TOKENS) or read (READ_TOKENS) the Triton path hands
 # to the cluster kernel when the caller leaves the launch form open (cooperative=None). H200, n = 4,
 # H = 4096, bf16, CUDA graphs, against the form the Triton path would pick
-# (benchmarks/results/2026-11-30-h200-session5.md):
-# - update+read: T = 16 16.5 µs against 23.2, 128 17.8 against 29.9, 256 25.3 against 30.3, 384 25.9
-#   against 31.9; the Triton kernels are faster at T = 1 (15.4 in one launch against 16.1) and from
-#   512 (38.8 against 45.5);
-# - read: T = 1 12.5 against 15.6, 128 13.5 against 24.7, 384 18.3 against 26.5; 512 30.4 against 26.4.
-UPDATE_READ_TOKENS = (16, 384)
+# (benchmarks/results/2026-11-30-h200-session6.md):
+# - update+read: T = 1 13.3 µs against 15.4 (one launch), 16 13.9 against 21.9, 128 15.0 against
+#   29.7, 384 23.5 against 32.9; from 512 the Triton kernels are faster (38.8 against 39.7);
+# - read: T = 1 10.8 against 15.6, 128 12.0 against 24.7, 384 17.3 against 26.0; 512 29.7 against
+#   26.5.
+UPDATE_READ_TOKENS = (1, 384)
 READ_TOKENS = (1, 384)
 _ELIGIBLE: dict[tuple, bool] = {}
 _WARNED: set[tuple] = set()
