@@ -107,7 +107,7 @@ def test_open_calls_dispatch_by_token_count_and_fall_back_when_the_kernel_fails(
 
     compiled = []
     monkeypatch.setattr(cluster_ops, "cluster_problem", lambda x, *a, **k: "")
-    monkeypatch.setattr(cluster_ops, "_compiled", lambda shape: compiled.append(shape.c))
+    monkeypatch.setattr(cluster_ops, "_compiled", lambda shape: compiled.append((shape.c, shape.sinkhorn)))
     monkeypatch.setattr(cluster_ops, "_ELIGIBLE", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     y = object()  # the stage output of an update: only its presence counts here
@@ -119,7 +119,13 @@ def test_open_calls_dispatch_by_token_count_and_fall_back_when_the_kernel_fails(
     got = {t: cluster_ops.takes(_FakeCudaStreams(t), y, None, _FakeCudaStreams(t), 20)
            for t in (lo - 1, lo, 128, hi, hi + 1)}
     assert got == {lo - 1: False, lo: True, 128: True, hi: True, hi + 1: False}
-    assert compiled == [4096, 4096]  # the read and the update variant, each compiled once
+    assert compiled == [(4096, True), (4096, True)]  # the read and the update variant, each compiled once
+    # Past SINKHORN_AFTER_TOKENS a call runs (and so is decided on) the variant without the Sinkhorn.
+    monkeypatch.setattr(cluster_ops, "UPDATE_READ_TOKENS", (1, 4 * cluster_ops.SINKHORN_AFTER_TOKENS))
+    assert cluster_ops.takes(_FakeCudaStreams(cluster_ops.SINKHORN_AFTER_TOKENS), y, None,
+                             _FakeCudaStreams(cluster_ops.SINKHORN_AFTER_TOKENS), 20)
+    assert compiled[2:] == [(4096, False)]
+    monkeypatch.setattr(cluster_ops, "UPDATE_READ_TOKENS", (lo, hi))
     assert not cluster_ops.takes(_FakeCudaStreams(128, aligned=False), y, None, _FakeCudaStreams(128), 20)
 
     def broken(shape):

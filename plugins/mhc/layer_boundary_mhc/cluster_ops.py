@@ -170,10 +170,13 @@ def _compiled(shape: Any) -> Any:
 
 def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None:
     """Compile the read and update+read variants for (n, hidden) now (before CUDA-graph capture),
-    with the Sinkhorn in the kernel and after it."""
+    with the Sinkhorn in the kernel and after it, and (on the current CUDA device) the Triton
+    Sinkhorn that follows the latter."""
     for update in (False, True):
         for sinkhorn in (True, False):
             _compiled(cluster_shape(n, hidden, update, iters, sinkhorn))
+    if torch.cuda.is_available():
+        _sinkhorn_after(torch.zeros(1, n, n, device="cuda"), 1, n, iters)
 
 
 def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
@@ -211,11 +214,14 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
        ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), t, (t + shape.bt - 1) // shape.bt,
        x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1), out.stride(0), eps, norm_eps,
        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
-    if shape.sinkhorn:
-        return
+    if not shape.sinkhorn:
+        _sinkhorn_after(h_res_out, t, n, iters)
+
+
+def _sinkhorn_after(h_res: torch.Tensor, t: int, n: int, iters: int) -> None:
     from .finish import sinkhorn_kernel
 
-    sinkhorn_kernel[(triton.cdiv(t, SINKHORN_TOKENS),)](h_res_out, t, N=n, NP=triton.next_power_of_2(n),
+    sinkhorn_kernel[(triton.cdiv(t, SINKHORN_TOKENS),)](h_res, t, N=n, NP=triton.next_power_of_2(n),
                                                        TB=SINKHORN_TOKENS, ITERS=int(iters), num_warps=4)
 
 
@@ -233,14 +239,14 @@ _ELIGIBLE: dict[tuple, bool] = {}
 _WARNED: set[tuple] = set()
 
 
-def _eligible(x: torch.Tensor, update: bool, iters: int) -> bool:
-    """Whether (device, n, C, update) can take the cluster kernel: ``cluster_problem`` of the
-    shape, and a variant that compiles (here, outside any capture). A failure is a warning and the
-    Triton kernels, never an error in the forward."""
+def _eligible(x: torch.Tensor, update: bool, iters: int, sinkhorn: bool) -> bool:
+    """Whether (device, n, C, update, where the Sinkhorn runs) can take the cluster kernel:
+    ``cluster_problem`` of the shape, and a variant that compiles (here, outside any capture). A
+    failure is a warning and the Triton kernels, never an error in the forward."""
     if cluster_problem(x, update=update, iters=iters):
         return False
     try:
-        _compiled(cluster_shape(x.shape[1], x.shape[2], update, iters))
+        _compiled(cluster_shape(x.shape[1], x.shape[2], update, iters, sinkhorn))
     except Exception as e:  # a broken CuTe DSL install must not end the forward
         import warnings
 
@@ -263,11 +269,12 @@ def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torc
     lo, hi = UPDATE_READ_TOKENS if update else READ_TOKENS
     if not lo <= t <= hi or x.dtype != torch.bfloat16 or not x.is_cuda:
         return False
-    key = (x.device.index, x.shape[1], x.shape[2], update, iters)
+    sinkhorn = t < SINKHORN_AFTER_TOKENS  # the variant launch() will run
+    key = (x.device.index, x.shape[1], x.shape[2], update, iters, sinkhorn)
     ok = _ELIGIBLE.get(key)
     if ok is None:
         if (torch.cuda.is_current_stream_capturing()
-                and _key(cluster_shape(x.shape[1], x.shape[2], update, iters)) not in _COMPILED):
+                and _key(cluster_shape(x.shape[1], x.shape[2], update, iters, sinkhorn)) not in _COMPILED):
             if key not in _WARNED:
                 _WARNED.add(key)
                 import warnings
@@ -277,7 +284,7 @@ def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torc
                               "layer_boundary_mhc.cluster_ops.prepare_cluster(n, hidden) before capturing",
                               stacklevel=3)
             return False
-        ok = _ELIGIBLE[key] = _eligible(x, update, iters)
+        ok = _ELIGIBLE[key] = _eligible(x, update, iters, sinkhorn)
     return ok and all(_rows_ok(v) for v in (x, y, streams_out, out) if v is not None)
 
 
