@@ -5,7 +5,9 @@ The Triton kernels write x' and read it back in a second pass (the finishes), 11
 n = 4, H = 4096 against the 80 KiB roofline: at most about 68 % of it. Here a cluster of ``CL``
 CTAs owns ``BT`` tokens; CTA ``r`` owns hidden columns ``[r HS, (r + 1) HS)`` of all n streams, and
 keeps its x' slice in shared memory (``BT x n x HS`` bf16, at most 128 KiB) between the projection
-and the combination. What crosses CTAs is small and goes through distributed shared memory:
+and the combination. What crosses CTAs is small and goes through distributed shared memory (with
+``push``, as st.async stores that complete the receiver's mbarrier; otherwise plain stores and
+loads between cluster barriers):
 
     1. stream     x'[t, i, c] = H_post[t, i] y[t, c] + sum_j H_res[t, i, j] x[t, j, c]   FP32, rounded
                   once, stored to HBM and to shared memory; partial x' @ phi (bf16 parts of phi,
@@ -23,8 +25,9 @@ instruction choices: FMA mixes, one rounding, approximate rsqrt and exp, true di
 Sinkhorn); the summation orders differ, so the two kernels agree within the check, not in bits.
 
 Layouts. A stream pass chunk is 16 hidden columns: per stage, the n stream tiles and y (``[BT, 16]``
-bf16, 32-byte rows, cp.async with zero fill past the last token). phi's fragments for those columns
-go from L2 to each warp's registers a chunk ahead, or (``phi_staged``) come with the stage. Warp
+bf16, 32-byte rows, cp.async with zero fill past the last token; each thread's copies are planned
+once). phi's fragments for those columns come with the stage (``phi_staged``) or go from L2 to each
+warp's registers a chunk ahead. Warp
 ``w`` takes m-tile ``w // KH`` (16 tokens) and streams ``i = w % KH (mod KH)``; lane
 ``(g, q) = (lane / 4, lane % 4)`` computes rows ``g, g + 8`` of the tile at columns ``4q .. 4q + 3``.
 Those four columns are the lane's A-fragment values for one k16 step: the MMA's k slots
