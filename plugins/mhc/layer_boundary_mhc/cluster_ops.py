@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import triton
 
 from .coefficients import SINKHORN_ITERS
 
@@ -219,6 +218,8 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
 
 
 def _sinkhorn_after(h_res: torch.Tensor, t: int, n: int, iters: int) -> None:
+    import triton
+
     from .finish import sinkhorn_kernel
 
     sinkhorn_kernel[(triton.cdiv(t, SINKHORN_TOKENS),)](h_res, t, N=n, NP=triton.next_power_of_2(n),
