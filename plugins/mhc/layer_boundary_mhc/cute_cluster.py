@@ -281,14 +281,12 @@ class MhcCluster:
                     tot = tot + P.lds_f32(src + kk * 16 * row_bytes)
                 if cutlass.const_expr(s.push):
                     # To token t's owner, row (rank, t % tpc) of its partials.
-                    owner = t // s.tpc
                     dst = part + ((rank * s.tpc + t % s.tpc) * (kpad + 1) + col) * 4
-                    P.st_async_f32(P.mapa(dst, owner), tot, P.mapa(mb, owner))
+                    self._send(dst, t // s.tpc, tot, mb)
                 else:
                     P.sts_f32(part + idx * 4, tot)
         if cutlass.const_expr(not s.push):
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+            self._received(mb)
         self._stamp(prof_a, tid, 2)
 
         # ---- 2. coefficients of this CTA's tokens ---------------------------------------------
@@ -333,15 +331,8 @@ class MhcCluster:
             P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, lg, live * is_res)
             if is_pre != 0:
                 for cr in cutlass.range_constexpr(s.cl):
-                    if cutlass.const_expr(s.push):
-                        P.st_async_f32(P.mapa(hpre + (t * n + lane) * 4, Int32(cr)), h_pre, P.mapa(mb + 8, Int32(cr)))
-                    else:
-                        P.st_cluster_f32(P.mapa(hpre + (t * n + lane) * 4, Int32(cr)), h_pre)
-        if cutlass.const_expr(s.push):
-            P.mbar_wait(mb + 8, 0)
-        else:
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+                    self._send(hpre + (t * n + lane) * 4, Int32(cr), h_pre, mb + 8)
+        self._received(mb + 8)
         self._stamp(prof_a, tid, 3)
 
         # ---- 3. combination and norm over the CTA's columns ---------------------------------
@@ -376,16 +367,8 @@ class MhcCluster:
             if lane == 0:
                 for e in cutlass.range_constexpr(group):
                     for cr in cutlass.range_constexpr(s.cl):
-                        dst = P.mapa(hsq + (rank * bt + ts[e]) * 4, Int32(cr))
-                        if cutlass.const_expr(s.push):
-                            P.st_async_f32(dst, sqs[e], P.mapa(mb + 16, Int32(cr)))
-                        else:
-                            P.st_cluster_f32(dst, sqs[e])
-        if cutlass.const_expr(s.push):
-            P.mbar_wait(mb + 16, 0)
-        else:
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+                        self._send(hsq + (rank * bt + ts[e]) * 4, Int32(cr), sqs[e], mb + 16)
+        self._received(mb + 16)
         self._stamp(prof_a, tid, 4)
         for e0 in cutlass.range_constexpr(0, tpw, group):
             ts = [warp + (e0 + e) * s.warps for e in range(group)]
@@ -434,6 +417,25 @@ class MhcCluster:
                     f = ((si * 3 + part) * s.nt + nt) * 2
                     pf[f] = w[0]
                     pf[f + 1] = w[1]
+
+    @cute.jit
+    def _send(self, addr: Int32, rank: Int32, v: Float32, mbar: Int32):
+        """``v`` to CTA ``rank``'s shared memory at ``addr``: an st.async counted on its barrier
+        ``mbar`` (``push``), or a plain store the next cluster barrier publishes."""
+        if cutlass.const_expr(self.s.push):
+            P.st_async_f32(P.mapa(addr, rank), v, P.mapa(mbar, rank))
+        else:
+            P.st_cluster_f32(P.mapa(addr, rank), v)
+
+    @cute.jit
+    def _received(self, mbar: Int32):
+        """Until every store of an exchange has arrived: this CTA's barrier ``mbar`` (``push``; one
+        use a launch, phase 0), or a cluster barrier."""
+        if cutlass.const_expr(self.s.push):
+            P.mbar_wait(mbar, 0)
+        else:
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def _sinkhorn(self, lg: Float32, is_res: Int32, lane: Int32) -> Float32:
