@@ -19,7 +19,8 @@ from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call
 from layer_boundary_mhc import accuracy, cluster_ops, triton_ops
 
 N = 4
-SETTINGS = ("CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS")
+SETTINGS = ("CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS",
+            "PERSISTENT_TOKENS", "PERSISTENT_WARPS")
 
 
 def _time(fn) -> float:
@@ -28,7 +29,8 @@ def _time(fn) -> float:
 
 def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: bool = False) -> str:
     i = bench._inputs(t, N, hidden, torch.bfloat16, "cuda")
-    shape = cluster_ops.cluster_shape(N, hidden, True)
+    shape = cluster_ops._variant(t, N, hidden, True, 20)
+    persistent = type(shape).__name__ == "PersistentShape"
     got = cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
     devs = accuracy.compare("update+read", got, i.x, y=i.y, h_post=i.h_post, h_res=i.h_res, params=i.params,
                             norm_weight=i.w, norm_eps=bench.EPS)
@@ -39,8 +41,8 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
                                                            h_res_out=outs[3]))
     roof = bench.bytes_moved("update+read", t, N, hidden, 2) / (copy_gbps * 1e3)
     line = (f"T={t:5d} {'ok  ' if ok else 'FAIL'} cluster {us:7.1f} ({100 * roof / us:4.1f} %)  "
-            f"[CL={shape.cl} BT={shape.bt} warps={shape.warps} ctas={shape.ctas} stages={shape.stages} "
-            f"smem={shape.smem // 1024} KiB]")
+            f"[{'persistent ' if persistent else ''}CL={shape.cl} BT={shape.bt} warps={shape.warps} "
+            f"ctas={shape.ctas} stages={shape.stages} smem={shape.smem // 1024} KiB]")
     if triton_too:
         two = _time(lambda: triton_ops.mhc_update_read_triton(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
                                                               streams_out=outs[0], out=outs[1], h_post_out=outs[2],
@@ -48,7 +50,7 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
         line += f"  triton 2-launch {two:7.1f} ({100 * roof / two:4.1f} %)"
     if not ok:
         line += "  " + "; ".join(str(d) for d in devs if not d.ok)
-    if phases:
+    if phases and not persistent:  # the persistent variant stamps no phases
         line += "\n" + _phases(i, shape)
     return line
 

@@ -23,7 +23,8 @@ from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
-           "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS"]
+           "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
+           "PERSISTENT_WARPS", "persistent_shape"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -54,6 +55,11 @@ PUSH = 1
 # more than it frees (update+read T = 128: 17.8 µs in the kernel, 20.4 after).
 SINKHORN_AFTER_TOKENS = 512
 SINKHORN_TOKENS = 64
+# Calls of at least PERSISTENT_TOKENS tokens (0: none) run the persistent variant
+# (``cute_persistent``: phi resident, clusters that take 16-token blocks in turn, as many as fit the
+# GPU at once) where its shape fits (n = 4: H up to 4096), PERSISTENT_WARPS warps a CTA.
+PERSISTENT_TOKENS = 0
+PERSISTENT_WARPS = 8
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
@@ -113,6 +119,43 @@ def _plan(n: int, hidden: int, update: bool, iters: int, sinkhorn: bool) -> Any:
     return shape
 
 
+def persistent_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
+    """The persistent variant's shape (``cluster_shape.PersistentShape``; its ``problem`` says why
+    it does not fit)."""
+    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS)
+    shape = _SHAPES.get(key)
+    if shape is None:
+        from .cluster_shape import PersistentShape
+
+        shape = _SHAPES[key] = PersistentShape(n, hidden, update, iters, warps=PERSISTENT_WARPS)
+    return shape
+
+
+def _variant(t: int, n: int, hidden: int, update: bool, iters: int) -> Any:
+    """The shape a call of ``t`` tokens runs."""
+    if PERSISTENT_TOKENS and t >= PERSISTENT_TOKENS and PROFILE is None:
+        shape = persistent_shape(n, hidden, update, iters)
+        if not shape.problem:
+            return shape
+    return cluster_shape(n, hidden, update, iters, sinkhorn=t < SINKHORN_AFTER_TOKENS)
+
+
+_CLUSTERS: dict[int, int] = {}
+
+
+def _resident_clusters(device: torch.device) -> int:
+    """How many clusters of 16 CTAs of one SM each the GPU runs at once (the driver's occupancy
+    answer for a kernel taking all of an SM's shared memory; 7 on an H200)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    got = _CLUSTERS.get(index)
+    if got is None:
+        from cutlass.utils import HardwareInfo
+
+        with torch.cuda.device(index):
+            got = _CLUSTERS[index] = max(1, int(HardwareInfo(index).get_max_active_clusters(16)))
+    return got
+
+
 def import_problem() -> str:
     try:
         import cutlass.cute  # noqa: F401
@@ -150,8 +193,8 @@ _COMPILED: dict[tuple, Any] = {}
 
 
 def _key(shape: Any) -> tuple:
-    return (shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps, shape.ctas, shape.stages,
-            shape.profile, shape.phi_staged, shape.sinkhorn, shape.push)
+    return (type(shape).__name__, shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps,
+            shape.ctas, shape.stages, shape.profile, shape.phi_staged, shape.sinkhorn, shape.push)
 
 
 def _compiled(shape: Any) -> Any:
@@ -161,9 +204,16 @@ def _compiled(shape: Any) -> Any:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the MHC cluster kernel for this shape was not compiled before CUDA-graph capture; "
                                "call layer_boundary_mhc.cluster_ops.prepare_cluster first")
-        from .cute_cluster import compile_cluster
+        from .cluster_shape import PersistentShape
 
-        fn = _COMPILED[key] = compile_cluster(shape)
+        if isinstance(shape, PersistentShape):
+            from .cute_persistent import compile_persistent
+
+            fn = _COMPILED[key] = compile_persistent(shape)
+        else:
+            from .cute_cluster import compile_cluster
+
+            fn = _COMPILED[key] = compile_cluster(shape)
     return fn
 
 
@@ -174,8 +224,12 @@ def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None
     for update in (False, True):
         for sinkhorn in (True, False):
             _compiled(cluster_shape(n, hidden, update, iters, sinkhorn))
+        if PERSISTENT_TOKENS and not persistent_shape(n, hidden, update, iters).problem:
+            _compiled(persistent_shape(n, hidden, update, iters))
     if torch.cuda.is_available():
         _sinkhorn_after(torch.zeros(1, n, n, device="cuda"), 1, n, iters)
+        if PERSISTENT_TOKENS:
+            _resident_clusters(torch.device("cuda"))
 
 
 def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
@@ -188,7 +242,7 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
     if t == 0:
         return
     update = y is not None
-    shape = cluster_shape(n, c, update, iters, sinkhorn=t < SINKHORN_AFTER_TOKENS)
+    shape = _variant(t, n, c, update, iters)
     fn = _compiled(shape)
     from .triton_ops import derived
 
@@ -207,10 +261,14 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
 
     yy = y if update else x
     xo = streams_out if update else x
+    blocks = (t + shape.bt - 1) // shape.bt
+    from .cluster_shape import PersistentShape
+
+    clusters = [min(blocks, _resident_clusters(x.device))] if isinstance(shape, PersistentShape) else []
     fn(ptr(x, x), ptr(yy, x), ptr(h_post, h_post_out, 4), ptr(h_res, h_res_out, 4), ptr(xo, x), ptr(phf, phf),
        ptr(alpha, alpha, 4), ptr(b_pre, b_pre, 4), ptr(b_post, b_post, 4), ptr(b_res, b_res, 4), ptr(w32, w32),
        ptr(out, out), ptr(h_post_out, h_post_out, 4), ptr(h_res_out, h_res_out, 4),
-       ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), t, (t + shape.bt - 1) // shape.bt,
+       ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), t, blocks, *clusters,
        x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1), out.stride(0), eps, norm_eps,
        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
     if not shape.sinkhorn:
@@ -240,14 +298,16 @@ _ELIGIBLE: dict[tuple, bool] = {}
 _WARNED: set[tuple] = set()
 
 
-def _eligible(x: torch.Tensor, update: bool, iters: int, sinkhorn: bool) -> bool:
-    """Whether (device, n, C, update, where the Sinkhorn runs) can take the cluster kernel:
-    ``cluster_problem`` of the shape, and a variant that compiles (here, outside any capture). A
-    failure is a warning and the Triton kernels, never an error in the forward."""
+def _eligible(x: torch.Tensor, update: bool, iters: int, shape: Any) -> bool:
+    """Whether (device, the variant ``shape``) can take the cluster kernel: ``cluster_problem``, and
+    a variant that compiles (here, outside any capture). A failure is a warning and the Triton
+    kernels, never an error in the forward."""
     if cluster_problem(x, update=update, iters=iters):
         return False
     try:
-        _compiled(cluster_shape(x.shape[1], x.shape[2], update, iters, sinkhorn))
+        _compiled(shape)
+        if type(shape).__name__ == "PersistentShape":
+            _resident_clusters(x.device)
     except Exception as e:  # a broken CuTe DSL install must not end the forward
         import warnings
 
@@ -270,12 +330,11 @@ def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torc
     lo, hi = UPDATE_READ_TOKENS if update else READ_TOKENS
     if not lo <= t <= hi or x.dtype != torch.bfloat16 or not x.is_cuda:
         return False
-    sinkhorn = t < SINKHORN_AFTER_TOKENS  # the variant launch() will run
-    key = (x.device.index, x.shape[1], x.shape[2], update, iters, sinkhorn)
+    shape = _variant(t, x.shape[1], x.shape[2], update, iters)  # the variant launch() will run
+    key = (x.device.index, _key(shape))
     ok = _ELIGIBLE.get(key)
     if ok is None:
-        if (torch.cuda.is_current_stream_capturing()
-                and _key(cluster_shape(x.shape[1], x.shape[2], update, iters, sinkhorn)) not in _COMPILED):
+        if torch.cuda.is_current_stream_capturing() and _key(shape) not in _COMPILED:
             if key not in _WARNED:
                 _WARNED.add(key)
                 import warnings
@@ -285,7 +344,7 @@ def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torc
                               "layer_boundary_mhc.cluster_ops.prepare_cluster(n, hidden) before capturing",
                               stacklevel=3)
             return False
-        ok = _ELIGIBLE[key] = _eligible(x, update, iters, sinkhorn)
+        ok = _ELIGIBLE[key] = _eligible(x, update, iters, shape)
     return ok and all(_rows_ok(v) for v in (x, y, streams_out, out) if v is not None)
 
 

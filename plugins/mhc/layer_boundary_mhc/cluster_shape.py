@@ -73,3 +73,61 @@ class ClusterShape:
         if self.smem > budget or self.stages * self.stage_bytes < self.wp_bytes:
             return f"{self.smem} bytes of shared memory a CTA (at most {budget} for {self.ctas} an SM)"
         return ""
+
+
+class PersistentShape:
+    """Compile-time shape of the persistent variant (``cute_persistent``): clusters of 16 CTAs, one
+    CTA an SM, that stay resident and take blocks of 16 tokens in turn. Each CTA keeps its slice of
+    phi's fragments in shared memory for the whole launch (``phi_bytes``: 144 KiB at n = 4,
+    H = 4096) and x' of two blocks (``xr_bytes`` each), so that one block's exchanges and
+    combination overlap the next block's stream pass. ``warps`` warps each own ``cpw`` 16-column
+    chunks of every stream (warp w: chunks w, w + warps, ...), loading their x and y straight to
+    registers one block ahead. H_res leaves as its logits (the Sinkhorn runs after the kernel)."""
+
+    cl = 16
+    bt = 16
+    push = True
+    sinkhorn = False
+    profile = False
+    phi_staged = True
+
+    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8) -> None:
+        self.n, self.c, self.update, self.iters, self.warps = n, hidden, update, iters, warps
+        self.threads = 32 * warps
+        self.ctas = 1
+        self.hs = hidden // self.cl
+        self.nch = self.hs // 16
+        self.cpw = -(-self.nch // warps)
+        self.k = n * n + 2 * n
+        self.nt = (self.k + 7) // 8
+        self.kpad = 8 * self.nt
+        self.tpc = self.bt // self.cl
+        self.units = self.hs // 8
+        self.phi_chunk = n * 3 * self.nt * 256
+        self.phi_bytes = self.nch * self.phi_chunk
+        self.xr_bytes = n * self.bt * self.hs * 2
+        self.ncoef = n + n * n if update else 0  # H_post then H_res, a token
+        # Coefficient rows padded to an odd number of 16-byte units: 8 rows' 16-byte reads, conflict-free.
+        self.coef_row = (-(-self.ncoef // 4) | 1) * 16 if update else 0
+        self.coef_bytes = self.bt * self.coef_row
+        # Per-warp partials of half the warps (the other half adds theirs in place first).
+        self.wp_bytes = (warps // 2) * 16 * (self.kpad + 1) * 4
+        self.part_bytes = self.cl * (self.kpad + 1) * 4  # a parity's: the 16 CTAs' rows of one token
+        self.hpre_bytes = self.bt * n * 4
+        self.hsq_bytes = self.cl * self.bt * 4
+        self.smem = (self.phi_bytes + 2 * self.xr_bytes + self.coef_bytes + self.wp_bytes
+                     + 2 * (self.part_bytes + self.hpre_bytes + self.hsq_bytes) + 6 * 8 + 1024)
+        self.stages = 0
+        self.problem = self._problem()
+
+    def _problem(self) -> str:
+        if not 2 <= self.n <= 4:
+            return f"n = {self.n} streams (2 to 4)"
+        if self.c % (self.cl * 64):
+            return f"hidden size {self.c} is not a multiple of {self.cl * 64} (16 CTAs of 64-column groups)"
+        if self.warps % 2 or not 2 <= self.warps <= 16 or self.cpw > 4:
+            return f"{self.warps} warps for {self.nch} chunks a CTA (even, 2 to 16, at most 4 chunks a warp)"
+        if self.smem > SMEM_LIMIT:
+            return (f"{self.smem} bytes of shared memory a CTA (at most {SMEM_LIMIT}): phi's slice alone is "
+                    f"{self.phi_bytes}")
+        return ""

@@ -306,29 +306,8 @@ class MhcCluster:
                 tot = P.ld_cluster_f32(P.mapa(src, Int32(0)))
                 for cr in cutlass.range_constexpr(1, s.cl):
                     tot = tot + P.ld_cluster_f32(P.mapa(src, Int32(cr)))
-            rstd = P.rsqrt(P.shfl_idx(tot, Int32(kpad)) / Float32(n * s.c) + eps)
-            v = tot * rstd
-            al = Int64(alpha.toint())
-            is_pre = Int32(lane < n)
-            is_post = Int32((lane >= n) & (lane < 2 * n))
-            is_res = Int32((lane >= 2 * n) & (lane < s.k))
-            a_pre = P.ldg_f32(al, Int32(1))
-            a_post = P.ldg_f32(al + 4, Int32(1))
-            a_res = P.ldg_f32(al + 8, Int32(1))
-            b_pre = P.ldg_f32(Int64(bpre.toint()) + Int64(lane) * 4, is_pre)
-            b_post = P.ldg_f32(Int64(bpost.toint()) + Int64(lane - n) * 4, is_post)
-            b_res = P.ldg_f32(Int64(bres.toint()) + Int64(lane - 2 * n) * 4, is_res)
-            h_pre = P.sigmoid(P.fma(a_pre, v, b_pre))
-            h_post = Float32(2.0) * P.sigmoid(P.fma(a_post, v, b_post))
-            lg = P.fma(a_res, v, b_res)
-            if cutlass.const_expr(s.sinkhorn):
-                lg = self._sinkhorn(lg, is_res, lane)
-            # else H_res leaves as its logits and the Sinkhorn runs after the kernel on every token at
-            # once (cluster_ops.launch): its 20 dependent iterations on two warps, while the CTA's
-            # others wait, took 4 of this phase's 6 µs a block (H200, T = 8192).
-            tg = Int64(row0 + t)
-            P.stg_f32(Int64(hpo.toint()) + (tg * n + lane - n) * 4, h_post, live * is_post)
-            P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, lg, live * is_res)
+            h_pre, is_pre = self._coefficients(tot, Int64(row0 + t), live, lane, alpha, bpre, bpost, bres, hpo,
+                                               hro, eps)
             if is_pre != 0:
                 for cr in cutlass.range_constexpr(s.cl):
                     self._send(hpre + (t * n + lane) * 4, Int32(cr), h_pre, mb + 8)
@@ -417,6 +396,39 @@ class MhcCluster:
                     f = ((si * 3 + part) * s.nt + nt) * 2
                     pf[f] = w[0]
                     pf[f + 1] = w[1]
+
+    @cute.jit
+    def _coefficients(self, tot: Float32, tg: Int64, live: Int32, lane: Int32, alpha: cute.Pointer,
+                      bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer, hpo: cute.Pointer,
+                      hro: cute.Pointer, eps: Float32):
+        """Token ``tg``'s coefficients from its summed partials (lane l holds column l; column K the
+        sum of squares): stores H_post and H_res (or, ``sinkhorn`` off, H_res's logits) where
+        ``live``, and returns (H_pre of lane l < n, whether lane l holds one)."""
+        s = self.s
+        n, kpad = s.n, s.kpad
+        rstd = P.rsqrt(P.shfl_idx(tot, Int32(kpad)) / Float32(n * s.c) + eps)
+        v = tot * rstd
+        al = Int64(alpha.toint())
+        is_pre = Int32(lane < n)
+        is_post = Int32((lane >= n) & (lane < 2 * n))
+        is_res = Int32((lane >= 2 * n) & (lane < s.k))
+        a_pre = P.ldg_f32(al, Int32(1))
+        a_post = P.ldg_f32(al + 4, Int32(1))
+        a_res = P.ldg_f32(al + 8, Int32(1))
+        b_pre = P.ldg_f32(Int64(bpre.toint()) + Int64(lane) * 4, is_pre)
+        b_post = P.ldg_f32(Int64(bpost.toint()) + Int64(lane - n) * 4, is_post)
+        b_res = P.ldg_f32(Int64(bres.toint()) + Int64(lane - 2 * n) * 4, is_res)
+        h_pre = P.sigmoid(P.fma(a_pre, v, b_pre))
+        h_post = Float32(2.0) * P.sigmoid(P.fma(a_post, v, b_post))
+        lg = P.fma(a_res, v, b_res)
+        if cutlass.const_expr(s.sinkhorn):
+            lg = self._sinkhorn(lg, is_res, lane)
+        # else H_res leaves as its logits and the Sinkhorn runs after the kernel on every token at
+        # once (cluster_ops.launch): its 20 dependent iterations on two warps, while the CTA's
+        # others wait, took 4 of this phase's 6 µs a block (H200, T = 8192).
+        P.stg_f32(Int64(hpo.toint()) + (tg * n + lane - n) * 4, h_post, live * is_post)
+        P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, lg, live * is_res)
+        return h_pre, is_pre
 
     @cute.jit
     def _send(self, addr: Int32, rank: Int32, v: Float32, mbar: Int32):

@@ -41,6 +41,11 @@ def lds_v4(addr):
     return [Int32(v) for v in _fields(r, T.i32(), 4)]
 
 
+def lds_v4_f32(addr):
+    r = asm(_struct(T.f32(), 4), [addr], "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r")
+    return [Float32(v) for v in _fields(r, T.f32(), 4)]
+
+
 def lds_f32(addr):
     return Float32(asm(T.f32(), [addr], "ld.shared.f32 $0, [$1];", "=f,r"))
 
@@ -134,6 +139,12 @@ def ldg_v2(addr, live):
     r = asm(_struct(T.i32(), 2), [addr, live],
             "{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0; "
             "@p ld.global.nc.v2.b32 {$0, $1}, [$2]; }", "=r,=r,l,r")
+    return [Int32(v) for v in _fields(r, T.i32(), 2)]
+
+
+def ldg_v2_nc(addr):
+    """Two words from global memory, read-only path, not kept in L1 (streamed once)."""
+    r = asm(_struct(T.i32(), 2), [addr], "ld.global.nc.L1::no_allocate.v2.b32 {$0, $1}, [$2];", "=r,=r,l")
     return [Int32(v) for v in _fields(r, T.i32(), 2)]
 
 
@@ -233,3 +244,28 @@ def sel(cond, a, b):
     """``a`` where the Int32 ``cond`` is nonzero, else ``b`` (FP32)."""
     return Float32(asm(T.f32(), [cond, a, b], "{ .reg .pred p; setp.ne.b32 p, $1, 0; selp.f32 $0, $2, $3, p; }",
                        "=f,r,f,f", side=False))
+
+
+def mbar_wait_rt(addr, parity):
+    """As ``mbar_wait``, the phase parity a register (a barrier reused block after block)."""
+    asm(None, [addr, parity], "{ .reg .pred p; LB_WAIT_${:uid}: "
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1; "
+        "@!p bra LB_WAIT_${:uid}; }", "r,r")
+
+
+def cp_async4_if(dst, src, nbytes, ok):
+    # 4 bytes (nbytes 0: a zero), through L1: the coefficients of a block, 4-byte aligned rows.
+    asm(None, [dst, src, nbytes, ok],
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.ca.shared.global [$0], [$1], 4, $2; }", "r,l,r,r")
+
+
+def cp_async_wait_all():
+    asm(None, [], "cp.async.wait_all;", "")
+
+
+def mma_bf16_sq(a, c):
+    """x'_m . x'_n over one k16 step for the n-tiles of tokens 0-7 and 8-15 (B = the A fragment's
+    own rows): the diagonal of both, each token's sum of squares, lands in one lane and register."""
+    lo = mma_bf16(a, (a[0], a[2]), c[0:4])
+    hi = mma_bf16(a, (a[1], a[3]), c[4:8])
+    return lo + hi

@@ -1,0 +1,446 @@
+"""The MHC update + read at prefill sizes: persistent clusters with phi resident (CuTe DSL, Hopper
+sm_90a; imports ``cutlass``, load through ``cluster_ops``).
+
+Same arithmetic and exchanges as ``cute_cluster`` (read its docstring first), rearranged for many
+blocks. What the cluster kernel spent its time on at T = 8192 (H200, PERFORMANCE.md) and what
+changes here:
+
+- **Instructions.** A warp there computes one stream's x' but unpacks all n streams and y to do it,
+  and the SM issued about 3 instructions a cycle in its stream pass: the pass was bound by issue,
+  not bytes. Here a warp owns 16-column chunks of every stream: each x and y element is loaded,
+  unpacked and mixed once, and the sums of squares of x' come out of two extra mma.sync a stream
+  (``cute_ptx.mma_bf16_sq``) instead of 16 unpacks and FMAs.
+- **phi from L2 every block.** Each CTA keeps its slice of phi's fragments in shared memory for
+  the whole launch (144 KiB at n = 4, H = 4096); a cluster takes blocks ``cid, cid + clusters, ...``.
+- **Bytes in flight.** x and y go from HBM straight to registers, one block ahead (the whole next
+  block: 40 KiB an SM), so no stage ring and no CTA barrier a chunk.
+- **Exchanges.** One block's x' is kept in each of two buffers. Iteration ``it`` streams block
+  ``it`` and pushes its partials, then runs the first combination pass of block ``it - 1`` (its
+  H_pre arrived while block ``it`` streamed), the coefficients of block ``it`` (warp 0; this CTA's
+  token), and the second combination pass of block ``it - 1``. Every wait follows other work.
+
+Exchange barriers: one per (exchange, parity of the block), each armed for the bytes it expects and
+re-armed by its waiter; block ``it`` waits for phase ``(it // 2) % 2``. A push for block ``it + 2``
+cannot reach a buffer before its receiver is done with block ``it``: the sender would need the
+receiver's partials of block ``it + 1``, which the receiver sends only after it finished with
+block ``it``'s partials, H_pre (both combination passes) and sums.
+
+Summation orders (all fixed, so replays are bitwise): a warp's chunks in order, each chunk's
+streams in order; per-warp partials in pairs (warp w + W/2 into w), then the W/2 pairs in order;
+the 16 CTAs' partials and sums in rank order.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cuda.bindings import driver as cuda
+from cutlass import Float32, Int32, Int64
+
+from . import cute_ptx as P
+from .cluster_shape import PersistentShape
+from .cute_cluster import MhcCluster
+
+
+def _pick(vals: list, idx: Int32) -> Float32:
+    """``vals[idx]`` for a runtime index over a short list of FP32 values."""
+    v = vals[0]
+    for k in range(1, len(vals)):
+        v = P.sel(Int32(idx == k), vals[k], v)
+    return v
+
+
+class MhcPersistent(MhcCluster):
+    @cute.jit
+    def __call__(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
+                 phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
+                 w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
+                 tokens: Int32, blocks: Int32, clusters: Int32, sxt: Int32, sxn: Int32, syt: Int32, sot: Int32,
+                 son: Int32, sit: Int32, eps: Float32, norm_eps: Float32, stream: cuda.CUstream):
+        s = self.s
+        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, tokens, blocks,
+                    sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
+            grid=[s.cl, clusters, 1], block=[s.threads, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
+               phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
+               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer,
+               tokens: Int32, blocks: Int32,
+               sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32,
+               eps: Float32, norm_eps: Float32):
+        s = self.s
+        n, bt, hs, kpad, nw = s.n, s.bt, s.hs, s.kpad, s.warps
+        tid, _, _ = cute.arch.thread_idx()
+        _, cid, _ = cute.arch.block_idx()
+        _, ncl, _ = cute.arch.grid_dim()
+        rank = Int32(cute.arch.block_idx_in_cluster())
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        q = lane % 4
+
+        smem = cutlass.memory.SmemAllocator()
+        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((s.smem - 1024,)), byte_alignment=1024)
+        phi_s = Int32(raw.iterator.toint())
+        xr0 = phi_s + s.phi_bytes  # two x' buffers, [n, BT, HS] each, 16-byte units XOR-swizzled by token
+        coef = xr0 + 2 * s.xr_bytes  # the block's H_post and H_res rows
+        wp = coef + s.coef_bytes  # per-warp partials
+        part0 = wp + s.wp_bytes  # [parity][CTA][K + 1]: the partials of this CTA's token
+        hpre0 = part0 + 2 * s.part_bytes  # [parity][BT][n]
+        hsq0 = hpre0 + 2 * s.hpre_bytes  # [parity][BT][CTA]
+        mb = hsq0 + 2 * s.hsq_bytes  # barriers: partials, H_pre, sums; two parities each
+        part_tx, hpre_tx, hsq_tx = s.cl * (kpad + 1) * 4, bt * n * 4, s.cl * bt * 4
+
+        if tid == 0:
+            for k in cutlass.range_constexpr(6):
+                P.mbar_init(mb + 8 * k, 1)
+            P.fence_mbar_init()
+            for par in cutlass.range_constexpr(2):
+                P.mbar_expect_tx(mb + 8 * par, part_tx)
+                P.mbar_expect_tx(mb + 16 + 8 * par, hpre_tx)
+                P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
+        P.cluster_arrive_relaxed()
+
+        col0 = rank * hs
+        x_a, y_a, xo_a, phf_a = Int64(x.toint()), Int64(y.toint()), Int64(xo.toint()), Int64(phf.toint())
+        hp_a, hr_a = Int64(hp.toint()), Int64(hr.toint())
+        nloc = (blocks - cid + ncl - 1) // ncl
+
+        # This CTA's slice of phi's fragments (chunks rank * nch ...), once.
+        pieces = s.phi_bytes // 16
+        for k in cutlass.range_constexpr((pieces + s.threads - 1) // s.threads):
+            idx = tid + k * s.threads
+            P.cp_async16_if(phi_s + idx * 16, phf_a + Int64(rank) * s.phi_bytes + Int64(idx * 16), Int32(16),
+                            Int32(idx < pieces))
+        P.cp_async_commit()
+        if cutlass.const_expr(s.update):
+            self._coef_issue(tid, cid, tokens, hp_a, hr_a, coef)
+
+        # Per lane: rows g, g + 8 of a block, at columns 4q .. 4q + 3 of its chunks.
+        words = s.cpw * (n + 1) * 4 if s.update else s.cpw * n * 4
+        nxt = cute.make_rmem_tensor((words,), Int32)
+        cur = cute.make_rmem_tensor((words,), Int32)
+        xl = x_a + (Int64(g) * sxt + Int64(col0 + 4 * q)) * 2
+        yl = y_a + (Int64(g) * syt + Int64(col0 + 4 * q)) * 2
+        xol = xo_a + (Int64(g) * sot + Int64(col0 + 4 * q)) * 2
+        self._prefetch(nxt, cid, xl, yl, sxt, sxn, syt, tokens, g, warp)
+
+        acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
+        sq = cute.make_rmem_tensor((8,), Float32)
+        for it in cutlass.range(nloc + 1, unroll=1):
+            par = it % 2
+            blk = cid + it * ncl
+            prev = blk - ncl
+            P.cp_async_wait_all()
+            cute.arch.sync_threads()
+            if it < nloc:
+                # ---- 1. stream pass of block it into buffer par ----------------------------
+                for e in cutlass.range_constexpr(words):
+                    cur[e] = nxt[e]
+                self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g, warp)
+                self._stream(cur, blk, tokens, xr0 + par * s.xr_bytes, phi_s, coef, xol, sot, son, warp, g, q,
+                             acc, sq)
+                self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, rank, tid, warp, g, q,
+                               it == 0)
+                if cutlass.const_expr(s.update):
+                    # Every thread read this block's coefficients (two CTA barriers ago).
+                    self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
+            w_a = Int64(w32.toint()) + Int64(col0) * 4
+            if it > 0:
+                # ---- 3a. first combination pass of block it - 1 (buffer 1 - par) -------------
+                ph = ((it - 1) // 2) % 2
+                P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ph)
+                if tid == 0:
+                    P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
+                mixed = self._norm_sums(xr0 + (1 - par) * s.xr_bytes, hpre0 + (1 - par) * s.hpre_bytes,
+                                        hsq0 + (1 - par) * s.hsq_bytes, mb + 32 + 8 * (1 - par), rank, warp, lane)
+                # ---- 2. coefficients of this CTA's token of block it (warp 0) ------------------
+                if it < nloc:
+                    if warp == 0:
+                        self._token_coefficients(part0 + par * s.part_bytes, hpre0 + par * s.hpre_bytes, mb, par, it,
+                                                 blk * bt + rank, tokens, rank, lane, alpha, bpre, bpost, bres,
+                                                 hpo, hro, eps)
+                # ---- 3b. second combination pass of block it - 1: the normalized input --------
+                P.mbar_wait_rt(mb + 32 + 8 * (1 - par), ph)
+                if tid == 0:
+                    P.mbar_expect_tx(mb + 32 + 8 * (1 - par), hsq_tx)
+                self._normalized(mixed, hsq0 + (1 - par) * s.hsq_bytes, w_a, out, prev, tokens, sit, col0,
+                                 norm_eps, warp, lane)
+            else:
+                if warp == 0:
+                    self._token_coefficients(part0 + par * s.part_bytes, hpre0 + par * s.hpre_bytes, mb, par, it,
+                                             blk * bt + rank, tokens, rank, lane, alpha, bpre, bpost, bres, hpo,
+                                             hro, eps)
+
+    @cute.jit
+    def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, alpha, bpre, bpost, bres, hpo,
+                            hro, eps):
+        """Warp 0: token ``t``'s (this CTA's of the block) partials summed in rank order once they
+        arrived, its coefficients, and its H_pre pushed to every CTA."""
+        s = self.s
+        kpad = s.kpad
+        P.mbar_wait_rt(mb + 8 * par, (it // 2) % 2)
+        src = part + cutlass.min(lane, kpad) * 4
+        tot = P.lds_f32(src)
+        for cr in cutlass.range_constexpr(1, s.cl):
+            tot = tot + P.lds_f32(src + cr * (kpad + 1) * 4)
+        if lane == 0:
+            P.mbar_expect_tx(mb + 8 * par, s.cl * (kpad + 1) * 4)
+        h_pre, is_pre = self._coefficients(tot, Int64(t), Int32(t < tokens), lane, alpha, bpre, bpost, bres, hpo, hro,
+                                           eps)
+        if is_pre != 0:
+            for cr in cutlass.range_constexpr(s.cl):
+                self._send(hpre + (rank * s.n + lane) * 4, Int32(cr), h_pre, mb + 16 + 8 * par)
+
+    @cute.jit
+    def _coef_issue(self, tid, blk, tokens, hp_a, hr_a, coef):
+        """cp.async of block ``blk``'s H_post and H_res rows (4-byte copies: any n; zeros past the
+        last token), one group."""
+        s = self.s
+        n, nc = s.n, s.ncoef
+        items = s.bt * nc
+        for k in cutlass.range_constexpr((items + s.threads - 1) // s.threads):
+            idx = tid + k * s.threads
+            t = idx // nc
+            e = idx - t * nc
+            row = blk * s.bt + t
+            live = Int32(row < tokens) * Int32(idx < items)
+            r64 = Int64(row * live)
+            post = Int32(e < n)
+            src = (hp_a + (r64 * n + Int64(e)) * 4) * Int64(post) + \
+                (hr_a + (r64 * (n * n) + Int64(e - n)) * 4) * Int64(1 - post)
+            P.cp_async4_if(coef + t * s.coef_row + e * 4, src, live * 4, Int32(idx < items))
+        P.cp_async_commit()
+
+    @cute.jit
+    def _prefetch(self, buf, blk, xl, yl, sxt, sxn, syt, tokens, g, warp):
+        """x (and y) of block ``blk`` at this lane's rows and columns of each of its warp's chunks,
+        HBM to registers. Rows past the last token read the last token again: what they produce is
+        never stored, and no MMA mixes rows except the sums of squares' off-diagonal, unused."""
+        s = self.s
+        n = s.n
+        row0 = blk * s.bt
+        for k in cutlass.range_constexpr(s.cpw):
+            ch = cutlass.min(warp + k * s.warps, s.nch - 1)
+            for ri in cutlass.range_constexpr(2):
+                r = Int64(cutlass.min(row0 + g + 8 * ri, tokens - 1) - g)
+                for j in cutlass.range_constexpr(n):
+                    w = P.ldg_v2_nc(xl + (r * sxt + Int64(j) * sxn) * 2 + Int64(ch * 32))
+                    base = self._slot(k, j, ri)
+                    buf[base] = w[0]
+                    buf[base + 1] = w[1]
+                if cutlass.const_expr(s.update):
+                    w = P.ldg_v2_nc(yl + r * syt * 2 + Int64(ch * 32))
+                    base = self._slot(k, n, ri)
+                    buf[base] = w[0]
+                    buf[base + 1] = w[1]
+
+    def _slot(self, k: int, j: int, ri: int) -> int:
+        """Register slot of chunk k's stream j (j = n: y), row ri: two words."""
+        per = self.s.n + 1 if self.s.update else self.s.n
+        return ((k * per + j) * 2 + ri) * 2
+
+    @cute.jit
+    def _stream(self, cur, blk, tokens, xbuf, phi_s, coef, xol, sot, son, warp, g, q, acc, sq):
+        """The warp's chunks of block ``blk``: x' of every stream (mixed, rounded once) to HBM and
+        to ``xbuf``, and its projection on phi and sums of squares into ``acc`` and ``sq``."""
+        s = self.s
+        n, bt = s.n, s.bt
+        row0 = blk * bt
+        r0 = g
+        r1 = g + 8
+        lv = (Int32(row0 + r0 < tokens), Int32(row0 + r1 < tokens))
+        acc.fill(0.0)
+        sq.fill(0.0)
+        # coefs[ri][i] = (H_post[i], H_res[i, 0..n-1]) of rows g, g + 8
+        coefs = []
+        if cutlass.const_expr(s.update):
+            for r in (r0, r1):
+                row_a = coef + r * s.coef_row
+                flat = []
+                if cutlass.const_expr(s.ncoef % 4 == 0):
+                    for v in cutlass.range_constexpr(s.ncoef // 4):
+                        flat += P.lds_v4_f32(row_a + 16 * v)
+                else:
+                    flat = [P.lds_f32(row_a + 4 * e) for e in range(s.ncoef)]
+                coefs.append([[flat[i]] + flat[n + i * n:n + (i + 1) * n] for i in range(n)])
+        for k in cutlass.range_constexpr(s.cpw):
+            ch = warp + k * s.warps
+            if ch < s.nch:
+                # Rows g, g + 8 of each stream and y, unpacked once: [ri][j] -> 4 values
+                vals = []
+                for ri in cutlass.range_constexpr(2):
+                    per_j = []
+                    for j in cutlass.range_constexpr(n + 1 if s.update else n):
+                        b = self._slot(k, j, ri)
+                        per_j.append(P.unpack(cur[b]) + P.unpack(cur[b + 1]))
+                    vals.append(per_j)
+                for i in cutlass.range_constexpr(n):
+                    wds = []  # [ri] -> 2 words of stream i
+                    for ri in cutlass.range_constexpr(2):
+                        if cutlass.const_expr(s.update):
+                            cf = coefs[ri][i]
+                            mixed = []
+                            for e in cutlass.range_constexpr(4):
+                                v = cf[0] * vals[ri][n][e]
+                                for j in cutlass.range_constexpr(n):
+                                    v = P.fma(cf[1 + j], vals[ri][j][e], v)
+                                mixed.append(v)
+                            wds.append((P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])))
+                        else:
+                            b = self._slot(k, i, ri)
+                            wds.append((cur[b], cur[b + 1]))
+                    for ri in cutlass.range_constexpr(2):
+                        r = r0 + 8 * ri
+                        if cutlass.const_expr(s.update):
+                            P.stg_v2(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(ch * 32),
+                                     wds[ri][0], wds[ri][1], lv[ri])
+                        unit = (2 * ch + q // 2) ^ (r % 8)
+                        P.sts_v2(xbuf + (i * bt + r) * (s.hs * 2) + unit * 16 + (q % 2) * 8, wds[ri][0], wds[ri][1])
+                    a = (wds[0][0], wds[1][0], wds[0][1], wds[1][1])
+                    frag = phi_s + ((ch * n + i) * 3) * s.nt * 256 + q * 8 + g * 32
+                    for p in cutlass.range_constexpr(3):
+                        part_idx = 2 - p  # the smallest part first
+                        for nt in cutlass.range_constexpr(s.nt):
+                            b = P.lds_v2(frag + (part_idx * s.nt + nt) * 256)
+                            d = P.mma_bf16(a, (b[0], b[1]), [acc[nt * 4 + e] for e in range(4)])
+                            for e in cutlass.range_constexpr(4):
+                                acc[nt * 4 + e] = d[e]
+                    d = P.mma_bf16_sq(a, [sq[e] for e in range(8)])
+                    for e in cutlass.range_constexpr(8):
+                        sq[e] = d[e]
+
+    @cute.jit
+    def _partials(self, acc, sq, wp, part, mbar, rank, tid, warp, g, q, first):
+        """The warps' partials summed (warp w + W/2 into w, then the W/2 in order) and each token's
+        row pushed to its owner, CTA t (one token a CTA)."""
+        s = self.s
+        kpad = s.kpad
+        half = s.warps // 2
+        row_bytes = (kpad + 1) * 4
+        slot = wp + (warp % half) * 16 * row_bytes
+        # Token g's sum of squares sits in lane (g, g // 2) of the first n-tile, token g + 8's in the
+        # same lane of the second.
+        diag = Int32(q == g // 2)
+        d0 = P.sel(Int32(g % 2 == 0), sq[0], sq[1])
+        d1 = P.sel(Int32(g % 2 == 0), sq[6], sq[7])
+        vals = []  # (offset, value) of this lane's cells
+        for nt in cutlass.range_constexpr(s.nt):
+            col = 8 * nt + 2 * q
+            vals += [(g * row_bytes + col * 4, acc[nt * 4]), (g * row_bytes + (col + 1) * 4, acc[nt * 4 + 1]),
+                     ((g + 8) * row_bytes + col * 4, acc[nt * 4 + 2]),
+                     ((g + 8) * row_bytes + (col + 1) * 4, acc[nt * 4 + 3])]
+        if warp >= half:
+            for off, v in vals:
+                P.sts_f32(slot + off, v)
+            if diag != 0:
+                P.sts_f32(slot + g * row_bytes + kpad * 4, d0)
+                P.sts_f32(slot + (g + 8) * row_bytes + kpad * 4, d1)
+        cute.arch.sync_threads()
+        if warp < half:
+            for off, v in vals:
+                P.sts_f32(slot + off, v + P.lds_f32(slot + off))
+            if diag != 0:
+                off0 = g * row_bytes + kpad * 4
+                off1 = (g + 8) * row_bytes + kpad * 4
+                P.sts_f32(slot + off0, d0 + P.lds_f32(slot + off0))
+                P.sts_f32(slot + off1, d1 + P.lds_f32(slot + off1))
+        cute.arch.sync_threads()
+        if first:
+            P.cluster_wait()  # every CTA's barriers initialized (arrived at the start)
+        cells = s.bt * (kpad + 1)
+        for k in cutlass.range_constexpr((cells + s.threads - 1) // s.threads):
+            idx = tid + k * s.threads
+            if idx < cells:
+                t = idx // (kpad + 1)
+                col = idx - t * (kpad + 1)
+                src = wp + t * row_bytes + col * 4
+                tot = P.lds_f32(src)
+                for kk in cutlass.range_constexpr(1, half):
+                    tot = tot + P.lds_f32(src + kk * 16 * row_bytes)
+                self._send(part + (rank * (kpad + 1) + col) * 4, t, tot, mbar)
+
+    @cute.jit
+    def _norm_sums(self, xbuf, hpre, hsq, mbar, rank, warp, lane):
+        """First combination pass of a block: s = sum_j H_pre[j] x'_j at this lane's columns
+        (returned, kept in registers for the second pass) and each token's sum of squares of s over
+        this CTA's columns, pushed to every CTA (row t, column rank)."""
+        s = self.s
+        per_lane = (s.units + 31) // 32
+        ragged = per_lane * 32 != s.units
+        tpw = s.bt // s.warps
+        ts = [warp + e * s.warps for e in range(tpw)]
+        hs_ = self._mix_group(xbuf, hpre, ts, lane, per_lane)
+        sqs = []
+        for e in cutlass.range_constexpr(tpw):
+            acc = Float32(0.0)
+            for f in cutlass.range_constexpr(per_lane):
+                part_sq = Float32(0.0)
+                for v in hs_[e][f]:
+                    part_sq = P.fma(v, v, part_sq)
+                if cutlass.const_expr(ragged):
+                    part_sq = P.sel(Int32(lane + 32 * f < s.units), part_sq, Float32(0.0))
+                acc = acc + part_sq
+            sqs.append(acc)
+        for m_ in (16, 8, 4, 2, 1):
+            sqs = [v + P.shfl_xor(v, m_) for v in sqs]
+        sends = tpw * s.cl
+        for k in cutlass.range_constexpr((sends + 31) // 32):
+            idx = lane + 32 * k
+            if idx < sends:
+                e = idx // s.cl
+                self._send(hsq + ((warp + e * s.warps) * s.cl + rank) * 4, idx - e * s.cl, _pick(sqs, e), mbar)
+        return hs_
+
+    @cute.jit
+    def _normalized(self, hs_, hsq, w_a, out, blk, tokens, sit, col0, norm_eps, warp, lane):
+        """Second combination pass of block ``blk``: s (``hs_``, from the first) over the root mean
+        square of the cluster's sums (in rank order), times the weight, rounded once, to ``out``."""
+        s = self.s
+        per_lane = (s.units + 31) // 32
+        ragged = per_lane * 32 != s.units
+        tpw = s.bt // s.warps
+        ts = [warp + e * s.warps for e in range(tpw)]
+        wvs = []
+        for f in cutlass.range_constexpr(per_lane):
+            u_a = w_a + Int64(cutlass.min(lane + 32 * f, s.units - 1)) * 32
+            wvs.append(P.ldg_v4_f32(u_a) + P.ldg_v4_f32(u_a + 16))
+        tots = []
+        for t in ts:
+            parts = []
+            for v in cutlass.range_constexpr(s.cl // 4):
+                parts += P.lds_v4_f32(hsq + (t * s.cl + 4 * v) * 4)
+            tot = parts[0]
+            for cr in cutlass.range_constexpr(1, s.cl):
+                tot = tot + parts[cr]
+            tots.append(tot)
+        for e in cutlass.range_constexpr(tpw):
+            row = blk * s.bt + ts[e]
+            live = Int32(row < tokens)
+            r2 = P.rsqrt(tots[e] / Float32(s.c) + norm_eps)
+            for f in cutlass.range_constexpr(per_lane):
+                u = lane + 32 * f
+                h = hs_[e][f]
+                wv = wvs[f]
+                o = [P.pack((h[2 * k] * r2) * wv[2 * k], (h[2 * k + 1] * r2) * wv[2 * k + 1]) for k in range(4)]
+                dst = Int64(out.toint()) + (Int64(row) * sit + Int64(col0 + 8 * u)) * 2
+                ok = live * Int32(u < s.units) if ragged else live
+                P.stg_v4(dst, o[0], o[1], o[2], o[3], ok)
+
+
+def compile_persistent(shape: PersistentShape, ptx_dir: str = ""):
+    """Compile one variant ahead of time (no GPU needed, with ``CUTE_DSL_ARCH=sm_90a``). Called as
+    ``compile_cluster``'s result, with the number of clusters after ``blocks``."""
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    def ptr(dtype, align=16):
+        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
+
+    bf, f32 = cutlass.BFloat16, Float32
+    args = [ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(f32, 4),
+            ptr(f32, 4), ptr(f32), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(cutlass.Int64)]
+    ints = [Int32(1)] * 9
+    options = f"--keep-ptx --dump-dir={ptx_dir}" if ptx_dir else None
+    return cute.compile(MhcPersistent(shape), *args, *ints, Float32(1e-6), Float32(1e-6), make_fake_stream(),
+                        options=options)

@@ -1,0 +1,126 @@
+"""The persistent variant of the MHC cluster kernel (``layer_boundary_mhc.cute_persistent``: phi
+resident in shared memory, clusters that take 16-token blocks in turn, two blocks in flight).
+
+On the CPU: its shape plan and refusals and, where the CuTe DSL imports, the sm_90a compile (one
+mma.sync chain per stream and chunk, the sums of squares from two more, pushed exchanges only). On an
+H200 (``-m gpu``): every output against the reference, bitwise replays, x' bit for bit the cluster
+kernel's (the same mix), block counts below, at and above the resident clusters, CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from layer_boundary_mhc.cluster_shape import SMEM_LIMIT, PersistentShape
+
+
+def test_persistent_shape_plan_and_refusals():
+    s = PersistentShape(4, 4096, True, 20)
+    assert (s.cl, s.bt, s.hs, s.nch, s.cpw, s.nt, s.problem) == (16, 16, 256, 16, 2, 3, "")
+    assert s.phi_bytes == 144 * 1024 and s.xr_bytes == 32 * 1024 and s.smem <= SMEM_LIMIT
+    assert s.coef_row == 80  # 20 coefficients, 5 units: rows g = 0..7 start in distinct bank quads
+    assert PersistentShape(3, 2048, False, 20).problem == "" and PersistentShape(2, 1024, True, 20).problem == ""
+    assert "phi's slice alone" in PersistentShape(4, 7168, True, 20).problem  # 252 KiB of phi
+    assert "multiple of 1024" in PersistentShape(4, 4000, True, 20).problem
+    assert "2 to 4" in PersistentShape(5, 4096, True, 20).problem
+    assert "warps" in PersistentShape(4, 4096, True, 20, warps=3).problem
+
+
+def test_calls_take_the_persistent_variant_from_its_token_count(monkeypatch):
+    from layer_boundary_mhc import cluster_ops
+
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
+    assert type(cluster_ops._variant(512, 4, 4096, True, 20)).__name__ == "PersistentShape"
+    assert type(cluster_ops._variant(511, 4, 4096, True, 20)).__name__ == "ClusterShape"
+    # where phi's slice does not fit, the cluster kernel (Sinkhorn after it) serves large calls
+    wide = cluster_ops._variant(8192, 4, 7168, True, 20)
+    assert type(wide).__name__ == "ClusterShape" and not wide.sinkhorn
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 0)
+    assert type(cluster_ops._variant(8192, 4, 4096, True, 20)).__name__ == "ClusterShape"
+
+
+def _cute():
+    try:
+        from layer_boundary_mhc import cute_persistent
+    except Exception as e:
+        pytest.skip(f"the CuTe DSL is not importable here ({type(e).__name__}: {e})")
+    return cute_persistent
+
+
+@pytest.mark.parametrize("n,c,update", [(4, 4096, True), (3, 2048, False), (2, 1024, True)])
+def test_persistent_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    mod = _cute()
+    shape = PersistentShape(n, c, update, 20)
+    ptx = mod.compile_persistent(shape, str(tmp_path)).__ptx__
+    assert ".target sm_90a" in ptx
+    # per chunk of a warp and stream: 3 parts x NT n-tiles, and 2 for the sums of squares
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == shape.cpw * n * (3 * shape.nt + 2)
+    assert "ld.shared::cluster" not in ptx and "st.shared::cluster" not in ptx
+    assert re.findall(r"barrier\.cluster\.\w+", ptx) == ["barrier.cluster.arrive", "barrier.cluster.wait"]
+    assert len(re.findall(r"mbarrier\.init", ptx)) == 6
+    assert ("st.global.v2.b32" in ptx) == update  # x' is stored only by an update
+    assert "cp.async.wait_group" not in ptx  # no stage ring: x and y go to registers a block ahead
+
+
+# -- GPU ---------------------------------------------------------------------------------------------
+
+def _gpu_ready():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    _cute()
+
+
+# 8192: 512 blocks over the resident clusters; 1100: a ragged last block; 97: fewer blocks than clusters.
+CASES = [(8192, 4, 4096), (1100, 4, 4096), (600, 3, 2048), (97, 2, 1024), (16, 4, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,n,c", CASES, ids=str)
+@pytest.mark.parametrize("op", ["update+read", "read"])
+def test_gpu_persistent_matches_reference(t, n, c, op, monkeypatch):
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import accuracy, cluster_ops
+
+    params = _params(n, c)
+    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, stride=8)
+
+    def run():
+        if op == "read":
+            return cluster_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0)
+        return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
+
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 1)
+    assert type(cluster_ops._variant(t, n, c, op != "read", 20)).__name__ == "PersistentShape"
+    got, again = run(), run()
+    kw = {} if op == "read" else dict(y=y, h_post=h_post, h_res=h_res)
+    accuracy.assert_matches_reference(op, got, x, params=params, norm_weight=w, norm_eps=1e-6, norm_offset=1.0,
+                                      where=f"persistent T={t} n={n} C={c}", **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "replays differ"
+    if op == "update+read":
+        monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 0)
+        assert torch.equal(run()[0], got[0]), "x' differs from the cluster kernel's (the same mix)"
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_under_cuda_graph_capture(monkeypatch):
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+    from test_mhc_cluster import _captured_and_replayed
+
+    from layer_boundary_mhc import cluster_ops
+
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
+    t, n, c = 4096, 4, 4096
+    params = _params(n, c)
+    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
+    cluster_ops.prepare_cluster(n, c)
+    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+    outs = _captured_and_replayed(eager, lambda o: cluster_ops.mhc_update_read_cluster(
+        x, y, h_post, h_res, params, w, 1e-6, streams_out=o[0], out=o[1], h_post_out=o[2], h_res_out=o[3]))
+    assert all(torch.equal(a, b) for a, b in zip(eager, outs))
