@@ -60,8 +60,10 @@ def test_persistent_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatc
     # per chunk of a warp and stream: 3 parts x NT n-tiles, and 2 for the sums of squares
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == shape.cpw * n * (3 * shape.nt + 2)
     assert "ld.shared::cluster" not in ptx and "st.shared::cluster" not in ptx
-    assert re.findall(r"barrier\.cluster\.\w+", ptx) == ["barrier.cluster.arrive", "barrier.cluster.wait"]
+    # one cluster barrier: arrived at the start, waited for by the stream warps and the coefficient warp
+    assert re.findall(r"barrier\.cluster\.\w+", ptx) == ["barrier.cluster.arrive"] + ["barrier.cluster.wait"] * 2
     assert len(re.findall(r"mbarrier\.init", ptx)) == 6
+    assert ".reqntid 384" in ptx  # 8 stream warps and the coefficient warpgroup
     assert ("st.global.v2.b32" in ptx) == update  # x' is stored only by an update
     assert "cp.async.wait_group" not in ptx  # no stage ring: x and y go to registers a block ahead
 

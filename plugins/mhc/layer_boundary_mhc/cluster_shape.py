@@ -82,7 +82,9 @@ class PersistentShape:
     H = 4096) and x' of two blocks (``xr_bytes`` each), so that one block's exchanges and
     combination overlap the next block's stream pass. ``warps`` warps each own ``cpw`` 16-column
     chunks of every stream (warp w: chunks w, w + warps, ...), loading their x and y straight to
-    registers one block ahead. H_res leaves as its logits (the Sinkhorn runs after the kernel)."""
+    registers one block ahead; one more warpgroup (``block_threads``), whose first warp computes
+    the CTA's token's coefficients of each block as its partials arrive. H_res leaves as its logits (the Sinkhorn
+    runs after the kernel)."""
 
     cl = 16
     bt = 16
@@ -93,7 +95,8 @@ class PersistentShape:
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8) -> None:
         self.n, self.c, self.update, self.iters, self.warps = n, hidden, update, iters, warps
-        self.threads = 32 * warps
+        self.threads = 32 * warps  # the stream warps
+        self.block_threads = self.threads + 128
         self.ctas = 1
         self.hs = hidden // self.cl
         self.nch = self.hs // 16

@@ -60,7 +60,7 @@ class MhcPersistent(MhcCluster):
         s = self.s
         self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, tokens, blocks,
                     sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
-            grid=[s.cl, clusters, 1], block=[s.threads, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
+            grid=[s.cl, clusters, 1], block=[s.block_threads, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
@@ -107,16 +107,6 @@ class MhcPersistent(MhcCluster):
         hp_a, hr_a = Int64(hp.toint()), Int64(hr.toint())
         nloc = (blocks - cid + ncl - 1) // ncl
 
-        # This CTA's slice of phi's fragments (chunks rank * nch ...), once.
-        pieces = s.phi_bytes // 16
-        for k in cutlass.range_constexpr((pieces + s.threads - 1) // s.threads):
-            idx = tid + k * s.threads
-            P.cp_async16_if(phi_s + idx * 16, phf_a + Int64(rank) * s.phi_bytes + Int64(idx * 16), Int32(16),
-                            Int32(idx < pieces))
-        P.cp_async_commit()
-        if cutlass.const_expr(s.update):
-            self._coef_issue(tid, cid, tokens, hp_a, hr_a, coef)
-
         # Per lane: rows g, g + 8 of a block, at columns 4q .. 4q + 3 of its chunks.
         words = s.cpw * (n + 1) * 4 if s.update else s.cpw * n * 4
         nxt = cute.make_rmem_tensor((words,), Int32)
@@ -124,54 +114,68 @@ class MhcPersistent(MhcCluster):
         xl = x_a + (Int64(g) * sxt + Int64(col0 + 4 * q)) * 2
         yl = y_a + (Int64(g) * syt + Int64(col0 + 4 * q)) * 2
         xol = xo_a + (Int64(g) * sot + Int64(col0 + 4 * q)) * 2
-        self._prefetch(nxt, cid, xl, yl, sxt, sxn, syt, tokens, g, warp)
 
-        acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
-        sq = cute.make_rmem_tensor((8,), Float32)
-        for it in cutlass.range(nloc + 1, unroll=1):
-            par = it % 2
-            blk = cid + it * ncl
-            prev = blk - ncl
-            P.cp_async_wait_all()
-            cute.arch.sync_threads()
-            if it < nloc:
-                # ---- 1. stream pass of block it into buffer par ----------------------------
-                for e in cutlass.range_constexpr(words):
-                    cur[e] = nxt[e]
-                self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g, warp)
-                self._stream(cur, blk, tokens, xr0 + par * s.xr_bytes, phi_s, coef, xol, sot, son, warp, g, q,
-                             acc, sq)
-                self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, rank, tid, warp, g, q,
-                               it == 0)
-                if cutlass.const_expr(s.update):
-                    # Every thread read this block's coefficients (two CTA barriers ago).
-                    self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
+        if warp >= nw:
+            # ---- 2. the coefficient warp (the first of the last warpgroup; the others leave): this
+            # CTA's token of each block, as its partials arrive. A warpgroup rather than one warp:
+            # ptxas sizes registers for whole warpgroups (9 warps got 168 registers, as 12 do).
+            P.cluster_wait()  # every CTA's barriers initialized (arrived at the start)
+            for it in cutlass.range(nloc * Int32(warp == nw), unroll=1):
+                blk = cid + it * ncl
+                self._token_coefficients(part0 + (it % 2) * s.part_bytes, hpre0 + (it % 2) * s.hpre_bytes, mb, it % 2,
+                                         it, blk * bt + rank, tokens, rank, lane, alpha, bpre, bpost, bres, hpo, hro,
+                                         eps)
+        else:
+            # This CTA's slice of phi's fragments (chunks rank * nch ...), once; the first block's
+            # coefficients, x and y.
+            pieces = s.phi_bytes // 16
+            for k in cutlass.range_constexpr((pieces + s.threads - 1) // s.threads):
+                idx = tid + k * s.threads
+                P.cp_async16_if(phi_s + idx * 16, phf_a + Int64(rank) * s.phi_bytes + Int64(idx * 16), Int32(16),
+                                Int32(idx < pieces))
+            P.cp_async_commit()
+            if cutlass.const_expr(s.update):
+                self._coef_issue(tid, cid, tokens, hp_a, hr_a, coef)
+            self._prefetch(nxt, cid, xl, yl, sxt, sxn, syt, tokens, g, warp)
+            acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
+            sq = cute.make_rmem_tensor((8,), Float32)
+            mixed = cute.make_rmem_tensor((s.bt // nw * ((s.units + 31) // 32) * 8,), Float32)
             w_a = Int64(w32.toint()) + Int64(col0) * 4
-            if it > 0:
-                # ---- 3a. first combination pass of block it - 1 (buffer 1 - par) -------------
-                ph = ((it - 1) // 2) % 2
-                P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ph)
-                if tid == 0:
-                    P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
-                mixed = self._norm_sums(xr0 + (1 - par) * s.xr_bytes, hpre0 + (1 - par) * s.hpre_bytes,
-                                        hsq0 + (1 - par) * s.hsq_bytes, mb + 32 + 8 * (1 - par), rank, warp, lane)
-                # ---- 2. coefficients of this CTA's token of block it (warp 0) ------------------
+            for it in cutlass.range(nloc + 2, unroll=1):
+                par = it % 2
+                blk = cid + it * ncl
+                P.cp_async_wait_all()
+                P.bar_sync(1, s.threads)
                 if it < nloc:
-                    if warp == 0:
-                        self._token_coefficients(part0 + par * s.part_bytes, hpre0 + par * s.hpre_bytes, mb, par, it,
-                                                 blk * bt + rank, tokens, rank, lane, alpha, bpre, bpost, bres,
-                                                 hpo, hro, eps)
-                # ---- 3b. second combination pass of block it - 1: the normalized input --------
-                P.mbar_wait_rt(mb + 32 + 8 * (1 - par), ph)
-                if tid == 0:
-                    P.mbar_expect_tx(mb + 32 + 8 * (1 - par), hsq_tx)
-                self._normalized(mixed, hsq0 + (1 - par) * s.hsq_bytes, w_a, out, prev, tokens, sit, col0,
-                                 norm_eps, warp, lane)
-            else:
-                if warp == 0:
-                    self._token_coefficients(part0 + par * s.part_bytes, hpre0 + par * s.hpre_bytes, mb, par, it,
-                                             blk * bt + rank, tokens, rank, lane, alpha, bpre, bpost, bres, hpo,
-                                             hro, eps)
+                    # ---- 1. stream pass of block it into buffer par ------------------------
+                    for e in cutlass.range_constexpr(words):
+                        cur[e] = nxt[e]
+                    self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g, warp)
+                    self._stream(cur, blk, tokens, xr0 + par * s.xr_bytes, phi_s, coef, xol, sot, son, warp, g, q,
+                                 acc, sq)
+                if it >= 2:
+                    # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
+                    # before this CTA pushes block it's partials (the sums' buffer is reused by
+                    # block it's, which need them).
+                    P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2)
+                    if tid == 0:
+                        P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
+                    self._normalized(mixed, hsq0 + par * s.hsq_bytes, w_a, out, blk - 2 * ncl, tokens, sit, col0,
+                                     norm_eps, warp, lane)
+                if it < nloc:
+                    self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, rank, tid, warp, g, q,
+                                   it == 0)
+                    if cutlass.const_expr(s.update):
+                        # Every stream thread read this block's coefficients (two barriers ago).
+                        self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
+                if it >= 1 and it <= nloc:
+                    # ---- 3a. block it - 1 (buffer 1 - par): s and its sums of squares; its H_pre
+                    # came from the coefficient warps while block it streamed.
+                    P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
+                    if tid == 0:
+                        P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
+                    self._norm_sums(mixed, xr0 + (1 - par) * s.xr_bytes, hpre0 + (1 - par) * s.hpre_bytes,
+                                    hsq0 + (1 - par) * s.hsq_bytes, mb + 32 + 8 * (1 - par), rank, warp, lane)
 
     @cute.jit
     def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, alpha, bpre, bpost, bres, hpo,
@@ -337,7 +341,7 @@ class MhcPersistent(MhcCluster):
             if diag != 0:
                 P.sts_f32(slot + g * row_bytes + kpad * 4, d0)
                 P.sts_f32(slot + (g + 8) * row_bytes + kpad * 4, d1)
-        cute.arch.sync_threads()
+        P.bar_sync(1, s.threads)
         if warp < half:
             for off, v in vals:
                 P.sts_f32(slot + off, v + P.lds_f32(slot + off))
@@ -346,7 +350,7 @@ class MhcPersistent(MhcCluster):
                 off1 = (g + 8) * row_bytes + kpad * 4
                 P.sts_f32(slot + off0, d0 + P.lds_f32(slot + off0))
                 P.sts_f32(slot + off1, d1 + P.lds_f32(slot + off1))
-        cute.arch.sync_threads()
+        P.bar_sync(1, s.threads)
         if first:
             P.cluster_wait()  # every CTA's barriers initialized (arrived at the start)
         cells = s.bt * (kpad + 1)
@@ -362,9 +366,9 @@ class MhcPersistent(MhcCluster):
                 self._send(part + (rank * (kpad + 1) + col) * 4, t, tot, mbar)
 
     @cute.jit
-    def _norm_sums(self, xbuf, hpre, hsq, mbar, rank, warp, lane):
-        """First combination pass of a block: s = sum_j H_pre[j] x'_j at this lane's columns
-        (returned, kept in registers for the second pass) and each token's sum of squares of s over
+    def _norm_sums(self, mixed, xbuf, hpre, hsq, mbar, rank, warp, lane):
+        """First combination pass of a block: s = sum_j H_pre[j] x'_j at this lane's columns (into
+        ``mixed``, registers kept for the second pass) and each token's sum of squares of s over
         this CTA's columns, pushed to every CTA (row t, column rank)."""
         s = self.s
         per_lane = (s.units + 31) // 32
@@ -372,6 +376,10 @@ class MhcPersistent(MhcCluster):
         tpw = s.bt // s.warps
         ts = [warp + e * s.warps for e in range(tpw)]
         hs_ = self._mix_group(xbuf, hpre, ts, lane, per_lane)
+        for e in cutlass.range_constexpr(tpw):
+            for f in cutlass.range_constexpr(per_lane):
+                for k in cutlass.range_constexpr(8):
+                    mixed[(e * per_lane + f) * 8 + k] = hs_[e][f][k]
         sqs = []
         for e in cutlass.range_constexpr(tpw):
             acc = Float32(0.0)
@@ -391,11 +399,10 @@ class MhcPersistent(MhcCluster):
             if idx < sends:
                 e = idx // s.cl
                 self._send(hsq + ((warp + e * s.warps) * s.cl + rank) * 4, idx - e * s.cl, _pick(sqs, e), mbar)
-        return hs_
 
     @cute.jit
-    def _normalized(self, hs_, hsq, w_a, out, blk, tokens, sit, col0, norm_eps, warp, lane):
-        """Second combination pass of block ``blk``: s (``hs_``, from the first) over the root mean
+    def _normalized(self, mixed, hsq, w_a, out, blk, tokens, sit, col0, norm_eps, warp, lane):
+        """Second combination pass of block ``blk``: s (``mixed``, from the first) over the root mean
         square of the cluster's sums (in rank order), times the weight, rounded once, to ``out``."""
         s = self.s
         per_lane = (s.units + 31) // 32
@@ -421,7 +428,7 @@ class MhcPersistent(MhcCluster):
             r2 = P.rsqrt(tots[e] / Float32(s.c) + norm_eps)
             for f in cutlass.range_constexpr(per_lane):
                 u = lane + 32 * f
-                h = hs_[e][f]
+                h = [mixed[(e * per_lane + f) * 8 + k] for k in range(8)]
                 wv = wvs[f]
                 o = [P.pack((h[2 * k] * r2) * wv[2 * k], (h[2 * k + 1] * r2) * wv[2 * k + 1]) for k in range(4)]
                 dst = Int64(out.toint()) + (Int64(row) * sit + Int64(col0 + 8 * u)) * 2

@@ -259,6 +259,11 @@ def cp_async4_if(dst, src, nbytes, ok):
         "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.ca.shared.global [$0], [$1], 4, $2; }", "r,l,r,r")
 
 
+def bar_sync(barrier: int, threads: int):
+    """Named barrier ``barrier`` (not 0: __syncthreads') among ``threads`` threads of the CTA."""
+    asm(None, [], f"bar.sync {barrier}, {threads};", "")
+
+
 def cp_async_wait_all():
     asm(None, [], "cp.async.wait_all;", "")
 
