@@ -50,9 +50,28 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
         line += f"  triton 2-launch {two:7.1f} ({100 * roof / two:4.1f} %)"
     if not ok:
         line += "  " + "; ".join(str(d) for d in devs if not d.ok)
-    if phases and not persistent:  # the persistent variant stamps no phases
-        line += "\n" + _phases(i, shape)
+    if phases:
+        line += "\n" + (_sections(i, shape) if persistent else _phases(i, shape))
     return line
+
+
+def _sections(i, shape) -> str:
+    """One profiled call of the persistent variant: per section of an iteration, the median over
+    CTAs of stream warp 0's (and the coefficient warp's) cycles an iteration."""
+    t = i.x.shape[0]
+    clusters = cluster_ops._resident_clusters(i.x.device)
+    cluster_ops.PROFILE = torch.zeros(clusters * shape.cl * 16, dtype=torch.int64, device="cuda")
+    try:
+        prof = cluster_ops.persistent_shape(N, i.x.shape[2], True)
+        cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
+        torch.cuda.synchronize()
+        raw = cluster_ops.PROFILE.view(-1, 16).double().cpu()
+    finally:
+        cluster_ops.PROFILE = None
+    raw = raw[raw[:, 8] > 0]
+    per = (raw[:, :11] / raw[:, 8:9]).median(dim=0).values.tolist()
+    parts = ", ".join(f"{name} {v:.0f}" for name, v in zip(prof.SECTIONS, per) if name != "iterations")
+    return f"      cycles an iteration (median over {len(raw)} CTAs, {int(raw[:, 8].max())} iterations at most): {parts}"
 
 
 def _phases(i, shape) -> str:

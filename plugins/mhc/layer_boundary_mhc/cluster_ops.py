@@ -122,18 +122,19 @@ def _plan(n: int, hidden: int, update: bool, iters: int, sinkhorn: bool) -> Any:
 def persistent_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
     """The persistent variant's shape (``cluster_shape.PersistentShape``; its ``problem`` says why
     it does not fit)."""
-    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS)
+    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import PersistentShape
 
-        shape = _SHAPES[key] = PersistentShape(n, hidden, update, iters, warps=PERSISTENT_WARPS)
+        shape = _SHAPES[key] = PersistentShape(n, hidden, update, iters, warps=PERSISTENT_WARPS,
+                                               profile=PROFILE is not None)
     return shape
 
 
 def _variant(t: int, n: int, hidden: int, update: bool, iters: int) -> Any:
     """The shape a call of ``t`` tokens runs."""
-    if PERSISTENT_TOKENS and t >= PERSISTENT_TOKENS and PROFILE is None:
+    if PERSISTENT_TOKENS and t >= PERSISTENT_TOKENS:
         shape = persistent_shape(n, hidden, update, iters)
         if not shape.problem:
             return shape

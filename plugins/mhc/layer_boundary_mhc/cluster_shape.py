@@ -90,11 +90,16 @@ class PersistentShape:
     bt = 16
     push = True
     sinkhorn = False
-    profile = False
     phi_staged = True
+    # Profiled: cycles (clock64) of stream warp 0 and of the coefficient warp in each section of an
+    # iteration, summed over the launch, per CTA (int64 [CTA, 16]).
+    SECTIONS = ("top barrier", "stream pass", "sums wait", "normalize", "partials", "coefficient loads",
+                "H_pre wait", "first pass", "iterations", "partials wait (coefficient warp)",
+                "coefficients (coefficient warp)")
 
-    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8) -> None:
+    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False) -> None:
         self.n, self.c, self.update, self.iters, self.warps = n, hidden, update, iters, warps
+        self.profile = profile
         self.threads = 32 * warps  # the stream warps
         self.block_threads = self.threads + 128
         self.ctas = 1

@@ -58,14 +58,14 @@ class MhcPersistent(MhcCluster):
                  tokens: Int32, blocks: Int32, clusters: Int32, sxt: Int32, sxn: Int32, syt: Int32, sot: Int32,
                  son: Int32, sit: Int32, eps: Float32, norm_eps: Float32, stream: cuda.CUstream):
         s = self.s
-        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, tokens, blocks,
+        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, tokens, blocks,
                     sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
             grid=[s.cl, clusters, 1], block=[s.block_threads, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
-               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer,
+               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
                tokens: Int32, blocks: Int32,
                sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32,
                eps: Float32, norm_eps: Float32):
@@ -114,6 +114,9 @@ class MhcPersistent(MhcCluster):
         xl = x_a + (Int64(g) * sxt + Int64(col0 + 4 * q)) * 2
         yl = y_a + (Int64(g) * syt + Int64(col0 + 4 * q)) * 2
         xol = xo_a + (Int64(g) * sot + Int64(col0 + 4 * q)) * 2
+        cyc = cute.make_rmem_tensor((12,), Int64)  # profiled: PersistentShape.SECTIONS
+        cyc.fill(0)
+        prof_a = Int64(prof.toint()) + Int64(cid * s.cl + rank) * 128
 
         if warp >= nw:
             # ---- 2. the coefficient warp (the first of the last warpgroup; the others leave): this
@@ -124,7 +127,10 @@ class MhcPersistent(MhcCluster):
                 blk = cid + it * ncl
                 self._token_coefficients(part0 + (it % 2) * s.part_bytes, hpre0 + (it % 2) * s.hpre_bytes, mb, it % 2,
                                          it, blk * bt + rank, tokens, rank, lane, alpha, bpre, bpost, bres, hpo, hro,
-                                         eps)
+                                         eps, cyc)
+            if cutlass.const_expr(s.profile):
+                if tid == nw * 32:
+                    P.stg_v2_u64(prof_a + 72, cyc[9], cyc[10])
         else:
             # This CTA's slice of phi's fragments (chunks rank * nch ...), once; the first block's
             # coefficients, x and y.
@@ -144,8 +150,10 @@ class MhcPersistent(MhcCluster):
             for it in cutlass.range(nloc + 2, unroll=1):
                 par = it % 2
                 blk = cid + it * ncl
+                t0 = self._clock()
                 P.cp_async_wait_all()
                 P.bar_sync(1, s.threads)
+                t0 = self._lap(cyc, 0, t0)
                 if it < nloc:
                     # ---- 1. stream pass of block it into buffer par ------------------------
                     for e in cutlass.range_constexpr(words):
@@ -153,38 +161,52 @@ class MhcPersistent(MhcCluster):
                     self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g, warp)
                     self._stream(cur, blk, tokens, xr0 + par * s.xr_bytes, phi_s, coef, xol, sot, son, warp, g, q,
                                  acc, sq)
+                    t0 = self._lap(cyc, 1, t0)
                 if it >= 2:
                     # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
                     # before this CTA pushes block it's partials (the sums' buffer is reused by
                     # block it's, which need them).
                     P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2)
+                    t0 = self._lap(cyc, 2, t0)
                     if tid == 0:
                         P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
                     self._normalized(mixed, hsq0 + par * s.hsq_bytes, w_a, out, blk - 2 * ncl, tokens, sit, col0,
                                      norm_eps, warp, lane)
+                    t0 = self._lap(cyc, 3, t0)
                 if it < nloc:
                     self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, rank, tid, warp, g, q,
                                    it == 0)
+                    t0 = self._lap(cyc, 4, t0)
                     if cutlass.const_expr(s.update):
                         # Every stream thread read this block's coefficients (two barriers ago).
                         self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
+                    t0 = self._lap(cyc, 5, t0)
                 if it >= 1 and it <= nloc:
                     # ---- 3a. block it - 1 (buffer 1 - par): s and its sums of squares; its H_pre
                     # came from the coefficient warps while block it streamed.
                     P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
+                    t0 = self._lap(cyc, 6, t0)
                     if tid == 0:
                         P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
                     self._norm_sums(mixed, xr0 + (1 - par) * s.xr_bytes, hpre0 + (1 - par) * s.hpre_bytes,
                                     hsq0 + (1 - par) * s.hsq_bytes, mb + 32 + 8 * (1 - par), rank, warp, lane)
+                    t0 = self._lap(cyc, 7, t0)
+            if cutlass.const_expr(s.profile):
+                if tid == 0:
+                    for k in cutlass.range_constexpr(4):
+                        P.stg_v2_u64(prof_a + 16 * k, cyc[2 * k], cyc[2 * k + 1])
+                    P.stg_v2_u64(prof_a + 64, Int64(nloc), Int64(0))
 
     @cute.jit
     def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, alpha, bpre, bpost, bres, hpo,
-                            hro, eps):
+                            hro, eps, cyc):
         """Warp 0: token ``t``'s (this CTA's of the block) partials summed in rank order once they
         arrived, its coefficients, and its H_pre pushed to every CTA."""
         s = self.s
         kpad = s.kpad
+        t0 = self._clock()
         P.mbar_wait_rt(mb + 8 * par, (it // 2) % 2)
+        t0 = self._lap(cyc, 9, t0)
         src = part + cutlass.min(lane, kpad) * 4
         tot = P.lds_f32(src)
         for cr in cutlass.range_constexpr(1, s.cl):
@@ -196,6 +218,15 @@ class MhcPersistent(MhcCluster):
         if is_pre != 0:
             for cr in cutlass.range_constexpr(s.cl):
                 self._send(hpre + (rank * s.n + lane) * 4, Int32(cr), h_pre, mb + 16 + 8 * par)
+        self._lap(cyc, 10, t0)
+
+    @cute.jit
+    def _lap(self, cyc, k: int, t0):
+        """Profiled: the cycles since ``t0`` added to section ``k``; the clock now."""
+        t1 = self._clock()
+        if cutlass.const_expr(self.s.profile):
+            cyc[k] = cyc[k] + (t1 - t0)
+        return t1
 
     @cute.jit
     def _coef_issue(self, tid, blk, tokens, hp_a, hr_a, coef):
