@@ -69,8 +69,8 @@ def _sections(i, shape) -> str:
     finally:
         cluster_ops.PROFILE = None
     raw = raw[raw[:, 8] > 0]
-    per = (raw[:, :11] / raw[:, 8:9]).median(dim=0).values.tolist()
-    parts = ", ".join(f"{name} {v:.0f}" for name, v in zip(prof.SECTIONS, per) if name != "iterations")
+    per = (raw / raw[:, 8:9]).median(dim=0).values.tolist()
+    parts = ", ".join(f"{name} {per[k]:.0f}" for k, name in prof.SECTIONS.items())
     return f"      cycles an iteration (median over {len(raw)} CTAs, {int(raw[:, 8].max())} iterations at most): {parts}"
 
 

@@ -91,11 +91,11 @@ class PersistentShape:
     push = True
     sinkhorn = False
     phi_staged = True
-    # Profiled: cycles (clock64) of stream warp 0 and of the coefficient warp in each section of an
-    # iteration, summed over the launch, per CTA (int64 [CTA, 16]).
-    SECTIONS = ("top barrier", "stream pass", "sums wait", "normalize", "partials", "coefficient loads",
-                "H_pre wait", "first pass", "iterations", "partials wait (coefficient warp)",
-                "coefficients (coefficient warp)")
+    # Profiled: cycles (clock64) of stream warp 0 in each section of an iteration (values 0-7), the
+    # iterations (8), the coefficient warp's (10, 11), summed over the launch, per CTA (int64 [CTA, 16]).
+    SECTIONS = {0: "top barrier", 1: "stream pass", 2: "sums wait", 3: "normalize", 4: "partials",
+                5: "coefficient loads", 6: "H_pre wait", 7: "first pass",
+                10: "partials wait (coefficient warp)", 11: "coefficients (coefficient warp)"}
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False) -> None:
         self.n, self.c, self.update, self.iters, self.warps = n, hidden, update, iters, warps

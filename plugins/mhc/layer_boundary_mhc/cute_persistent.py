@@ -130,7 +130,7 @@ class MhcPersistent(MhcCluster):
                                          eps, cyc)
             if cutlass.const_expr(s.profile):
                 if tid == nw * 32:
-                    P.stg_v2_u64(prof_a + 72, cyc[9], cyc[10])
+                    P.stg_v2_u64(prof_a + 80, cyc[9], cyc[10])
         else:
             # This CTA's slice of phi's fragments (chunks rank * nch ...), once; the first block's
             # coefficients, x and y.
