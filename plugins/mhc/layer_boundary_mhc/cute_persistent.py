@@ -288,18 +288,6 @@ class MhcPersistent(MhcCluster):
         lv = (Int32(row0 + r0 < tokens), Int32(row0 + r1 < tokens))
         acc.fill(0.0)
         sq.fill(0.0)
-        # coefs[ri][i] = (H_post[i], H_res[i, 0..n-1]) of rows g, g + 8
-        coefs = []
-        if cutlass.const_expr(s.update):
-            for r in (r0, r1):
-                row_a = coef + r * s.coef_row
-                flat = []
-                if cutlass.const_expr(s.ncoef % 4 == 0):
-                    for v in cutlass.range_constexpr(s.ncoef // 4):
-                        flat += P.lds_v4_f32(row_a + 16 * v)
-                else:
-                    flat = [P.lds_f32(row_a + 4 * e) for e in range(s.ncoef)]
-                coefs.append([[flat[i]] + flat[n + i * n:n + (i + 1) * n] for i in range(n)])
         for k in cutlass.range_constexpr(s.cpw):
             ch = warp + k * s.warps
             if ch < s.nch:
@@ -312,10 +300,16 @@ class MhcPersistent(MhcCluster):
                         per_j.append(P.unpack(cur[b]) + P.unpack(cur[b + 1]))
                     vals.append(per_j)
                 for i in cutlass.range_constexpr(n):
+                    # phi's fragments of stream i (smallest part first), then its coefficients, all
+                    # loaded before the mix whose FMAs cover their latency; loaded per stream, not
+                    # held for the pass, within ptxas's 168 registers.
+                    frag = phi_s + ((ch * n + i) * 3) * s.nt * 256 + q * 8 + g * 32
+                    fr = [P.lds_v2(frag + ((2 - p) * s.nt + nt) * 256) for p in range(3) for nt in range(s.nt)]
+                    cfs = [self._coef_row(coef + r * s.coef_row, i) for r in (r0, r1)] if s.update else []
                     wds = []  # [ri] -> 2 words of stream i
                     for ri in cutlass.range_constexpr(2):
                         if cutlass.const_expr(s.update):
-                            cf = coefs[ri][i]
+                            cf = cfs[ri]
                             mixed = []
                             for e in cutlass.range_constexpr(4):
                                 v = cf[0] * vals[ri][n][e]
@@ -334,17 +328,23 @@ class MhcPersistent(MhcCluster):
                         unit = (2 * ch + q // 2) ^ (r % 8)
                         P.sts_v2(xbuf + (i * bt + r) * (s.hs * 2) + unit * 16 + (q % 2) * 8, wds[ri][0], wds[ri][1])
                     a = (wds[0][0], wds[1][0], wds[0][1], wds[1][1])
-                    frag = phi_s + ((ch * n + i) * 3) * s.nt * 256 + q * 8 + g * 32
                     for p in cutlass.range_constexpr(3):
-                        part_idx = 2 - p  # the smallest part first
                         for nt in cutlass.range_constexpr(s.nt):
-                            b = P.lds_v2(frag + (part_idx * s.nt + nt) * 256)
+                            b = fr[p * s.nt + nt]
                             d = P.mma_bf16(a, (b[0], b[1]), [acc[nt * 4 + e] for e in range(4)])
                             for e in cutlass.range_constexpr(4):
                                 acc[nt * 4 + e] = d[e]
                     d = P.mma_bf16_sq(a, [sq[e] for e in range(8)])
                     for e in cutlass.range_constexpr(8):
                         sq[e] = d[e]
+
+    @cute.jit
+    def _coef_row(self, row_a, i: int) -> list:
+        """(H_post[i], H_res[i, 0..n-1]) of one token's coefficient row in shared memory."""
+        n = self.s.n
+        if cutlass.const_expr(n == 4):
+            return [P.lds_f32(row_a + 4 * i)] + P.lds_v4_f32(row_a + 4 * (n + i * n))
+        return [P.lds_f32(row_a + 4 * i)] + [P.lds_f32(row_a + 4 * (n + i * n + j)) for j in range(n)]
 
     @cute.jit
     def _partials(self, acc, sq, wp, part, mbar, rank, tid, warp, g, q, first):
