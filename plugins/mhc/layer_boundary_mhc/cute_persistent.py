@@ -142,77 +142,60 @@ class MhcPersistent(MhcCluster):
             P.cp_async_commit()
             if cutlass.const_expr(s.update):
                 self._coef_issue(tid, cid, tokens, hp_a, hr_a, coef)
-            self._prefetch(cur, cid, xl, yl, sxt, sxn, syt, tokens, g, warp)
+            self._prefetch(nxt, cid, xl, yl, sxt, sxn, syt, tokens, g, warp)
             acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
             sq = cute.make_rmem_tensor((8,), Float32)
             mixed = cute.make_rmem_tensor((s.bt // nw * ((s.units + 31) // 32) * 8,), Float32)
             w_a = Int64(w32.toint()) + Int64(col0) * 4
-            # Two iterations a trip: the x and y registers alternate between the two sets, so the
-            # loop-carried copy (which waited for the loads just issued) is gone.
-            bufs = (cur, nxt)
-            for it2 in cutlass.range((nloc + 3) // 2, unroll=1):
-                for half in cutlass.range_constexpr(2):
-                    it = it2 * 2 + half
-                    if it < nloc + 2:
-                        self._iteration(it, half, bufs[half], bufs[1 - half], cid, ncl, nloc, blocks, tokens, tid,
-                                        warp, lane, g, q, rank, col0, xl, yl, xol, sxt, sxn, syt, sot, son, sit,
-                                        phi_s, xr0, coef, wp, part0, hpre0, hsq0, mb, hp_a, hr_a, w_a, out, norm_eps,
-                                        acc, sq, mixed, cyc)
+            for it in cutlass.range(nloc + 2, unroll=1):
+                par = it % 2
+                blk = cid + it * ncl
+                t0 = self._clock()
+                P.cp_async_wait_all()
+                P.bar_sync(1, s.threads)
+                t0 = self._lap(cyc, 0, t0)
+                if it < nloc:
+                    # ---- 1. stream pass of block it into buffer par ------------------------
+                    for e in cutlass.range_constexpr(words):
+                        cur[e] = nxt[e]
+                    self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g, warp)
+                    self._stream(cur, blk, tokens, xr0 + par * s.xr_bytes, phi_s, coef, xol, sot, son, warp, g, q,
+                                 acc, sq)
+                    t0 = self._lap(cyc, 1, t0)
+                if it >= 2:
+                    # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
+                    # before this CTA pushes block it's partials (the sums' buffer is reused by
+                    # block it's, which need them).
+                    P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2)
+                    t0 = self._lap(cyc, 2, t0)
+                    if tid == 0:
+                        P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
+                    self._normalized(mixed, hsq0 + par * s.hsq_bytes, w_a, out, blk - 2 * ncl, tokens, sit, col0,
+                                     norm_eps, warp, lane)
+                    t0 = self._lap(cyc, 3, t0)
+                if it < nloc:
+                    self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, rank, tid, warp, g, q,
+                                   it == 0)
+                    t0 = self._lap(cyc, 4, t0)
+                    if cutlass.const_expr(s.update):
+                        # Every stream thread read this block's coefficients (two barriers ago).
+                        self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
+                    t0 = self._lap(cyc, 5, t0)
+                if it >= 1 and it <= nloc:
+                    # ---- 3a. block it - 1 (buffer 1 - par): s and its sums of squares; its H_pre
+                    # came from the coefficient warps while block it streamed.
+                    P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
+                    t0 = self._lap(cyc, 6, t0)
+                    if tid == 0:
+                        P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
+                    self._norm_sums(mixed, xr0 + (1 - par) * s.xr_bytes, hpre0 + (1 - par) * s.hpre_bytes,
+                                    hsq0 + (1 - par) * s.hsq_bytes, mb + 32 + 8 * (1 - par), rank, warp, lane)
+                    t0 = self._lap(cyc, 7, t0)
             if cutlass.const_expr(s.profile):
                 if tid == 0:
                     for k in cutlass.range_constexpr(4):
                         P.stg_v2_u64(prof_a + 16 * k, cyc[2 * k], cyc[2 * k + 1])
                     P.stg_v2_u64(prof_a + 64, Int64(nloc), Int64(0))
-
-    @cute.jit
-    def _iteration(self, it, par: int, cur, nxt, cid, ncl, nloc, blocks, tokens, tid, warp, lane, g, q, rank, col0, xl,
-                   yl, xol, sxt, sxn, syt, sot, son, sit, phi_s, xr0, coef, wp, part0, hpre0, hsq0, mb, hp_a, hr_a,
-                   w_a, out, norm_eps, acc, sq, mixed, cyc):
-        """Iteration ``it`` of the stream warps (``par`` = it % 2): stream block it from ``cur``
-        (prefetching block it + 1 into ``nxt``), normalize block it - 2, push block it's partials,
-        mix block it - 1."""
-        s = self.s
-        hpre_tx, hsq_tx = s.bt * s.n * 4, s.cl * s.bt * 4
-        blk = cid + it * ncl
-        t0 = self._clock()
-        P.cp_async_wait_all()
-        P.bar_sync(1, s.threads)
-        t0 = self._lap(cyc, 0, t0)
-        if it < nloc:
-            # ---- 1. stream pass of block it into buffer par ------------------------
-            self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g, warp)
-            self._stream(cur, blk, tokens, xr0 + par * s.xr_bytes, phi_s, coef, xol, sot, son, warp, g, q,
-                         acc, sq)
-            t0 = self._lap(cyc, 1, t0)
-        if it >= 2:
-            # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
-            # before this CTA pushes block it's partials (the sums' buffer is reused by
-            # block it's, which need them).
-            P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2)
-            t0 = self._lap(cyc, 2, t0)
-            if tid == 0:
-                P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
-            self._normalized(mixed, hsq0 + par * s.hsq_bytes, w_a, out, blk - 2 * ncl, tokens, sit, col0,
-                             norm_eps, warp, lane)
-            t0 = self._lap(cyc, 3, t0)
-        if it < nloc:
-            self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, rank, tid, warp, g, q,
-                           it == 0)
-            t0 = self._lap(cyc, 4, t0)
-            if cutlass.const_expr(s.update):
-                # Every stream thread read this block's coefficients (two barriers ago).
-                self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
-            t0 = self._lap(cyc, 5, t0)
-        if it >= 1 and it <= nloc:
-            # ---- 3a. block it - 1 (buffer 1 - par): s and its sums of squares; its H_pre
-            # came from the coefficient warps while block it streamed.
-            P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
-            t0 = self._lap(cyc, 6, t0)
-            if tid == 0:
-                P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
-            self._norm_sums(mixed, xr0 + (1 - par) * s.xr_bytes, hpre0 + (1 - par) * s.hpre_bytes,
-                            hsq0 + (1 - par) * s.hsq_bytes, mb + 32 + 8 * (1 - par), rank, warp, lane)
-            t0 = self._lap(cyc, 7, t0)
 
     @cute.jit
     def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, alpha, bpre, bpost, bres, hpo,
