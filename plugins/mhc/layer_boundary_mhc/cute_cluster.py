@@ -75,17 +75,8 @@ class MhcCluster:
                eps: Float32, norm_eps: Float32):
         s = self.s
         n, bt, hs, kpad, kh_n = s.n, s.bt, s.hs, s.kpad, s.kh
-        tid, _, _ = cute.arch.thread_idx()
         _, blk, _ = cute.arch.block_idx()
-        rank = Int32(cute.arch.block_idx_in_cluster())
-        warp = tid // 32
-        lane = tid % 32
-        g = lane // 4
-        q = lane % 4
-
-        smem = cutlass.memory.SmemAllocator()
-        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((s.smem - 1024,)), byte_alignment=1024)
-        xr = Int32(raw.iterator.toint())
+        tid, rank, warp, lane, g, q, xr = self._start()
         stage0 = xr + s.xr_bytes
         part = stage0 + s.stages * s.stage_bytes
         hpre = part + s.part_bytes
@@ -370,6 +361,16 @@ class MhcCluster:
         self._stamp(prof_a, tid, 5)
 
     @cute.jit
+    def _start(self):
+        """(thread, CTA rank in the cluster, warp, lane, lane // 4, lane % 4, shared-memory base)."""
+        tid, _, _ = cute.arch.thread_idx()
+        rank = Int32(cute.arch.block_idx_in_cluster())
+        lane = tid % 32
+        smem = cutlass.memory.SmemAllocator()
+        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((self.s.smem - 1024,)), byte_alignment=1024)
+        return tid, rank, tid // 32, lane, lane // 4, lane % 4, Int32(raw.iterator.toint())
+
+    @cute.jit
     def _phi_load(self, pf: cute.Tensor, chunk_a: Int64, kh: Int32, lane: Int32):
         """This warp's streams' phi fragments of one chunk (``chunk_a``) into ``pf``: (stream, part,
         n-tile) x 2 words; zeros for streams past n."""
@@ -568,6 +569,12 @@ def compile_cluster(shape: ClusterShape, ptx_dir: str = ""):
     ``CUTE_DSL_ARCH=sm_90a``). Called as ``f(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out,
     hpo, hro, prof, tokens, blocks, sxt, sxn, syt, sot, son, sit, eps, norm_eps, stream)`` with pointers from
     ``cutlass.cute.runtime.make_ptr`` (bf16 streams, FP32 coefficients, parameters and weight)."""
+    return compile_kernel(MhcCluster(shape), 8, ptx_dir)
+
+
+def compile_kernel(kernel, ints: int, ptx_dir: str = ""):
+    """``cute.compile`` of a kernel object called as ``compile_cluster``'s result, with ``ints`` Int32
+    arguments after the pointers."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     def ptr(dtype, align=16):
@@ -576,7 +583,6 @@ def compile_cluster(shape: ClusterShape, ptx_dir: str = ""):
     bf, f32 = cutlass.BFloat16, Float32
     args = [ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(f32, 4),
             ptr(f32, 4), ptr(f32), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(cutlass.Int64)]
-    ints = [Int32(1)] * 8
     options = f"--keep-ptx --dump-dir={ptx_dir}" if ptx_dir else None
-    return cute.compile(MhcCluster(shape), *args, *ints, Float32(1e-6), Float32(1e-6), make_fake_stream(),
+    return cute.compile(kernel, *args, *[Int32(1)] * ints, Float32(1e-6), Float32(1e-6), make_fake_stream(),
                         options=options)

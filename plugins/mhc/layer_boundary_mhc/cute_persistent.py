@@ -39,7 +39,7 @@ from cutlass import Float32, Int32, Int64
 
 from . import cute_ptx as P
 from .cluster_shape import PersistentShape
-from .cute_cluster import MhcCluster
+from .cute_cluster import MhcCluster, compile_kernel
 
 
 def _pick(vals: list, idx: Int32) -> Float32:
@@ -71,18 +71,9 @@ class MhcPersistent(MhcCluster):
                eps: Float32, norm_eps: Float32):
         s = self.s
         n, bt, hs, kpad, nw = s.n, s.bt, s.hs, s.kpad, s.warps
-        tid, _, _ = cute.arch.thread_idx()
         _, cid, _ = cute.arch.block_idx()
         _, ncl, _ = cute.arch.grid_dim()
-        rank = Int32(cute.arch.block_idx_in_cluster())
-        warp = tid // 32
-        lane = tid % 32
-        g = lane // 4
-        q = lane % 4
-
-        smem = cutlass.memory.SmemAllocator()
-        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((s.smem - 1024,)), byte_alignment=1024)
-        phi_s = Int32(raw.iterator.toint())
+        tid, rank, warp, lane, g, q, phi_s = self._start()
         xr0 = phi_s + s.phi_bytes  # two x' buffers, [n, BT, HS] each, 16-byte units XOR-swizzled by token
         coef = xr0 + 2 * s.xr_bytes  # the block's H_post and H_res rows
         wp = coef + s.coef_bytes  # per-warp partials
@@ -470,15 +461,4 @@ class MhcPersistent(MhcCluster):
 def compile_persistent(shape: PersistentShape, ptx_dir: str = ""):
     """Compile one variant ahead of time (no GPU needed, with ``CUTE_DSL_ARCH=sm_90a``). Called as
     ``compile_cluster``'s result, with the number of clusters after ``blocks``."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    def ptr(dtype, align=16):
-        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
-
-    bf, f32 = cutlass.BFloat16, Float32
-    args = [ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(f32, 4),
-            ptr(f32, 4), ptr(f32), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(cutlass.Int64)]
-    ints = [Int32(1)] * 9
-    options = f"--keep-ptx --dump-dir={ptx_dir}" if ptx_dir else None
-    return cute.compile(MhcPersistent(shape), *args, *ints, Float32(1e-6), Float32(1e-6), make_fake_stream(),
-                        options=options)
+    return compile_kernel(MhcPersistent(shape), 9, ptx_dir)
