@@ -321,19 +321,7 @@ class MhcCluster:
         for e0 in cutlass.range_constexpr(0, tpw, group):
             ts = [warp + (e0 + e) * s.warps for e in range(group)]
             hs_ = self._mix_group(xr, hpre, ts, lane, per_lane)
-            sqs = []
-            for e in cutlass.range_constexpr(group):
-                sq = Float32(0.0)
-                for f in cutlass.range_constexpr(per_lane):
-                    part_sq = Float32(0.0)
-                    for v in hs_[e][f]:
-                        part_sq = P.fma(v, v, part_sq)
-                    if cutlass.const_expr(ragged):
-                        part_sq = P.sel(Int32(lane + 32 * f < s.units), part_sq, Float32(0.0))
-                    sq = sq + part_sq
-                sqs.append(sq)
-            for m_ in (16, 8, 4, 2, 1):
-                sqs = [v + P.shfl_xor(v, m_) for v in sqs]
+            sqs = self._square_sums(hs_, lane, per_lane)
             if lane == 0:
                 for e in cutlass.range_constexpr(group):
                     for cr in cutlass.range_constexpr(s.cl):
@@ -534,6 +522,27 @@ class MhcCluster:
             else:
                 P.cp_async16_if(stage_a + dst, src + Int64(chunk * step), nbytes, ok)
         P.cp_async_commit()
+
+    @cute.jit
+    def _square_sums(self, hs_: list, lane: Int32, per_lane: int) -> list:
+        """Each token's sum of s^2 over the CTA's columns (``hs_`` as ``_mix_group`` returns it),
+        the same in every lane."""
+        s = self.s
+        ragged = per_lane * 32 != s.units
+        sqs = []
+        for e in cutlass.range_constexpr(len(hs_)):
+            sq = Float32(0.0)
+            for f in cutlass.range_constexpr(per_lane):
+                part_sq = Float32(0.0)
+                for v in hs_[e][f]:
+                    part_sq = P.fma(v, v, part_sq)
+                if cutlass.const_expr(ragged):
+                    part_sq = P.sel(Int32(lane + 32 * f < s.units), part_sq, Float32(0.0))
+                sq = sq + part_sq
+            sqs.append(sq)
+        for m_ in (16, 8, 4, 2, 1):
+            sqs = [v + P.shfl_xor(v, m_) for v in sqs]
+        return sqs
 
     @cute.jit
     def _mix_group(self, xr: Int32, hpre: Int32, ts: list, lane: Int32, per_lane: int):

@@ -394,7 +394,6 @@ class MhcPersistent(MhcCluster):
         this CTA's columns, pushed to every CTA (row t, column rank)."""
         s = self.s
         per_lane = (s.units + 31) // 32
-        ragged = per_lane * 32 != s.units
         tpw = s.bt // s.warps
         ts = [warp + e * s.warps for e in range(tpw)]
         hs_ = self._mix_group(xbuf, hpre, ts, lane, per_lane)
@@ -402,19 +401,7 @@ class MhcPersistent(MhcCluster):
             for f in cutlass.range_constexpr(per_lane):
                 for k in cutlass.range_constexpr(8):
                     mixed[(e * per_lane + f) * 8 + k] = hs_[e][f][k]
-        sqs = []
-        for e in cutlass.range_constexpr(tpw):
-            acc = Float32(0.0)
-            for f in cutlass.range_constexpr(per_lane):
-                part_sq = Float32(0.0)
-                for v in hs_[e][f]:
-                    part_sq = P.fma(v, v, part_sq)
-                if cutlass.const_expr(ragged):
-                    part_sq = P.sel(Int32(lane + 32 * f < s.units), part_sq, Float32(0.0))
-                acc = acc + part_sq
-            sqs.append(acc)
-        for m_ in (16, 8, 4, 2, 1):
-            sqs = [v + P.shfl_xor(v, m_) for v in sqs]
+        sqs = self._square_sums(hs_, lane, per_lane)
         sends = tpw * s.cl
         for k in cutlass.range_constexpr((sends + 31) // 32):
             idx = lane + 32 * k
