@@ -24,7 +24,7 @@ from .coefficients import SINKHORN_ITERS
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
            "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
-           "PERSISTENT_WARPS", "PERSISTENT_LATE_PREFETCH", "persistent_shape"]
+           "PERSISTENT_WARPS", "persistent_shape"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -60,8 +60,6 @@ SINKHORN_TOKENS = 64
 # GPU at once) where its shape fits (n = 4: H up to 4096), PERSISTENT_WARPS warps a CTA.
 PERSISTENT_TOKENS = 0
 PERSISTENT_WARPS = 8
-# 1: the persistent variant loads the next block's x and y after its stream pass, not before.
-PERSISTENT_LATE_PREFETCH = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
@@ -124,14 +122,13 @@ def _plan(n: int, hidden: int, update: bool, iters: int, sinkhorn: bool) -> Any:
 def persistent_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
     """The persistent variant's shape (``cluster_shape.PersistentShape``; its ``problem`` says why
     it does not fit)."""
-    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS, PROFILE is not None, PERSISTENT_LATE_PREFETCH)
+    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import PersistentShape
 
         shape = _SHAPES[key] = PersistentShape(n, hidden, update, iters, warps=PERSISTENT_WARPS,
-                                               profile=PROFILE is not None,
-                                               late_prefetch=bool(PERSISTENT_LATE_PREFETCH))
+                                               profile=PROFILE is not None)
     return shape
 
 
@@ -198,8 +195,7 @@ _COMPILED: dict[tuple, Any] = {}
 
 def _key(shape: Any) -> tuple:
     return (type(shape).__name__, shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps,
-            shape.ctas, shape.stages, shape.profile, shape.phi_staged, shape.sinkhorn, shape.push,
-            getattr(shape, "late_prefetch", False))
+            shape.ctas, shape.stages, shape.profile, shape.phi_staged, shape.sinkhorn, shape.push)
 
 
 def _compiled(shape: Any) -> Any:

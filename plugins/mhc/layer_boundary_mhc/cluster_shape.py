@@ -97,10 +97,9 @@ class PersistentShape:
                 5: "coefficient loads", 6: "H_pre wait", 7: "first pass",
                 10: "partials wait (coefficient warp)", 11: "coefficients (coefficient warp)"}
 
-    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
-                 late_prefetch: bool = False) -> None:
+    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False) -> None:
         self.n, self.c, self.update, self.iters, self.warps = n, hidden, update, iters, warps
-        self.profile, self.late_prefetch = profile, late_prefetch
+        self.profile = profile
         self.threads = 32 * warps  # the stream warps
         self.block_threads = self.threads + 128
         self.ctas = 1

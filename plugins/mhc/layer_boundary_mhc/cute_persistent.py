@@ -149,15 +149,9 @@ class MhcPersistent(MhcCluster):
                     # ---- 1. stream pass of block it into buffer par ------------------------
                     for e in cutlass.range_constexpr(words):
                         cur[e] = nxt[e]
-                    if cutlass.const_expr(not s.late_prefetch):
-                        self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g,
-                                       warp)
+                    self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g, warp)
                     self._stream(cur, blk, tokens, xr0 + par * s.xr_bytes, phi_s, coef, xol, sot, son, warp, g, q,
                                  acc, sq)
-                    if cutlass.const_expr(s.late_prefetch):
-                        # After the pass: its loads then wait in no queue behind the next block's.
-                        self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g,
-                                       warp)
                     t0 = self._lap(cyc, 1, t0)
                 if it >= 2:
                     # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
@@ -280,44 +274,15 @@ class MhcPersistent(MhcCluster):
         s = self.s
         n, bt = s.n, s.bt
         row0 = blk * bt
-        lv = (Int32(row0 + g < tokens), Int32(row0 + g + 8 < tokens))
-        acc.fill(0.0)
-        sq.fill(0.0)
-        if cutlass.const_expr(s.cpw * s.warps == s.nch):
-            # Every warp has all its chunks: one pipeline over (chunk, stream).
-            self._steps(cur, [(k, i) for k in range(s.cpw) for i in range(n)], row0, lv, xbuf, phi_s, coef, xol,
-                        sot, son, warp, g, q, acc, sq)
-        else:
-            for k in cutlass.range_constexpr(s.cpw):
-                if warp + k * s.warps < s.nch:
-                    self._steps(cur, [(k, i) for i in range(n)], row0, lv, xbuf, phi_s, coef, xol, sot, son, warp, g,
-                                q, acc, sq)
-
-    @cute.jit
-    def _steps(self, cur, steps: list, row0, lv, xbuf, phi_s, coef, xol, sot, son, warp, g, q, acc, sq):
-        """(chunk k, stream i) steps of the stream pass, in order. Step s + 1's phi fragments and
-        coefficients are loaded before step s's stores: the loads are inline assembly kept in
-        program order, so loading them after the stores would leave their latency uncovered."""
-        s = self.s
-        n, bt = s.n, s.bt
         r0 = g
         r1 = g + 8
-
-        def loads(k, i):
+        lv = (Int32(row0 + r0 < tokens), Int32(row0 + r1 < tokens))
+        acc.fill(0.0)
+        sq.fill(0.0)
+        for k in cutlass.range_constexpr(s.cpw):
             ch = warp + k * s.warps
-            frag = phi_s + ((ch * n + i) * 3) * s.nt * 256 + q * 8 + g * 32
-            fr = [P.lds_v2(frag + ((2 - p) * s.nt + nt) * 256) for p in range(3) for nt in range(s.nt)]
-            cfs = [self._coef_row(coef + r * s.coef_row, i) for r in (r0, r1)] if s.update else []
-            return fr, cfs
-
-        pending = loads(*steps[0])
-        vals = []
-        for idx in cutlass.range_constexpr(len(steps)):
-            k, i = steps[idx]
-            ch = warp + k * s.warps
-            fr, cfs = pending
-            if cutlass.const_expr(i == 0):
-                # Rows g, g + 8 of each stream and y, unpacked once a chunk: [ri][j] -> 4 values
+            if ch < s.nch:
+                # Rows g, g + 8 of each stream and y, unpacked once: [ri][j] -> 4 values
                 vals = []
                 for ri in cutlass.range_constexpr(2):
                     per_j = []
@@ -325,39 +290,44 @@ class MhcPersistent(MhcCluster):
                         b = self._slot(k, j, ri)
                         per_j.append(P.unpack(cur[b]) + P.unpack(cur[b + 1]))
                     vals.append(per_j)
-            wds = []  # [ri] -> 2 words of stream i
-            for ri in cutlass.range_constexpr(2):
-                if cutlass.const_expr(s.update):
-                    cf = cfs[ri]
-                    mixed = []
-                    for e in cutlass.range_constexpr(4):
-                        v = cf[0] * vals[ri][n][e]
-                        for j in cutlass.range_constexpr(n):
-                            v = P.fma(cf[1 + j], vals[ri][j][e], v)
-                        mixed.append(v)
-                    wds.append((P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])))
-                else:
-                    b = self._slot(k, i, ri)
-                    wds.append((cur[b], cur[b + 1]))
-            if cutlass.const_expr(idx + 1 < len(steps)):
-                pending = loads(*steps[idx + 1])
-            for ri in cutlass.range_constexpr(2):
-                r = r0 + 8 * ri
-                if cutlass.const_expr(s.update):
-                    P.stg_v2(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(ch * 32),
-                             wds[ri][0], wds[ri][1], lv[ri])
-                unit = (2 * ch + q // 2) ^ (r % 8)
-                P.sts_v2(xbuf + (i * bt + r) * (s.hs * 2) + unit * 16 + (q % 2) * 8, wds[ri][0], wds[ri][1])
-            a = (wds[0][0], wds[1][0], wds[0][1], wds[1][1])
-            for p in cutlass.range_constexpr(3):
-                for nt in cutlass.range_constexpr(s.nt):
-                    b = fr[p * s.nt + nt]
-                    d = P.mma_bf16(a, (b[0], b[1]), [acc[nt * 4 + e] for e in range(4)])
-                    for e in cutlass.range_constexpr(4):
-                        acc[nt * 4 + e] = d[e]
-            d = P.mma_bf16_sq(a, [sq[e] for e in range(8)])
-            for e in cutlass.range_constexpr(8):
-                sq[e] = d[e]
+                for i in cutlass.range_constexpr(n):
+                    # phi's fragments of stream i (smallest part first), then its coefficients, all
+                    # loaded before the mix whose FMAs cover their latency; loaded per stream, not
+                    # held for the pass, within ptxas's 168 registers.
+                    frag = phi_s + ((ch * n + i) * 3) * s.nt * 256 + q * 8 + g * 32
+                    fr = [P.lds_v2(frag + ((2 - p) * s.nt + nt) * 256) for p in range(3) for nt in range(s.nt)]
+                    cfs = [self._coef_row(coef + r * s.coef_row, i) for r in (r0, r1)] if s.update else []
+                    wds = []  # [ri] -> 2 words of stream i
+                    for ri in cutlass.range_constexpr(2):
+                        if cutlass.const_expr(s.update):
+                            cf = cfs[ri]
+                            mixed = []
+                            for e in cutlass.range_constexpr(4):
+                                v = cf[0] * vals[ri][n][e]
+                                for j in cutlass.range_constexpr(n):
+                                    v = P.fma(cf[1 + j], vals[ri][j][e], v)
+                                mixed.append(v)
+                            wds.append((P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])))
+                        else:
+                            b = self._slot(k, i, ri)
+                            wds.append((cur[b], cur[b + 1]))
+                    for ri in cutlass.range_constexpr(2):
+                        r = r0 + 8 * ri
+                        if cutlass.const_expr(s.update):
+                            P.stg_v2(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(ch * 32),
+                                     wds[ri][0], wds[ri][1], lv[ri])
+                        unit = (2 * ch + q // 2) ^ (r % 8)
+                        P.sts_v2(xbuf + (i * bt + r) * (s.hs * 2) + unit * 16 + (q % 2) * 8, wds[ri][0], wds[ri][1])
+                    a = (wds[0][0], wds[1][0], wds[0][1], wds[1][1])
+                    for p in cutlass.range_constexpr(3):
+                        for nt in cutlass.range_constexpr(s.nt):
+                            b = fr[p * s.nt + nt]
+                            d = P.mma_bf16(a, (b[0], b[1]), [acc[nt * 4 + e] for e in range(4)])
+                            for e in cutlass.range_constexpr(4):
+                                acc[nt * 4 + e] = d[e]
+                    d = P.mma_bf16_sq(a, [sq[e] for e in range(8)])
+                    for e in cutlass.range_constexpr(8):
+                        sq[e] = d[e]
 
     @cute.jit
     def _coef_row(self, row_a, i: int) -> list:
