@@ -150,6 +150,9 @@ def _resident_clusters(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     got = _CLUSTERS.get(index)
     if got is None:
+        if torch.cuda.is_current_stream_capturing():  # the query compiles and loads a probe kernel
+            raise RuntimeError("the MHC persistent kernel's cluster count was not queried before CUDA-graph "
+                               "capture; call layer_boundary_mhc.cluster_ops.prepare_cluster first")
         from cutlass.utils import HardwareInfo
 
         with torch.cuda.device(index):
