@@ -224,7 +224,8 @@ def _compiled(shape: Any) -> Any:
 def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None:
     """Compile the read and update+read variants for (n, hidden) now (before CUDA-graph capture),
     with the Sinkhorn in the kernel and after it, and (on the current CUDA device) the Triton
-    Sinkhorn that follows the latter."""
+    Sinkhorn that follows the latter; with ``PERSISTENT_TOKENS`` set, also the persistent variant
+    where it fits, and the device's resident-cluster count it launches with."""
     for update in (False, True):
         for sinkhorn in (True, False):
             _compiled(cluster_shape(n, hidden, update, iters, sinkhorn))
