@@ -137,12 +137,14 @@ def test_open_calls_dispatch_by_token_count_and_fall_back_when_the_kernel_fails(
     assert not cluster_ops.takes(_FakeCudaStreams(128, c=2048), y, None, _FakeCudaStreams(128, c=2048), 20)  # no retry
 
 
-def _cute():
+def _cute(module: str = "cute_cluster"):
+    """``layer_boundary_mhc.<module>`` (a CuTe DSL kernel module), or a skip where it cannot import."""
+    import importlib
+
     try:
-        from layer_boundary_mhc import cute_cluster
+        return importlib.import_module(f"layer_boundary_mhc.{module}")
     except Exception as e:
         pytest.skip(f"the CuTe DSL is not importable here ({type(e).__name__}: {e})")
-    return cute_cluster
 
 
 @pytest.mark.parametrize("n,c,update", [(4, 4096, True), (4, 7168, True), (3, 2048, False)])
@@ -277,12 +279,16 @@ def test_gpu_pushed_exchanges_give_the_same_bits(t, n, c, op, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_cluster_under_cuda_graph_capture():
+@pytest.mark.parametrize("persistent_tokens", [0, 512], ids=["cluster", "persistent"])
+def test_gpu_cluster_under_cuda_graph_capture(persistent_tokens, monkeypatch):
+    """Captured and replayed: the same bits as eager, for the cluster kernel and (from
+    PERSISTENT_TOKENS) its persistent variant, both prepared before the capture."""
     _gpu_ready()
     from mhc_gpu import _inputs, _params
 
     from layer_boundary_mhc import cluster_ops
 
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", persistent_tokens)
     t, n, c = 4096, 4, 4096
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)

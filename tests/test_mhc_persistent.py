@@ -4,7 +4,8 @@ resident in shared memory, clusters that take 16-token blocks in turn, two block
 On the CPU: its shape plan and refusals and, where the CuTe DSL imports, the sm_90a compile (one
 mma.sync chain per stream and chunk, the sums of squares from two more, pushed exchanges only). On an
 H200 (``-m gpu``): every output against the reference, bitwise replays, x' bit for bit the cluster
-kernel's (the same mix), block counts below, at and above the resident clusters, CUDA-graph capture.
+kernel's (the same mix), block counts below, at and above the resident clusters. CUDA-graph
+capture: ``test_mhc_cluster.test_gpu_cluster_under_cuda_graph_capture[persistent]``.
 """
 
 from __future__ import annotations
@@ -43,11 +44,9 @@ def test_calls_take_the_persistent_variant_from_its_token_count(monkeypatch):
 
 
 def _cute():
-    try:
-        from layer_boundary_mhc import cute_persistent
-    except Exception as e:
-        pytest.skip(f"the CuTe DSL is not importable here ({type(e).__name__}: {e})")
-    return cute_persistent
+    from test_mhc_cluster import _cute as cute_module
+
+    return cute_module("cute_persistent")
 
 
 @pytest.mark.parametrize("n,c,update", [(4, 4096, True), (3, 2048, False), (2, 1024, True)])
@@ -71,8 +70,9 @@ def test_persistent_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatc
 # -- GPU ---------------------------------------------------------------------------------------------
 
 def _gpu_ready():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an sm_90 GPU")
+    from test_mhc_cluster import _gpu_ready as cluster_ready
+
+    cluster_ready()
     _cute()
 
 
@@ -107,22 +107,3 @@ def test_gpu_persistent_matches_reference(t, n, c, op, monkeypatch):
     if op == "update+read":
         monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 0)
         assert torch.equal(run()[0], got[0]), "x' differs from the cluster kernel's (the same mix)"
-
-
-@pytest.mark.gpu
-def test_gpu_persistent_under_cuda_graph_capture(monkeypatch):
-    _gpu_ready()
-    from mhc_gpu import _inputs, _params
-    from test_mhc_cluster import _captured_and_replayed
-
-    from layer_boundary_mhc import cluster_ops
-
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
-    t, n, c = 4096, 4, 4096
-    params = _params(n, c)
-    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
-    cluster_ops.prepare_cluster(n, c)
-    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
-    outs = _captured_and_replayed(eager, lambda o: cluster_ops.mhc_update_read_cluster(
-        x, y, h_post, h_res, params, w, 1e-6, streams_out=o[0], out=o[1], h_post_out=o[2], h_res_out=o[3]))
-    assert all(torch.equal(a, b) for a, b in zip(eager, outs))
