@@ -34,13 +34,13 @@ def test_calls_take_the_persistent_variant_from_its_token_count(monkeypatch):
     from layer_boundary_mhc import cluster_ops
 
     monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
-    assert type(cluster_ops._variant(512, 4, 4096, True, 20)).__name__ == "PersistentShape"
-    assert type(cluster_ops._variant(511, 4, 4096, True, 20)).__name__ == "ClusterShape"
+    assert cluster_ops._variant(512, 4, 4096, True, 20).persistent
+    assert not cluster_ops._variant(511, 4, 4096, True, 20).persistent
     # where phi's slice does not fit, the cluster kernel (Sinkhorn after it) serves large calls
     wide = cluster_ops._variant(8192, 4, 7168, True, 20)
-    assert type(wide).__name__ == "ClusterShape" and not wide.sinkhorn
+    assert not wide.persistent and not wide.sinkhorn
     monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 0)
-    assert type(cluster_ops._variant(8192, 4, 4096, True, 20)).__name__ == "ClusterShape"
+    assert not cluster_ops._variant(8192, 4, 4096, True, 20).persistent
 
 
 def _cute():
@@ -98,7 +98,7 @@ def test_gpu_persistent_matches_reference(t, n, c, op, monkeypatch):
         return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
 
     monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 1)
-    assert type(cluster_ops._variant(t, n, c, op != "read", 20)).__name__ == "PersistentShape"
+    assert cluster_ops._variant(t, n, c, op != "read", 20).persistent
     got, again = run(), run()
     kw = {} if op == "read" else dict(y=y, h_post=h_post, h_res=h_res)
     accuracy.assert_matches_reference(op, got, x, params=params, norm_weight=w, norm_eps=1e-6, norm_offset=1.0,

@@ -30,7 +30,7 @@ def _time(fn) -> float:
 def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: bool = False) -> str:
     i = bench._inputs(t, N, hidden, torch.bfloat16, "cuda")
     shape = cluster_ops._variant(t, N, hidden, True, 20)
-    persistent = type(shape).__name__ == "PersistentShape"
+    persistent = shape.persistent
     got = cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
     devs = accuracy.compare("update+read", got, i.x, y=i.y, h_post=i.h_post, h_res=i.h_res, params=i.params,
                             norm_weight=i.w, norm_eps=bench.EPS)

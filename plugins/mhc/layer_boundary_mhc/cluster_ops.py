@@ -197,7 +197,7 @@ _COMPILED: dict[tuple, Any] = {}
 
 
 def _key(shape: Any) -> tuple:
-    return (type(shape).__name__, shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps,
+    return (shape.persistent, shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps,
             shape.ctas, shape.stages, shape.profile, shape.phi_staged, shape.sinkhorn, shape.push)
 
 
@@ -208,9 +208,7 @@ def _compiled(shape: Any) -> Any:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the MHC cluster kernel for this shape was not compiled before CUDA-graph capture; "
                                "call layer_boundary_mhc.cluster_ops.prepare_cluster first")
-        from .cluster_shape import PersistentShape
-
-        if isinstance(shape, PersistentShape):
+        if shape.persistent:
             from .cute_persistent import compile_persistent
 
             fn = _COMPILED[key] = compile_persistent(shape)
@@ -267,9 +265,7 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
     yy = y if update else x
     xo = streams_out if update else x
     blocks = (t + shape.bt - 1) // shape.bt
-    from .cluster_shape import PersistentShape
-
-    clusters = [min(blocks, _resident_clusters(x.device))] if isinstance(shape, PersistentShape) else []
+    clusters = [min(blocks, _resident_clusters(x.device))] if shape.persistent else []
     fn(ptr(x, x), ptr(yy, x), ptr(h_post, h_post_out, 4), ptr(h_res, h_res_out, 4), ptr(xo, x), ptr(phf, phf),
        ptr(alpha, alpha, 4), ptr(b_pre, b_pre, 4), ptr(b_post, b_post, 4), ptr(b_res, b_res, 4), ptr(w32, w32),
        ptr(out, out), ptr(h_post_out, h_post_out, 4), ptr(h_res_out, h_res_out, 4),
@@ -311,7 +307,7 @@ def _eligible(x: torch.Tensor, update: bool, iters: int, shape: Any) -> bool:
         return False
     try:
         _compiled(shape)
-        if type(shape).__name__ == "PersistentShape":
+        if shape.persistent:
             _resident_clusters(x.device)
     except Exception as e:  # a broken CuTe DSL install must not end the forward
         import warnings

@@ -28,6 +28,8 @@ class ClusterShape:
     CTAs' shared memory that complete their mbarriers (``st.async``), one cluster barrier at the
     start, rather than three cluster barriers around stores and loads."""
 
+    persistent = False  # which kernel: cute_cluster (False) or cute_persistent
+
     def __init__(self, n: int, hidden: int, cluster: int, block_tokens: int, update: bool, iters: int,
                  stages: int = 0, warps: int = 8, ctas: int = 1, profile: bool = False,
                  phi_staged: bool = False, sinkhorn: bool = True, push: bool = False) -> None:
@@ -86,6 +88,7 @@ class PersistentShape:
     the CTA's token's coefficients of each block as its partials arrive. H_res leaves as its logits (the Sinkhorn
     runs after the kernel)."""
 
+    persistent = True
     cl = 16
     bt = 16
     push = True
