@@ -17,6 +17,24 @@ MAX_STAGES = 10
 PHASES = ("start", "streamed", "partials shared", "coefficients shared", "norms shared", "end")
 
 
+def _sizes(shape, n: int, hidden: int, cluster: int, block_tokens: int, warps: int) -> None:
+    """The sizes both kernels' shapes derive alike: columns and 16-column chunks a CTA, the
+    coefficient count K and its 8-wide n-tiles, tokens a CTA owns, 16-byte units a row, phi's
+    fragment bytes a chunk, x' bytes of a block, H_pre and norm-sum exchange bytes."""
+    shape.warps, shape.threads = warps, 32 * warps
+    shape.hs = hidden // cluster
+    shape.nch = shape.hs // 16
+    shape.k = n * n + 2 * n
+    shape.nt = (shape.k + 7) // 8
+    shape.kpad = 8 * shape.nt
+    shape.tpc = block_tokens // cluster
+    shape.units = shape.hs // 8
+    shape.phi_chunk = n * 3 * shape.nt * 256
+    shape.xr_bytes = n * block_tokens * shape.hs * 2
+    shape.hpre_bytes = block_tokens * n * 4
+    shape.hsq_bytes = cluster * block_tokens * 4
+
+
 class ClusterShape:
     """Compile-time shape of one variant: n streams, hidden size C, ``cluster`` CTAs a block of
     ``block_tokens``, ``warps`` a CTA, shared memory sized for ``ctas`` CTAs an SM (two let one CTA's
@@ -34,26 +52,16 @@ class ClusterShape:
                  stages: int = 0, warps: int = 8, ctas: int = 1, profile: bool = False,
                  phi_staged: bool = False, sinkhorn: bool = True, push: bool = False) -> None:
         self.n, self.c, self.cl, self.bt, self.update, self.iters = n, hidden, cluster, block_tokens, update, iters
-        self.warps, self.threads, self.ctas, self.profile = warps, 32 * warps, ctas, profile
+        self.ctas, self.profile = ctas, profile
         self.phi_staged, self.sinkhorn, self.push = phi_staged, sinkhorn, push
-        self.hs = hidden // cluster
-        self.nch = self.hs // 16
-        self.k = n * n + 2 * n
-        self.nt = (self.k + 7) // 8
-        self.kpad = 8 * self.nt
+        _sizes(self, n, hidden, cluster, block_tokens, warps)
         self.mt = block_tokens // 16
         self.kh = max(1, warps // self.mt)
-        self.tpc = block_tokens // cluster
-        self.units = self.hs // 8
-        self.xr_bytes = n * block_tokens * self.hs * 2
         self.sx = n * block_tokens * 32
         self.sy = block_tokens * 32 if update else 0
-        self.phi_chunk = n * 3 * self.nt * 256  # bytes of phi fragments a chunk
         self.stage_bytes = self.sx + self.sy + (self.phi_chunk if phi_staged else 0)
         self.part_bytes = block_tokens * (self.kpad + 1) * 4
         self.wp_bytes = warps * 16 * (self.kpad + 1) * 4
-        self.hpre_bytes = block_tokens * n * 4
-        self.hsq_bytes = cluster * block_tokens * 4
         fixed = self.xr_bytes + self.part_bytes + self.hpre_bytes + self.hsq_bytes + 32 + 1024
         self.budget = budget = min(SMEM_LIMIT, SM_SMEM // ctas - 1024)
         self.stages = stages or max(2, min(MAX_STAGES, (budget - fixed) // self.stage_bytes))
@@ -101,22 +109,12 @@ class PersistentShape:
                 10: "partials wait (coefficient warp)", 11: "coefficients (coefficient warp)"}
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False) -> None:
-        self.n, self.c, self.update, self.iters, self.warps = n, hidden, update, iters, warps
-        self.profile = profile
-        self.threads = 32 * warps  # the stream warps
+        self.n, self.c, self.update, self.iters, self.profile = n, hidden, update, iters, profile
+        _sizes(self, n, hidden, self.cl, self.bt, warps)  # threads: the stream warps'
         self.block_threads = self.threads + 128
         self.ctas = 1
-        self.hs = hidden // self.cl
-        self.nch = self.hs // 16
         self.cpw = -(-self.nch // warps)
-        self.k = n * n + 2 * n
-        self.nt = (self.k + 7) // 8
-        self.kpad = 8 * self.nt
-        self.tpc = self.bt // self.cl
-        self.units = self.hs // 8
-        self.phi_chunk = n * 3 * self.nt * 256
         self.phi_bytes = self.nch * self.phi_chunk
-        self.xr_bytes = n * self.bt * self.hs * 2
         self.ncoef = n + n * n if update else 0  # H_post then H_res, a token
         # Coefficient rows padded to an odd number of 16-byte units: 8 rows' 16-byte reads, conflict-free.
         self.coef_row = (-(-self.ncoef // 4) | 1) * 16 if update else 0
@@ -124,8 +122,6 @@ class PersistentShape:
         # Per-warp partials of half the warps (the other half adds theirs in place first).
         self.wp_bytes = (warps // 2) * 16 * (self.kpad + 1) * 4
         self.part_bytes = self.cl * (self.kpad + 1) * 4  # a parity's: the 16 CTAs' rows of one token
-        self.hpre_bytes = self.bt * n * 4
-        self.hsq_bytes = self.cl * self.bt * 4
         self.smem = (self.phi_bytes + 2 * self.xr_bytes + self.coef_bytes + self.wp_bytes
                      + 2 * (self.part_bytes + self.hpre_bytes + self.hsq_bytes) + 6 * 8 + 1024)
         self.stages = 0
