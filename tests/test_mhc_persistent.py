@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 
+from layer_boundary_mhc import cluster_ops
 from layer_boundary_mhc.cluster_shape import SMEM_LIMIT, PersistentShape
 
 
@@ -28,6 +29,10 @@ def test_persistent_shape_plan_and_refusals():
     assert "multiple of 1024" in PersistentShape(4, 4000, True, 20).problem
     assert "2 to 4" in PersistentShape(5, 4096, True, 20).problem
     assert "warps" in PersistentShape(4, 4096, True, 20, warps=3).problem
+    # 16 warps, one chunk each: the partials reduce through 4 slots, so phi and two x' buffers still fit
+    w16 = PersistentShape(4, 4096, True, 20, warps=16)
+    assert (w16.cpw, w16.wslots, w16.problem) == (1, 4, "") and w16.smem <= SMEM_LIMIT
+    assert "warps" in PersistentShape(4, 4096, True, 20, warps=10).problem  # 10 is not a multiple of 4 slots
 
 
 def test_calls_take_the_persistent_variant_from_its_token_count(monkeypatch):
@@ -53,16 +58,16 @@ def _cute():
 def test_persistent_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     mod = _cute()
-    shape = PersistentShape(n, c, update, 20)
+    shape = PersistentShape(n, c, update, 20, warps=cluster_ops.PERSISTENT_WARPS)
     ptx = mod.compile_persistent(shape, str(tmp_path)).__ptx__
     assert ".target sm_90a" in ptx
     # per chunk of a warp and stream: 3 parts x NT n-tiles, and 2 for the sums of squares
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == shape.cpw * n * (3 * shape.nt + 2)
     assert "ld.shared::cluster" not in ptx and "st.shared::cluster" not in ptx
-    # one cluster barrier: arrived at the start, waited for by the stream warps and the coefficient warp
-    assert re.findall(r"barrier\.cluster\.\w+", ptx) == ["barrier.cluster.arrive"] + ["barrier.cluster.wait"] * 2
+    # one cluster barrier: arrived at the start, waited for before the first push
+    assert re.findall(r"barrier\.cluster\.\w+", ptx) == ["barrier.cluster.arrive", "barrier.cluster.wait"]
     assert len(re.findall(r"mbarrier\.init", ptx)) == 6
-    assert ".reqntid 384" in ptx  # 8 stream warps and the coefficient warpgroup
+    assert f".reqntid {32 * shape.warps}" in ptx  # the stream warps alone: warp 0 computes the coefficients
     assert ("st.global.v2.b32" in ptx) == update  # x' is stored only by an update
     assert "cp.async.wait_group" not in ptx  # no stage ring: x and y go to registers a block ahead
 

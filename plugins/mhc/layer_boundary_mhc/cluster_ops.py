@@ -59,7 +59,7 @@ SINKHORN_TOKENS = 64
 # (``cute_persistent``: phi resident, clusters that take 16-token blocks in turn, as many as fit the
 # GPU at once) where its shape fits (n = 4: H up to 4096), PERSISTENT_WARPS warps a CTA.
 PERSISTENT_TOKENS = 0
-PERSISTENT_WARPS = 8
+PERSISTENT_WARPS = 16
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.

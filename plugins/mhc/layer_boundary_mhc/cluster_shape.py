@@ -92,9 +92,9 @@ class PersistentShape:
     H = 4096) and x' of two blocks (``xr_bytes`` each), so that one block's exchanges and
     combination overlap the next block's stream pass. ``warps`` warps each own ``cpw`` 16-column
     chunks of every stream (warp w: chunks w, w + warps, ...), loading their x and y straight to
-    registers one block ahead; one more warpgroup (``block_threads``), whose first warp computes
-    the CTA's token's coefficients of each block as its partials arrive. H_res leaves as its logits (the Sinkhorn
-    runs after the kernel)."""
+    registers one block ahead; warp 0 also computes the CTA's token's coefficients of each block,
+    a stream pass after its partials were pushed. H_res leaves as its logits (the Sinkhorn runs
+    after the kernel)."""
 
     persistent = True
     cl = 16
@@ -103,15 +103,14 @@ class PersistentShape:
     sinkhorn = False
     phi_staged = True
     # Profiled: cycles (clock64) of stream warp 0 in each section of an iteration (values 0-7), the
-    # iterations (8), the coefficient warp's (10, 11), summed over the launch, per CTA (int64 [CTA, 16]).
+    # iterations (8), warp 0's coefficient step (10, 11), summed over the launch, per CTA (int64 [CTA, 16]).
     SECTIONS = {0: "top barrier", 1: "stream pass", 2: "sums wait", 3: "normalize", 4: "partials",
                 5: "coefficient loads", 6: "H_pre wait", 7: "first pass",
-                10: "partials wait (coefficient warp)", 11: "coefficients (coefficient warp)"}
+                10: "partials wait (warp 0)", 11: "coefficients (warp 0)"}
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False) -> None:
         self.n, self.c, self.update, self.iters, self.profile = n, hidden, update, iters, profile
-        _sizes(self, n, hidden, self.cl, self.bt, warps)  # threads: the stream warps'
-        self.block_threads = self.threads + 128
+        _sizes(self, n, hidden, self.cl, self.bt, warps)
         self.ctas = 1
         self.cpw = -(-self.nch // warps)
         self.phi_bytes = self.nch * self.phi_chunk
@@ -119,8 +118,10 @@ class PersistentShape:
         # Coefficient rows padded to an odd number of 16-byte units: 8 rows' 16-byte reads, conflict-free.
         self.coef_row = (-(-self.ncoef // 4) | 1) * 16 if update else 0
         self.coef_bytes = self.bt * self.coef_row
-        # Per-warp partials of half the warps (the other half adds theirs in place first).
-        self.wp_bytes = (warps // 2) * 16 * (self.kpad + 1) * 4
+        # Per-warp partials of one group of ``wslots`` warps; the groups add theirs in place in
+        # turn (at 16 warps, 8 slots would not fit beside phi and two x' buffers).
+        self.wslots = warps // 2 if warps <= 8 else 4
+        self.wp_bytes = self.wslots * 16 * (self.kpad + 1) * 4
         self.part_bytes = self.cl * (self.kpad + 1) * 4  # a parity's: the 16 CTAs' rows of one token
         self.smem = (self.phi_bytes + 2 * self.xr_bytes + self.coef_bytes + self.wp_bytes
                      + 2 * (self.part_bytes + self.hpre_bytes + self.hsq_bytes) + 6 * 8 + 1024)
@@ -132,7 +133,7 @@ class PersistentShape:
             return f"n = {self.n} streams (2 to 4)"
         if self.c % (self.cl * 64):
             return f"hidden size {self.c} is not a multiple of {self.cl * 64} (16 CTAs of 64-column groups)"
-        if self.warps % 2 or not 2 <= self.warps <= 16 or self.cpw > 4:
+        if self.warps % 2 or not 2 <= self.warps <= 16 or self.cpw > 4 or self.warps % self.wslots:
             return f"{self.warps} warps for {self.nch} chunks a CTA (even, 2 to 16, at most 4 chunks a warp)"
         if self.smem > SMEM_LIMIT:
             return (f"{self.smem} bytes of shared memory a CTA (at most {SMEM_LIMIT}): phi's slice alone is "

@@ -60,7 +60,7 @@ class MhcPersistent(MhcCluster):
         s = self.s
         self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, tokens, blocks,
                     sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
-            grid=[s.cl, clusters, 1], block=[s.block_threads, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
+            grid=[s.cl, clusters, 1], block=[s.threads, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
@@ -109,84 +109,81 @@ class MhcPersistent(MhcCluster):
         cyc.fill(0)
         prof_a = Int64(prof.toint()) + Int64(cid * s.cl + rank) * 128
 
-        if warp >= nw:
-            # ---- 2. the coefficient warp (the first of the last warpgroup; the others leave): this
-            # CTA's token of each block, as its partials arrive. A warpgroup rather than one warp:
-            # ptxas sizes registers for whole warpgroups (9 warps got 168 registers, as 12 do).
-            P.cluster_wait()  # every CTA's barriers initialized (arrived at the start)
-            for it in cutlass.range(nloc * Int32(warp == nw), unroll=1):
-                blk = cid + it * ncl
-                self._token_coefficients(part0 + (it % 2) * s.part_bytes, hpre0 + (it % 2) * s.hpre_bytes, mb, it % 2,
-                                         it, blk * bt + rank, tokens, rank, lane, alpha, bpre, bpost, bres, hpo, hro,
-                                         eps, cyc)
-            if cutlass.const_expr(s.profile):
-                if tid == nw * 32:
-                    P.stg_v2_u64(prof_a + 80, cyc[9], cyc[10])
-        else:
-            # This CTA's slice of phi's fragments (chunks rank * nch ...), once; the first block's
-            # coefficients, x and y.
-            pieces = s.phi_bytes // 16
-            for k in cutlass.range_constexpr((pieces + s.threads - 1) // s.threads):
-                idx = tid + k * s.threads
-                P.cp_async16_if(phi_s + idx * 16, phf_a + Int64(rank) * s.phi_bytes + Int64(idx * 16), Int32(16),
-                                Int32(idx < pieces))
-            P.cp_async_commit()
-            if cutlass.const_expr(s.update):
-                self._coef_issue(tid, cid, tokens, hp_a, hr_a, coef)
-            self._prefetch(nxt, cid, xl, yl, sxt, sxn, syt, tokens, g, warp)
-            acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
-            sq = cute.make_rmem_tensor((8,), Float32)
-            mixed = cute.make_rmem_tensor((s.bt // nw * ((s.units + 31) // 32) * 8,), Float32)
-            w_a = Int64(w32.toint()) + Int64(col0) * 4
-            for it in cutlass.range(nloc + 2, unroll=1):
-                par = it % 2
-                blk = cid + it * ncl
+        # This CTA's slice of phi's fragments (chunks rank * nch ...), once; the first block's
+        # coefficients, x and y.
+        pieces = s.phi_bytes // 16
+        for k in cutlass.range_constexpr((pieces + s.threads - 1) // s.threads):
+            idx = tid + k * s.threads
+            P.cp_async16_if(phi_s + idx * 16, phf_a + Int64(rank) * s.phi_bytes + Int64(idx * 16), Int32(16),
+                            Int32(idx < pieces))
+        P.cp_async_commit()
+        if cutlass.const_expr(s.update):
+            self._coef_issue(tid, cid, tokens, hp_a, hr_a, coef)
+        self._prefetch(nxt, cid, xl, yl, sxt, sxn, syt, tokens, g, warp)
+        acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
+        sq = cute.make_rmem_tensor((8,), Float32)
+        mixed = cute.make_rmem_tensor((s.bt // nw * ((s.units + 31) // 32) * 8,), Float32)
+        w_a = Int64(w32.toint()) + Int64(col0) * 4
+        for it in cutlass.range(nloc + 2, unroll=1):
+            par = it % 2
+            blk = cid + it * ncl
+            t0 = self._clock()
+            P.cp_async_wait_all()
+            P.bar_sync(1, s.threads)
+            t0 = self._lap(cyc, 0, t0)
+            if it < nloc:
+                # ---- 1. stream pass of block it into buffer par ------------------------
+                for e in cutlass.range_constexpr(words):
+                    cur[e] = nxt[e]
+                self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g, warp)
+                self._stream(cur, blk, tokens, xr0 + par * s.xr_bytes, phi_s, coef, xol, sot, son, warp, g, q,
+                             acc, sq)
+                t0 = self._lap(cyc, 1, t0)
+            if it >= 1 and it <= nloc:
+                # ---- 2. warp 0: the coefficients of this CTA's token of block it - 1, whose
+                # partials arrived while block it streamed; its H_pre goes to every CTA, which
+                # waits for it at the end of this iteration.
+                if warp == 0:
+                    pv = (it - 1) % 2
+                    self._token_coefficients(part0 + pv * s.part_bytes, hpre0 + pv * s.hpre_bytes, mb, pv, it - 1,
+                                             (blk - ncl) * bt + rank, tokens, rank, lane, alpha, bpre, bpost, bres,
+                                             hpo, hro, eps, cyc)
                 t0 = self._clock()
-                P.cp_async_wait_all()
-                P.bar_sync(1, s.threads)
-                t0 = self._lap(cyc, 0, t0)
-                if it < nloc:
-                    # ---- 1. stream pass of block it into buffer par ------------------------
-                    for e in cutlass.range_constexpr(words):
-                        cur[e] = nxt[e]
-                    self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g, warp)
-                    self._stream(cur, blk, tokens, xr0 + par * s.xr_bytes, phi_s, coef, xol, sot, son, warp, g, q,
-                                 acc, sq)
-                    t0 = self._lap(cyc, 1, t0)
-                if it >= 2:
-                    # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
-                    # before this CTA pushes block it's partials (the sums' buffer is reused by
-                    # block it's, which need them).
-                    P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2)
-                    t0 = self._lap(cyc, 2, t0)
-                    if tid == 0:
-                        P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
-                    self._normalized(mixed, hsq0 + par * s.hsq_bytes, w_a, out, blk - 2 * ncl, tokens, sit, col0,
-                                     norm_eps, warp, lane)
-                    t0 = self._lap(cyc, 3, t0)
-                if it < nloc:
-                    self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, rank, tid, warp, g, q,
-                                   it == 0)
-                    t0 = self._lap(cyc, 4, t0)
-                    if cutlass.const_expr(s.update):
-                        # Every stream thread read this block's coefficients (two barriers ago).
-                        self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
-                    t0 = self._lap(cyc, 5, t0)
-                if it >= 1 and it <= nloc:
-                    # ---- 3a. block it - 1 (buffer 1 - par): s and its sums of squares; its H_pre
-                    # came from the coefficient warps while block it streamed.
-                    P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
-                    t0 = self._lap(cyc, 6, t0)
-                    if tid == 0:
-                        P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
-                    self._norm_sums(mixed, xr0 + (1 - par) * s.xr_bytes, hpre0 + (1 - par) * s.hpre_bytes,
-                                    hsq0 + (1 - par) * s.hsq_bytes, mb + 32 + 8 * (1 - par), rank, warp, lane)
-                    t0 = self._lap(cyc, 7, t0)
-            if cutlass.const_expr(s.profile):
+            if it >= 2:
+                # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
+                # before this CTA pushes block it's partials (the sums' buffer is reused by
+                # block it's, which need them).
+                P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2)
+                t0 = self._lap(cyc, 2, t0)
                 if tid == 0:
-                    for k in cutlass.range_constexpr(4):
-                        P.stg_v2_u64(prof_a + 16 * k, cyc[2 * k], cyc[2 * k + 1])
-                    P.stg_v2_u64(prof_a + 64, Int64(nloc), Int64(0))
+                    P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
+                self._normalized(mixed, hsq0 + par * s.hsq_bytes, w_a, out, blk - 2 * ncl, tokens, sit, col0,
+                                 norm_eps, warp, lane)
+                t0 = self._lap(cyc, 3, t0)
+            if it < nloc:
+                self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, rank, tid, warp, g, q,
+                               it == 0)
+                t0 = self._lap(cyc, 4, t0)
+                if cutlass.const_expr(s.update):
+                    # Every stream thread read this block's coefficients (two barriers ago).
+                    self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
+                t0 = self._lap(cyc, 5, t0)
+            if it >= 1 and it <= nloc:
+                # ---- 3a. block it - 1 (buffer 1 - par): s and its sums of squares; its H_pre
+                # came from the coefficient warps while block it streamed.
+                P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
+                t0 = self._lap(cyc, 6, t0)
+                if tid == 0:
+                    P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
+                self._norm_sums(mixed, xr0 + (1 - par) * s.xr_bytes, hpre0 + (1 - par) * s.hpre_bytes,
+                                hsq0 + (1 - par) * s.hsq_bytes, mb + 32 + 8 * (1 - par), rank, warp, lane)
+                t0 = self._lap(cyc, 7, t0)
+        if cutlass.const_expr(s.profile):
+            if tid == 0:
+                for k in cutlass.range_constexpr(4):
+                    P.stg_v2_u64(prof_a + 16 * k, cyc[2 * k], cyc[2 * k + 1])
+                P.stg_v2_u64(prof_a + 64, Int64(nloc), Int64(0))
+                P.stg_v2_u64(prof_a + 80, cyc[9], cyc[10])
 
     @cute.jit
     def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, alpha, bpre, bpost, bres, hpo,
@@ -339,13 +336,16 @@ class MhcPersistent(MhcCluster):
 
     @cute.jit
     def _partials(self, acc, sq, wp, part, mbar, rank, tid, warp, g, q, first):
-        """The warps' partials summed (warp w + W/2 into w, then the W/2 in order) and each token's
-        row pushed to its owner, CTA t (one token a CTA)."""
+        """The warps' partials summed (group by group of ``wslots`` warps, the last group's stored, each
+        earlier group's added in place in turn, then the slots in order) and each token's row pushed
+        to its owner, CTA t (one token a CTA)."""
         s = self.s
         kpad = s.kpad
-        half = s.warps // 2
+        ws = s.wslots
+        groups = s.warps // ws
         row_bytes = (kpad + 1) * 4
-        slot = wp + (warp % half) * 16 * row_bytes
+        slot = wp + (warp % ws) * 16 * row_bytes
+        grp = warp // ws
         # Token g's sum of squares sits in lane (g, g // 2) of the first n-tile, token g + 8's in the
         # same lane of the second.
         diag = Int32(q == g // 2)
@@ -357,21 +357,21 @@ class MhcPersistent(MhcCluster):
             vals += [(g * row_bytes + col * 4, acc[nt * 4]), (g * row_bytes + (col + 1) * 4, acc[nt * 4 + 1]),
                      ((g + 8) * row_bytes + col * 4, acc[nt * 4 + 2]),
                      ((g + 8) * row_bytes + (col + 1) * 4, acc[nt * 4 + 3])]
-        if warp >= half:
+        sums = [(g * row_bytes + kpad * 4, d0), ((g + 8) * row_bytes + kpad * 4, d1)]
+        if grp == groups - 1:
             for off, v in vals:
                 P.sts_f32(slot + off, v)
             if diag != 0:
-                P.sts_f32(slot + g * row_bytes + kpad * 4, d0)
-                P.sts_f32(slot + (g + 8) * row_bytes + kpad * 4, d1)
-        P.bar_sync(1, s.threads)
-        if warp < half:
-            for off, v in vals:
-                P.sts_f32(slot + off, v + P.lds_f32(slot + off))
-            if diag != 0:
-                off0 = g * row_bytes + kpad * 4
-                off1 = (g + 8) * row_bytes + kpad * 4
-                P.sts_f32(slot + off0, d0 + P.lds_f32(slot + off0))
-                P.sts_f32(slot + off1, d1 + P.lds_f32(slot + off1))
+                for off, v in sums:
+                    P.sts_f32(slot + off, v)
+        for gi in cutlass.range_constexpr(groups - 2, -1, -1):
+            P.bar_sync(1, s.threads)
+            if grp == gi:
+                for off, v in vals:
+                    P.sts_f32(slot + off, v + P.lds_f32(slot + off))
+                if diag != 0:
+                    for off, v in sums:
+                        P.sts_f32(slot + off, v + P.lds_f32(slot + off))
         P.bar_sync(1, s.threads)
         if first:
             P.cluster_wait()  # every CTA's barriers initialized (arrived at the start)
@@ -383,7 +383,7 @@ class MhcPersistent(MhcCluster):
                 col = idx - t * (kpad + 1)
                 src = wp + t * row_bytes + col * 4
                 tot = P.lds_f32(src)
-                for kk in cutlass.range_constexpr(1, half):
+                for kk in cutlass.range_constexpr(1, ws):
                     tot = tot + P.lds_f32(src + kk * 16 * row_bytes)
                 self._send(part + (rank * (kpad + 1) + col) * 4, t, tot, mbar)
 
