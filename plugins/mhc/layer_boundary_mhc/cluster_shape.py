@@ -89,12 +89,13 @@ class PersistentShape:
     """Compile-time shape of the persistent variant (``cute_persistent``): clusters of 16 CTAs, one
     CTA an SM, that stay resident and take blocks of 16 tokens in turn. Each CTA keeps its slice of
     phi's fragments in shared memory for the whole launch (``phi_bytes``: 144 KiB at n = 4,
-    H = 4096) and x' of two blocks (``xr_bytes`` each), so that one block's exchanges and
-    combination overlap the next block's stream pass. ``warps`` warps each own ``cpw`` 16-column
-    chunks of every stream (warp w: chunks w, w + warps, ...), loading their x and y straight to
-    registers one block ahead; warp 0 also computes the CTA's token's coefficients of each block,
-    a stream pass after its partials were pushed. H_res leaves as its logits (the Sinkhorn runs
-    after the kernel)."""
+    H = 4096). ``warps`` warps each own ``cpw`` 16-column chunks of every stream (warp w: chunks
+    w, w + warps, ...), whose x and y tiles of the next block go by cp.async into the warp's slots
+    (``chunk_slot`` bytes a chunk) as soon as it has read this block's. x' is not kept: the
+    combination reads it back from L2 an iteration later, so one block's exchanges and
+    combination overlap the next block's stream pass without x' buffers in shared memory. Warp 0
+    also computes the CTA's token's coefficients of each block, a stream pass after its partials
+    were pushed. H_res leaves as its logits (the Sinkhorn runs after the kernel)."""
 
     persistent = True
     cl = 16
@@ -118,12 +119,14 @@ class PersistentShape:
         # Coefficient rows padded to an odd number of 16-byte units: 8 rows' 16-byte reads, conflict-free.
         self.coef_row = (-(-self.ncoef // 4) | 1) * 16 if update else 0
         self.coef_bytes = self.bt * self.coef_row
-        # Per-warp partials of one group of ``wslots`` warps; the groups add theirs in place in
-        # turn (at 16 warps, 8 slots would not fit beside phi and two x' buffers).
+        # Per-warp partials of one group of ``wslots`` warps; the groups add theirs in place in turn.
         self.wslots = warps // 2 if warps <= 8 else 4
         self.wp_bytes = self.wslots * 16 * (self.kpad + 1) * 4
         self.part_bytes = self.cl * (self.kpad + 1) * 4  # a parity's: the 16 CTAs' rows of one token
-        self.smem = (self.phi_bytes + 2 * self.xr_bytes + self.coef_bytes + self.wp_bytes
+        self.chunk_slot = (n + 1 if update else n) * 16 * 32  # the n stream tiles and y: 16 rows of 32 bytes
+        self.warp_slot = self.cpw * self.chunk_slot
+        self.slot_bytes = warps * self.warp_slot
+        self.smem = (self.phi_bytes + self.slot_bytes + self.coef_bytes + self.wp_bytes
                      + 2 * (self.part_bytes + self.hpre_bytes + self.hsq_bytes) + 6 * 8 + 1024)
         self.stages = 0
         self.problem = self._problem()

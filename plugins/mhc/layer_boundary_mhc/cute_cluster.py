@@ -48,13 +48,10 @@ from cutlass import Float32, Int32, Int64
 
 from . import cute_ptx as P
 from .cluster_shape import ClusterShape
+from .cute_steps import ClusterSteps, compile_kernel
 
 
-class MhcCluster:
-    def __init__(self, shape: ClusterShape) -> None:
-        assert not shape.problem, shape.problem
-        self.s = shape
-
+class MhcCluster(ClusterSteps):
     @cute.jit
     def __call__(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                  phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
@@ -349,16 +346,6 @@ class MhcCluster:
         self._stamp(prof_a, tid, 5)
 
     @cute.jit
-    def _start(self):
-        """(thread, CTA rank in the cluster, warp, lane, lane // 4, lane % 4, shared-memory base)."""
-        tid, _, _ = cute.arch.thread_idx()
-        rank = Int32(cute.arch.block_idx_in_cluster())
-        lane = tid % 32
-        smem = cutlass.memory.SmemAllocator()
-        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((self.s.smem - 1024,)), byte_alignment=1024)
-        return tid, rank, tid // 32, lane, lane // 4, lane % 4, Int32(raw.iterator.toint())
-
-    @cute.jit
     def _phi_load(self, pf: cute.Tensor, chunk_a: Int64, kh: Int32, lane: Int32):
         """This warp's streams' phi fragments of one chunk (``chunk_a``) into ``pf``: (stream, part,
         n-tile) x 2 words; zeros for streams past n."""
@@ -385,95 +372,6 @@ class MhcCluster:
                     f = ((si * 3 + part) * s.nt + nt) * 2
                     pf[f] = w[0]
                     pf[f + 1] = w[1]
-
-    @cute.jit
-    def _coefficients(self, tot: Float32, tg: Int64, live: Int32, lane: Int32, alpha: cute.Pointer,
-                      bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer, hpo: cute.Pointer,
-                      hro: cute.Pointer, eps: Float32):
-        """Token ``tg``'s coefficients from its summed partials (lane l holds column l; column K the
-        sum of squares): stores H_post and H_res (or, ``sinkhorn`` off, H_res's logits) where
-        ``live``, and returns (H_pre of lane l < n, whether lane l holds one)."""
-        s = self.s
-        n, kpad = s.n, s.kpad
-        rstd = P.rsqrt(P.shfl_idx(tot, Int32(kpad)) / Float32(n * s.c) + eps)
-        v = tot * rstd
-        al = Int64(alpha.toint())
-        is_pre = Int32(lane < n)
-        is_post = Int32((lane >= n) & (lane < 2 * n))
-        is_res = Int32((lane >= 2 * n) & (lane < s.k))
-        a_pre = P.ldg_f32(al, Int32(1))
-        a_post = P.ldg_f32(al + 4, Int32(1))
-        a_res = P.ldg_f32(al + 8, Int32(1))
-        b_pre = P.ldg_f32(Int64(bpre.toint()) + Int64(lane) * 4, is_pre)
-        b_post = P.ldg_f32(Int64(bpost.toint()) + Int64(lane - n) * 4, is_post)
-        b_res = P.ldg_f32(Int64(bres.toint()) + Int64(lane - 2 * n) * 4, is_res)
-        h_pre = P.sigmoid(P.fma(a_pre, v, b_pre))
-        h_post = Float32(2.0) * P.sigmoid(P.fma(a_post, v, b_post))
-        lg = P.fma(a_res, v, b_res)
-        if cutlass.const_expr(s.sinkhorn):
-            lg = self._sinkhorn(lg, is_res, lane)
-        # else H_res leaves as its logits and the Sinkhorn runs after the kernel on every token at
-        # once (cluster_ops.launch): its 20 dependent iterations on two warps, while the CTA's
-        # others wait, took 4 of this phase's 6 µs a block (H200, T = 8192).
-        P.stg_f32(Int64(hpo.toint()) + (tg * n + lane - n) * 4, h_post, live * is_post)
-        P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, lg, live * is_res)
-        return h_pre, is_pre
-
-    @cute.jit
-    def _send(self, addr: Int32, rank: Int32, v: Float32, mbar: Int32):
-        """``v`` to CTA ``rank``'s shared memory at ``addr``: an st.async counted on its barrier
-        ``mbar`` (``push``), or a plain store the next cluster barrier publishes."""
-        if cutlass.const_expr(self.s.push):
-            P.st_async_f32(P.mapa(addr, rank), v, P.mapa(mbar, rank))
-        else:
-            P.st_cluster_f32(P.mapa(addr, rank), v)
-
-    @cute.jit
-    def _received(self, mbar: Int32):
-        """Until every store of an exchange has arrived: this CTA's barrier ``mbar`` (``push``; one
-        use a launch, phase 0), or a cluster barrier."""
-        if cutlass.const_expr(self.s.push):
-            P.mbar_wait(mbar, 0)
-        else:
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
-    @cute.jit
-    def _sinkhorn(self, lg: Float32, is_res: Int32, lane: Int32) -> Float32:
-        """H_res from its logits, one lane a matrix entry (lane 2n + i n + j holds [i, j]; the
-        other lanes read valid lanes and keep 0): as ``finish._sinkhorn``."""
-        n = self.s.n
-        lg = P.sel(is_res, lg, Float32(-float("inf")))
-        top = lg
-        for m_ in (16, 8, 4, 2, 1):
-            top = P.fmax(top, P.shfl_xor(top, m_))
-        zero = Float32(0.0)
-        m = P.sel(is_res, P.fmax(P.exp(lg - top), Float32(1.1754943508222875e-38)), zero)
-        cell = (lane - 2 * n) * is_res
-        ri = cell // n
-        cj = cell - ri * n
-        for _ in cutlass.range(self.s.iters, unroll=1):
-            csum = P.shfl_idx(m, 2 * n + cj)
-            for i2 in cutlass.range_constexpr(1, n):
-                csum = csum + P.shfl_idx(m, 2 * n + i2 * n + cj)
-            m = P.sel(is_res, P.div(m, csum), zero)
-            rsum = P.shfl_idx(m, 2 * n + ri * n)
-            for j2 in cutlass.range_constexpr(1, n):
-                rsum = rsum + P.shfl_idx(m, 2 * n + ri * n + j2)
-            m = P.sel(is_res, P.div(m, rsum), zero)
-        return m
-
-    @cute.jit
-    def _clock(self) -> Int64:
-        if cutlass.const_expr(self.s.profile):
-            return P.clock()
-        return Int64(0)
-
-    @cute.jit
-    def _stamp(self, base: Int64, tid: Int32, k: int):
-        if cutlass.const_expr(self.s.profile):
-            if tid == 0:
-                P.stamp(base + k * 16)
 
     @cute.jit
     def _issue_plan(self, tid, col0, row0, tokens, x_a, y_a, sxt, sxn, syt, phf_a, rank):
@@ -523,75 +421,9 @@ class MhcCluster:
                 P.cp_async16_if(stage_a + dst, src + Int64(chunk * step), nbytes, ok)
         P.cp_async_commit()
 
-    @cute.jit
-    def _square_sums(self, hs_: list, lane: Int32, per_lane: int) -> list:
-        """Each token's sum of s^2 over the CTA's columns (``hs_`` as ``_mix_group`` returns it),
-        the same in every lane."""
-        s = self.s
-        ragged = per_lane * 32 != s.units
-        sqs = []
-        for e in cutlass.range_constexpr(len(hs_)):
-            sq = Float32(0.0)
-            for f in cutlass.range_constexpr(per_lane):
-                part_sq = Float32(0.0)
-                for v in hs_[e][f]:
-                    part_sq = P.fma(v, v, part_sq)
-                if cutlass.const_expr(ragged):
-                    part_sq = P.sel(Int32(lane + 32 * f < s.units), part_sq, Float32(0.0))
-                sq = sq + part_sq
-            sqs.append(sq)
-        for m_ in (16, 8, 4, 2, 1):
-            sqs = [v + P.shfl_xor(v, m_) for v in sqs]
-        return sqs
-
-    @cute.jit
-    def _mix_group(self, xr: Int32, hpre: Int32, ts: list, lane: Int32, per_lane: int):
-        """s = sum_j H_pre[t, j] x'_j, FP32, for tokens ``ts`` at this lane's units (8 columns each):
-        ``[token][unit] -> 8 values``. Every shared-memory load first, then the FMAs."""
-        s = self.s
-        coefs, words = [], []
-        for t in ts:
-            coefs.append([P.lds_f32(hpre + (t * s.n + j) * 4) for j in range(s.n)])
-            per_t = []
-            for f in cutlass.range_constexpr(per_lane):
-                u = lane + 32 * f
-                per_t.append([P.lds_v4(xr + (j * s.bt + t) * (s.hs * 2) + (u ^ (t % 8)) * 16) for j in range(s.n)])
-            words.append(per_t)
-        out = []
-        for e in cutlass.range_constexpr(len(ts)):
-            per_t = []
-            for f in cutlass.range_constexpr(per_lane):
-                h = [Float32(0.0)] * 8
-                for j in cutlass.range_constexpr(s.n):
-                    vals = []
-                    for wv in words[e][f][j]:
-                        lo, hi = P.unpack(wv)
-                        vals += [lo, hi]
-                    h = [P.fma(coefs[e][j], vals[k], h[k]) for k in range(8)]
-                per_t.append(h)
-            out.append(per_t)
-        return out
-
-
 def compile_cluster(shape: ClusterShape, ptx_dir: str = ""):
     """Compile one variant ahead of time from placeholder pointers and stream (no GPU needed, with
     ``CUTE_DSL_ARCH=sm_90a``). Called as ``f(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out,
     hpo, hro, prof, tokens, blocks, sxt, sxn, syt, sot, son, sit, eps, norm_eps, stream)`` with pointers from
     ``cutlass.cute.runtime.make_ptr`` (bf16 streams, FP32 coefficients, parameters and weight)."""
     return compile_kernel(MhcCluster(shape), 8, ptx_dir)
-
-
-def compile_kernel(kernel, ints: int, ptx_dir: str = ""):
-    """``cute.compile`` of a kernel object called as ``compile_cluster``'s result, with ``ints`` Int32
-    arguments after the pointers."""
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
-    def ptr(dtype, align=16):
-        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
-
-    bf, f32 = cutlass.BFloat16, Float32
-    args = [ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(f32, 4),
-            ptr(f32, 4), ptr(f32), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(cutlass.Int64)]
-    options = f"--keep-ptx --dump-dir={ptx_dir}" if ptx_dir else None
-    return cute.compile(kernel, *args, *[Int32(1)] * ints, Float32(1e-6), Float32(1e-6), make_fake_stream(),
-                        options=options)

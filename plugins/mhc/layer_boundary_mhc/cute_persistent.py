@@ -39,7 +39,7 @@ from cutlass import Float32, Int32, Int64
 
 from . import cute_ptx as P
 from .cluster_shape import PersistentShape
-from .cute_cluster import MhcCluster, compile_kernel
+from .cute_steps import ClusterSteps, compile_kernel
 
 
 def _pick(vals: list, idx: Int32) -> Float32:
@@ -50,7 +50,7 @@ def _pick(vals: list, idx: Int32) -> Float32:
     return v
 
 
-class MhcPersistent(MhcCluster):
+class MhcPersistent(ClusterSteps):
     @cute.jit
     def __call__(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                  phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
@@ -74,8 +74,8 @@ class MhcPersistent(MhcCluster):
         _, cid, _ = cute.arch.block_idx()
         _, ncl, _ = cute.arch.grid_dim()
         tid, rank, warp, lane, g, q, phi_s = self._start()
-        xr0 = phi_s + s.phi_bytes  # two x' buffers, [n, BT, HS] each, 16-byte units XOR-swizzled by token
-        coef = xr0 + 2 * s.xr_bytes  # the block's H_post and H_res rows
+        slots = phi_s + s.phi_bytes  # per warp: x and y tiles of its chunks of the next block
+        coef = slots + s.slot_bytes  # the block's H_post and H_res rows
         wp = coef + s.coef_bytes  # per-warp partials
         part0 = wp + s.wp_bytes  # [parity][CTA][K + 1]: the partials of this CTA's token
         hpre0 = part0 + 2 * s.part_bytes  # [parity][BT][n]
@@ -97,20 +97,20 @@ class MhcPersistent(MhcCluster):
         x_a, y_a, xo_a, phf_a = Int64(x.toint()), Int64(y.toint()), Int64(xo.toint()), Int64(phf.toint())
         hp_a, hr_a = Int64(hp.toint()), Int64(hr.toint())
         nloc = (blocks - cid + ncl - 1) // ncl
-
-        # Per lane: rows g, g + 8 of a block, at columns 4q .. 4q + 3 of its chunks.
-        words = s.cpw * (n + 1) * 4 if s.update else s.cpw * n * 4
-        nxt = cute.make_rmem_tensor((words,), Int32)
-        cur = cute.make_rmem_tensor((words,), Int32)
-        xl = x_a + (Int64(g) * sxt + Int64(col0 + 4 * q)) * 2
-        yl = y_a + (Int64(g) * syt + Int64(col0 + 4 * q)) * 2
+        slot = slots + warp * s.warp_slot
+        fill = self._fill_plan(lane, warp, col0, x_a, y_a, sxt, sxn, syt)
         xol = xo_a + (Int64(g) * sot + Int64(col0 + 4 * q)) * 2
+        # Where the combination reads x' back (from L2: this CTA stored it an iteration before).
+        if cutlass.const_expr(s.update):
+            src = (xo_a, sot, son)
+        else:
+            src = (x_a, sxt, sxn)
         cyc = cute.make_rmem_tensor((12,), Int64)  # profiled: PersistentShape.SECTIONS
         cyc.fill(0)
         prof_a = Int64(prof.toint()) + Int64(cid * s.cl + rank) * 128
 
         # This CTA's slice of phi's fragments (chunks rank * nch ...), once; the first block's
-        # coefficients, x and y.
+        # coefficients, x and y; the parameters warp 0's coefficient step reads.
         pieces = s.phi_bytes // 16
         for k in cutlass.range_constexpr((pieces + s.threads - 1) // s.threads):
             idx = tid + k * s.threads
@@ -119,10 +119,16 @@ class MhcPersistent(MhcCluster):
         P.cp_async_commit()
         if cutlass.const_expr(s.update):
             self._coef_issue(tid, cid, tokens, hp_a, hr_a, coef)
-        self._prefetch(nxt, cid, xl, yl, sxt, sxn, syt, tokens, g, warp)
+        for k in cutlass.range_constexpr(s.cpw):
+            self._fill(fill[k], slot + k * s.chunk_slot, cid, tokens, Int32(1), lane)
+        P.cp_async_commit()
+        consts = self._coef_consts(lane, alpha, bpre, bpost, bres)
         acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
         sq = cute.make_rmem_tensor((8,), Float32)
-        mixed = cute.make_rmem_tensor((s.bt // nw * ((s.units + 31) // 32) * 8,), Float32)
+        per_lane = (s.units + 31) // 32
+        tpw = s.bt // nw
+        mixed = cute.make_rmem_tensor((tpw * per_lane * 8,), Float32)
+        xc = cute.make_rmem_tensor((tpw * per_lane * n * 4,), Int32)
         w_a = Int64(w32.toint()) + Int64(col0) * 4
         for it in cutlass.range(nloc + 2, unroll=1):
             par = it % 2
@@ -132,22 +138,20 @@ class MhcPersistent(MhcCluster):
             P.bar_sync(1, s.threads)
             t0 = self._lap(cyc, 0, t0)
             if it < nloc:
-                # ---- 1. stream pass of block it into buffer par ------------------------
-                for e in cutlass.range_constexpr(words):
-                    cur[e] = nxt[e]
-                self._prefetch(nxt, cutlass.min(blk + ncl, blocks - 1), xl, yl, sxt, sxn, syt, tokens, g, warp)
-                self._stream(cur, blk, tokens, xr0 + par * s.xr_bytes, phi_s, coef, xol, sot, son, warp, g, q,
-                             acc, sq)
+                # ---- 1. stream pass of block it; the slots refilled with block it + 1 -----------
+                self._stream(slot, fill, blk, Int32(blk + ncl < blocks), ncl, tokens, phi_s, coef, xol, sot, son,
+                             warp, g, q, acc, sq)
                 t0 = self._lap(cyc, 1, t0)
             if it >= 1 and it <= nloc:
-                # ---- 2. warp 0: the coefficients of this CTA's token of block it - 1, whose
-                # partials arrived while block it streamed; its H_pre goes to every CTA, which
-                # waits for it at the end of this iteration.
+                # ---- 2. block it - 1's x' (this warp's tokens of the combination) from L2, loaded
+                # while warp 0 computes the coefficients of this CTA's token of it: its partials
+                # arrived while block it streamed, and every CTA waits for its H_pre at 3a.
+                self._xp_load(xc, src, blk - ncl, tokens, col0, warp, lane)
                 if warp == 0:
                     pv = (it - 1) % 2
                     self._token_coefficients(part0 + pv * s.part_bytes, hpre0 + pv * s.hpre_bytes, mb, pv, it - 1,
-                                             (blk - ncl) * bt + rank, tokens, rank, lane, alpha, bpre, bpost, bres,
-                                             hpo, hro, eps, cyc)
+                                             (blk - ncl) * bt + rank, tokens, rank, lane, consts, hpo, hro, eps,
+                                             cyc)
                 t0 = self._clock()
             if it >= 2:
                 # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
@@ -165,18 +169,17 @@ class MhcPersistent(MhcCluster):
                                it == 0)
                 t0 = self._lap(cyc, 4, t0)
                 if cutlass.const_expr(s.update):
-                    # Every stream thread read this block's coefficients (two barriers ago).
+                    # Every thread read this block's coefficients (two barriers ago).
                     self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
                 t0 = self._lap(cyc, 5, t0)
             if it >= 1 and it <= nloc:
-                # ---- 3a. block it - 1 (buffer 1 - par): s and its sums of squares; its H_pre
-                # came from the coefficient warps while block it streamed.
+                # ---- 3a. block it - 1: s and its sums of squares, from the x' loaded at 2.
                 P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
                 t0 = self._lap(cyc, 6, t0)
                 if tid == 0:
                     P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
-                self._norm_sums(mixed, xr0 + (1 - par) * s.xr_bytes, hpre0 + (1 - par) * s.hpre_bytes,
-                                hsq0 + (1 - par) * s.hsq_bytes, mb + 32 + 8 * (1 - par), rank, warp, lane)
+                self._norm_sums(mixed, xc, hpre0 + (1 - par) * s.hpre_bytes, hsq0 + (1 - par) * s.hsq_bytes,
+                                mb + 32 + 8 * (1 - par), rank, warp, lane)
                 t0 = self._lap(cyc, 7, t0)
         if cutlass.const_expr(s.profile):
             if tid == 0:
@@ -186,8 +189,7 @@ class MhcPersistent(MhcCluster):
                 P.stg_v2_u64(prof_a + 80, cyc[9], cyc[10])
 
     @cute.jit
-    def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, alpha, bpre, bpost, bres, hpo,
-                            hro, eps, cyc):
+    def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, consts, hpo, hro, eps, cyc):
         """Warp 0: token ``t``'s (this CTA's of the block) partials summed in rank order once they
         arrived, its coefficients, and its H_pre pushed to every CTA."""
         s = self.s
@@ -201,8 +203,8 @@ class MhcPersistent(MhcCluster):
             tot = tot + P.lds_f32(src + cr * (kpad + 1) * 4)
         if lane == 0:
             P.mbar_expect_tx(mb + 8 * par, s.cl * (kpad + 1) * 4)
-        h_pre, is_pre = self._coefficients(tot, Int64(t), Int32(t < tokens), lane, alpha, bpre, bpost, bres, hpo, hro,
-                                           eps)
+        h_pre, is_pre = self._coefficients(tot, Int64(t), Int32(t < tokens), lane, None, None, None, None, hpo, hro,
+                                           eps, consts)
         if is_pre != 0:
             for cr in cutlass.range_constexpr(s.cl):
                 self._send(hpre + (rank * s.n + lane) * 4, Int32(cr), h_pre, mb + 16 + 8 * par)
@@ -237,37 +239,36 @@ class MhcPersistent(MhcCluster):
         P.cp_async_commit()
 
     @cute.jit
-    def _prefetch(self, buf, blk, xl, yl, sxt, sxn, syt, tokens, g, warp):
-        """x (and y) of block ``blk`` at this lane's rows and columns of each of its warp's chunks,
-        HBM to registers. Rows past the last token read the last token again: what they produce is
-        never stored, and no MMA mixes rows except the sums of squares' off-diagonal, unused."""
+    def _fill_plan(self, lane, warp, col0, x_a, y_a, sxt, sxn, syt) -> list:
+        """This lane's cp.async of each of its warp's chunks, worked out once: per chunk, per tile
+        (the n streams, then y), the source at block 0 and its step a block. A tile is 16 rows of
+        32 bytes; lane l copies row l // 2, half l % 2, of every tile of the chunk."""
         s = self.s
-        n = s.n
-        row0 = blk * s.bt
+        r, half = lane // 2, lane % 2
+        plan = []
         for k in cutlass.range_constexpr(s.cpw):
-            ch = cutlass.min(warp + k * s.warps, s.nch - 1)
-            for ri in cutlass.range_constexpr(2):
-                r = Int64(cutlass.min(row0 + g + 8 * ri, tokens - 1) - g)
-                for j in cutlass.range_constexpr(n):
-                    w = P.ldg_v2_nc(xl + (r * sxt + Int64(j) * sxn) * 2 + Int64(ch * 32))
-                    base = self._slot(k, j, ri)
-                    buf[base] = w[0]
-                    buf[base + 1] = w[1]
-                if cutlass.const_expr(s.update):
-                    w = P.ldg_v2_nc(yl + r * syt * 2 + Int64(ch * 32))
-                    base = self._slot(k, n, ri)
-                    buf[base] = w[0]
-                    buf[base + 1] = w[1]
-
-    def _slot(self, k: int, j: int, ri: int) -> int:
-        """Register slot of chunk k's stream j (j = n: y), row ri: two words."""
-        per = self.s.n + 1 if self.s.update else self.s.n
-        return ((k * per + j) * 2 + ri) * 2
+            col = Int64(col0 + 16 * cutlass.min(warp + k * s.warps, s.nch - 1) + 8 * half)
+            tiles = [(x_a + (Int64(r) * sxt + Int64(j) * sxn + col) * 2, Int64(s.bt) * sxt * 2) for j in range(s.n)]
+            if cutlass.const_expr(s.update):
+                tiles.append((y_a + (Int64(r) * syt + col) * 2, Int64(s.bt) * syt * 2))
+            plan.append(tiles)
+        return plan
 
     @cute.jit
-    def _stream(self, cur, blk, tokens, xbuf, phi_s, coef, xol, sot, son, warp, g, q, acc, sq):
-        """The warp's chunks of block ``blk``: x' of every stream (mixed, rounded once) to HBM and
-        to ``xbuf``, and its projection on phi and sums of squares into ``acc`` and ``sq``."""
+    def _fill(self, tiles, dst, blk, tokens, ok, lane):
+        """cp.async of one chunk of block ``blk`` into its slot at ``dst`` (``_fill_plan``'s tiles),
+        where ``ok``; rows past the last token arrive as zeros. No commit."""
+        live = Int32(blk * self.s.bt + lane // 2 < tokens)
+        for a in cutlass.range_constexpr(len(tiles)):
+            src, step = tiles[a]
+            P.cp_async16_if(dst + (a * 16 + lane // 2) * 32 + (lane % 2) * 16, src + Int64(blk) * step * Int64(live),
+                            live * 16, ok)
+
+    @cute.jit
+    def _stream(self, slot, fill, blk, ok_next, ncl, tokens, phi_s, coef, xol, sot, son, warp, g, q, acc, sq):
+        """The warp's chunks of block ``blk`` from its slots (each refilled with block
+        ``blk + ncl`` once read, where ``ok_next``): x' of every stream (mixed, rounded once) to HBM,
+        and its projection on phi and sums of squares into ``acc`` and ``sq``."""
         s = self.s
         n, bt = s.n, s.bt
         row0 = blk * bt
@@ -276,21 +277,20 @@ class MhcPersistent(MhcCluster):
         lv = (Int32(row0 + r0 < tokens), Int32(row0 + r1 < tokens))
         acc.fill(0.0)
         sq.fill(0.0)
+        tiles = n + 1 if s.update else n
         for k in cutlass.range_constexpr(s.cpw):
             ch = warp + k * s.warps
             if ch < s.nch:
-                # Rows g, g + 8 of each stream and y, unpacked once: [ri][j] -> 4 values
-                vals = []
-                for ri in cutlass.range_constexpr(2):
-                    per_j = []
-                    for j in cutlass.range_constexpr(n + 1 if s.update else n):
-                        b = self._slot(k, j, ri)
-                        per_j.append(P.unpack(cur[b]) + P.unpack(cur[b + 1]))
-                    vals.append(per_j)
+                base = slot + k * s.chunk_slot
+                # Rows g, g + 8 of each stream and y, unpacked once: [ri][j] -> 4 values; then the
+                # slot is free for the next block (every lane has its words).
+                words = [[P.lds_v2(base + (j * 16 + r) * 32 + q * 8) for j in range(tiles)] for r in (r0, r1)]
+                vals = [[P.unpack(w[0]) + P.unpack(w[1]) for w in per_r] for per_r in words]
+                cute.arch.sync_warp()
+                self._fill(fill[k], base, blk + ncl, tokens, ok_next, g * 4 + q)
                 for i in cutlass.range_constexpr(n):
                     # phi's fragments of stream i (smallest part first), then its coefficients, all
-                    # loaded before the mix whose FMAs cover their latency; loaded per stream, not
-                    # held for the pass, within ptxas's 168 registers.
+                    # loaded before the mix whose FMAs cover their latency.
                     frag = phi_s + ((ch * n + i) * 3) * s.nt * 256 + q * 8 + g * 32
                     fr = [P.lds_v2(frag + ((2 - p) * s.nt + nt) * 256) for p in range(3) for nt in range(s.nt)]
                     cfs = [self._coef_row(coef + r * s.coef_row, i) for r in (r0, r1)] if s.update else []
@@ -306,15 +306,11 @@ class MhcPersistent(MhcCluster):
                                 mixed.append(v)
                             wds.append((P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])))
                         else:
-                            b = self._slot(k, i, ri)
-                            wds.append((cur[b], cur[b + 1]))
-                    for ri in cutlass.range_constexpr(2):
-                        r = r0 + 8 * ri
-                        if cutlass.const_expr(s.update):
+                            wds.append((words[ri][i][0], words[ri][i][1]))
+                    if cutlass.const_expr(s.update):
+                        for ri in cutlass.range_constexpr(2):
                             P.stg_v2(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(ch * 32),
                                      wds[ri][0], wds[ri][1], lv[ri])
-                        unit = (2 * ch + q // 2) ^ (r % 8)
-                        P.sts_v2(xbuf + (i * bt + r) * (s.hs * 2) + unit * 16 + (q % 2) * 8, wds[ri][0], wds[ri][1])
                     a = (wds[0][0], wds[1][0], wds[0][1], wds[1][1])
                     for p in cutlass.range_constexpr(3):
                         for nt in cutlass.range_constexpr(s.nt):
@@ -325,6 +321,27 @@ class MhcPersistent(MhcCluster):
                     d = P.mma_bf16_sq(a, [sq[e] for e in range(8)])
                     for e in cutlass.range_constexpr(8):
                         sq[e] = d[e]
+        P.cp_async_commit()
+
+    @cute.jit
+    def _xp_load(self, xc, src, blk, tokens, col0, warp, lane):
+        """x' of block ``blk`` at this warp's tokens of the combination (warp w: tokens w, w + W,
+        ...) and this lane's units (8 columns each, all n streams), from global memory (L2: this CTA
+        stored it an iteration ago), into ``xc``."""
+        s = self.s
+        base, st, sn = src
+        per_lane = (s.units + 31) // 32
+        ragged = per_lane * 32 != s.units
+        for e in cutlass.range_constexpr(s.bt // s.warps):
+            row = blk * s.bt + warp + e * s.warps
+            live = Int32(row < tokens)
+            for f in cutlass.range_constexpr(per_lane):
+                u = lane + 32 * f
+                ok = live * Int32(u < s.units) if ragged else live
+                for j in cutlass.range_constexpr(s.n):
+                    w = P.ldg_v4_cg(base + (Int64(row) * st + Int64(j) * sn + Int64(col0 + 8 * u)) * 2, ok)
+                    for v in cutlass.range_constexpr(4):
+                        xc[((e * per_lane + f) * s.n + j) * 4 + v] = w[v]
 
     @cute.jit
     def _coef_row(self, row_a, i: int) -> list:
@@ -388,15 +405,19 @@ class MhcPersistent(MhcCluster):
                 self._send(part + (rank * (kpad + 1) + col) * 4, t, tot, mbar)
 
     @cute.jit
-    def _norm_sums(self, mixed, xbuf, hpre, hsq, mbar, rank, warp, lane):
-        """First combination pass of a block: s = sum_j H_pre[j] x'_j at this lane's columns (into
-        ``mixed``, registers kept for the second pass) and each token's sum of squares of s over
-        this CTA's columns, pushed to every CTA (row t, column rank)."""
+    def _norm_sums(self, mixed, xc, hpre, hsq, mbar, rank, warp, lane):
+        """First combination pass of a block: s = sum_j H_pre[j] x'_j from the x' words in ``xc``
+        (``_xp_load``) into ``mixed`` (registers kept for the second pass), and each token's sum of
+        squares of s over this CTA's columns, pushed to every CTA (row t, column rank)."""
         s = self.s
+        n = s.n
         per_lane = (s.units + 31) // 32
         tpw = s.bt // s.warps
         ts = [warp + e * s.warps for e in range(tpw)]
-        hs_ = self._mix_group(xbuf, hpre, ts, lane, per_lane)
+        coefs = [[P.lds_f32(hpre + (t * n + j) * 4) for j in range(n)] for t in ts]
+        words = [[[[xc[((e * per_lane + f) * n + j) * 4 + v] for v in range(4)] for j in range(n)]
+                  for f in range(per_lane)] for e in range(tpw)]
+        hs_ = self._mix_words(coefs, words)
         for e in cutlass.range_constexpr(tpw):
             for f in cutlass.range_constexpr(per_lane):
                 for k in cutlass.range_constexpr(8):

@@ -148,6 +148,14 @@ def ldg_v2_nc(addr):
     return [Int32(v) for v in _fields(r, T.i32(), 2)]
 
 
+def ldg_v4_cg(addr, live):
+    """Four words from L2 (not L1: written by this kernel), zeros where ``live`` is 0."""
+    r = asm(_struct(T.i32(), 4), [addr, live],
+            "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
+            "@p ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,l,r")
+    return [Int32(v) for v in _fields(r, T.i32(), 4)]
+
+
 def ldg_v4_f32(addr):
     r = asm(_struct(T.f32(), 4), [addr], "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")
     return [Float32(v) for v in _fields(r, T.f32(), 4)]
