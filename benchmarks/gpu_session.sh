@@ -34,6 +34,7 @@
 #      kernel's GPU tests, then as asked: its variants (MHC_CLUSTER_VARIANTS) beside the Triton two
 #      launches, bench mhc (MHC_BENCH=1, the dated record), ncu of it (MHC_NCU), ncu's warp-stall
 #      samples per SASS instruction of one variant (MHC_NCU_SASS)
+#   p  as m, without the cluster kernel's suite (only the MHC_TESTS given, if any)
 #   w  every GPU visible (4 or 8: the 4- and 8-GPU issue): the NCCL parallel matrix at 2, 4 and 8
 #      ranks, bench allreduce --world N and bench decode --tp 1 2 N (dated records)
 # Logs and results go to $OUT (the device tool brings them back).
@@ -218,7 +219,8 @@ u)
   # (split -b 42M .cute1/cu13.tar.xz: .cute1a/ *.aa) wait here for stage m, which brings the rest.
   mkdir -p /tmp/cute_parts && cp .cute1a/* /tmp/cute_parts/ && echo "part 1 in place" || exit 1
   ;;
-m)
+m|p)
+  # p: as m without the cluster kernel's test suite (MHC_TESTS alone, if set).
   [ -f /tmp/cute_parts/cu13part.aa ] || { echo "machine not warm: redo stage u"; exit 3; }
   mkdir -p /tmp/site && cat /tmp/cute_parts/cu13part.aa .cute1b/* | xz -T8 -dc | tar -xf - -C /tmp/site || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 .cute2/*.whl \
@@ -227,9 +229,12 @@ m)
   versions | tee "$OUT/versions-m.txt"
   # MHC_TESTS: more pytest arguments (files, -k) beside the cluster kernel's tests;
   # MHC_TESTS_TIMEOUT, MHC_VARIANTS_TIMEOUT: their limits in seconds (a variant that hangs costs no more).
-  eval "pt ${MHC_TESTS_TIMEOUT:-300} -m gpu tests/test_mhc_cluster.py -rf ${MHC_TESTS:-}" > "$OUT/m-tests.log" 2>&1
-  grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
-  tail -2 "$OUT/m-tests.log"
+  suite=tests/test_mhc_cluster.py; [ "$stage" = p ] && suite=
+  if [ -n "$suite${MHC_TESTS:-}" ]; then
+    eval "pt ${MHC_TESTS_TIMEOUT:-300} -m gpu $suite -rf ${MHC_TESTS:-}" > "$OUT/m-tests.log" 2>&1
+    grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
+    tail -2 "$OUT/m-tests.log"
+  fi
   # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items) at H = 4096, then
   # MHC_CLUSTER_VARIANTS_WIDE at H = 7168, each with one profiled call.
   if [ -n "${MHC_CLUSTER_VARIANTS:-}" ]; then

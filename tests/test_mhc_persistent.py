@@ -115,3 +115,26 @@ def test_gpu_persistent_matches_reference(t, n, c, op, monkeypatch):
     if op == "update+read":
         monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 0)
         assert torch.equal(run()[0], got[0]), "x' differs from the cluster kernel's (the same mix)"
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_takes_coefficient_rows_off_16_byte_boundaries(monkeypatch):
+    # The variant copies H_post and H_res rows 16 bytes at a time at n = 4; views that start 4 bytes
+    # past a boundary go through an aligned copy and give the same bits.
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import cluster_ops
+
+    t, n, c = 300, 4, 4096
+    params = _params(n, c)
+    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, stride=8)
+    off_post = torch.empty(t * n + 1, device=x.device)[1:].view(t, n)
+    off_res = torch.empty(t * n * n + 1, device=x.device)[1:].view(t, n, n)
+    off_post.copy_(h_post)
+    off_res.copy_(h_res)
+    assert off_post.data_ptr() % 16 and off_res.data_ptr() % 16
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 1)
+    got = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
+    off = cluster_ops.mhc_update_read_cluster(x, y, off_post, off_res, params, w, 1e-6, norm_offset=1.0)
+    assert all(torch.equal(a, b) for a, b in zip(got, off))

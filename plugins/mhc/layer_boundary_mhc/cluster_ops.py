@@ -59,7 +59,7 @@ SINKHORN_TOKENS = 64
 # (``cute_persistent``: phi resident, clusters that take 16-token blocks in turn, as many as fit the
 # GPU at once) where its shape fits (n = 4: H up to 4096), PERSISTENT_WARPS warps a CTA.
 PERSISTENT_TOKENS = 0
-PERSISTENT_WARPS = 16
+PERSISTENT_WARPS = 8
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
@@ -264,6 +264,11 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
 
     yy = y if update else x
     xo = streams_out if update else x
+    if shape.persistent and update and n == 4:
+        # The persistent variant copies these rows 16 bytes at a time (contiguous rows of 16 and
+        # 64 bytes); a view that starts off a 16-byte boundary goes through an aligned copy.
+        h_post = h_post if h_post.data_ptr() % 16 == 0 else h_post.clone()
+        h_res = h_res if h_res.data_ptr() % 16 == 0 else h_res.clone()
     blocks = (t + shape.bt - 1) // shape.bt
     clusters = [min(blocks, _resident_clusters(x.device))] if shape.persistent else []
     fn(ptr(x, x), ptr(yy, x), ptr(h_post, h_post_out, 4), ptr(h_res, h_res_out, 4), ptr(xo, x), ptr(phf, phf),

@@ -126,7 +126,14 @@ class PersistentShape:
         self.chunk_slot = (n + 1 if update else n) * 16 * 32  # the n stream tiles and y: 16 rows of 32 bytes
         self.warp_slot = self.cpw * self.chunk_slot
         self.slot_bytes = warps * self.warp_slot
-        self.smem = (self.phi_bytes + self.slot_bytes + self.coef_bytes + self.wp_bytes
+        # Kept in shared memory rather than registers held across the loop by every warp: the
+        # parameters warp 0's coefficient step reads (6 a lane), this CTA's columns of the norm
+        # weight (FP32), and each thread's combination of a block between its two passes.
+        self.consts_bytes = 6 * 32 * 4
+        self.w_bytes = self.hs * 4
+        self.mixed_bytes = self.threads * (self.bt // warps) * (-(-self.units // 32)) * 32
+        self.aux_bytes = self.consts_bytes + self.w_bytes + self.mixed_bytes
+        self.smem = (self.phi_bytes + self.slot_bytes + self.aux_bytes + self.coef_bytes + self.wp_bytes
                      + 2 * (self.part_bytes + self.hpre_bytes + self.hsq_bytes) + 6 * 8 + 1024)
         self.stages = 0
         self.problem = self._problem()

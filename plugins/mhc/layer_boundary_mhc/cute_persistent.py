@@ -75,7 +75,10 @@ class MhcPersistent(ClusterSteps):
         _, ncl, _ = cute.arch.grid_dim()
         tid, rank, warp, lane, g, q, phi_s = self._start()
         slots = phi_s + s.phi_bytes  # per warp: x and y tiles of its chunks of the next block
-        coef = slots + s.slot_bytes  # the block's H_post and H_res rows
+        consts_s = slots + s.slot_bytes  # [6][lane]: what warp 0's coefficient step reads
+        w_s = consts_s + s.consts_bytes  # FP32 norm weight (plus offset) of this CTA's columns
+        mixed_s = w_s + s.w_bytes  # [(token, unit) pair][thread][2 x 16 bytes]: s between the passes
+        coef = slots + s.slot_bytes + s.aux_bytes  # the block's H_post and H_res rows
         wp = coef + s.coef_bytes  # per-warp partials
         part0 = wp + s.wp_bytes  # [parity][CTA][K + 1]: the partials of this CTA's token
         hpre0 = part0 + 2 * s.part_bytes  # [parity][BT][n]
@@ -99,6 +102,7 @@ class MhcPersistent(ClusterSteps):
         nloc = (blocks - cid + ncl - 1) // ncl
         slot = slots + warp * s.warp_slot
         fill = self._fill_plan(lane, warp, col0, x_a, y_a, sxt, sxn, syt)
+        stash = mixed_s + tid * 16
         xol = xo_a + (Int64(g) * sot + Int64(col0 + 4 * q)) * 2
         # Where the combination reads x' back (from L2: this CTA stored it an iteration before).
         if cutlass.const_expr(s.update):
@@ -117,19 +121,24 @@ class MhcPersistent(ClusterSteps):
             P.cp_async16_if(phi_s + idx * 16, phf_a + Int64(rank) * s.phi_bytes + Int64(idx * 16), Int32(16),
                             Int32(idx < pieces))
         P.cp_async_commit()
+        w_a = Int64(w32.toint()) + Int64(col0) * 4
+        for k in cutlass.range_constexpr((s.w_bytes // 16 + s.threads - 1) // s.threads):
+            idx = tid + k * s.threads
+            P.cp_async16_if(w_s + idx * 16, w_a + Int64(idx * 16), Int32(16), Int32(idx < s.w_bytes // 16))
         if cutlass.const_expr(s.update):
             self._coef_issue(tid, cid, tokens, hp_a, hr_a, coef)
         for k in cutlass.range_constexpr(s.cpw):
-            self._fill(fill[k], slot + k * s.chunk_slot, cid, tokens, Int32(1), lane)
+            self._fill(fill, k, slot + k * s.chunk_slot, cid, tokens, Int32(1), warp, lane)
         P.cp_async_commit()
-        consts = self._coef_consts(lane, alpha, bpre, bpost, bres)
+        if warp == 0:
+            consts = self._coef_consts(lane, alpha, bpre, bpost, bres)
+            for k in cutlass.range_constexpr(6):
+                P.sts_f32(consts_s + (k * 32 + lane) * 4, consts[k])
         acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
         sq = cute.make_rmem_tensor((8,), Float32)
         per_lane = (s.units + 31) // 32
         tpw = s.bt // nw
-        mixed = cute.make_rmem_tensor((tpw * per_lane * 8,), Float32)
         xc = cute.make_rmem_tensor((tpw * per_lane * n * 4,), Int32)
-        w_a = Int64(w32.toint()) + Int64(col0) * 4
         for it in cutlass.range(nloc + 2, unroll=1):
             par = it % 2
             blk = cid + it * ncl
@@ -150,8 +159,9 @@ class MhcPersistent(ClusterSteps):
                 if warp == 0:
                     pv = (it - 1) % 2
                     self._token_coefficients(part0 + pv * s.part_bytes, hpre0 + pv * s.hpre_bytes, mb, pv, it - 1,
-                                             (blk - ncl) * bt + rank, tokens, rank, lane, consts, hpo, hro, eps,
-                                             cyc)
+                                             (blk - ncl) * bt + rank, tokens, rank, lane,
+                                             [P.lds_f32(consts_s + (k * 32 + lane) * 4) for k in range(6)], hpo,
+                                             hro, eps, cyc)
                 t0 = self._clock()
             if it >= 2:
                 # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
@@ -161,7 +171,7 @@ class MhcPersistent(ClusterSteps):
                 t0 = self._lap(cyc, 2, t0)
                 if tid == 0:
                     P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
-                self._normalized(mixed, hsq0 + par * s.hsq_bytes, w_a, out, blk - 2 * ncl, tokens, sit, col0,
+                self._normalized(stash, hsq0 + par * s.hsq_bytes, w_s, out, blk - 2 * ncl, tokens, sit, col0,
                                  norm_eps, warp, lane)
                 t0 = self._lap(cyc, 3, t0)
             if it < nloc:
@@ -178,7 +188,7 @@ class MhcPersistent(ClusterSteps):
                 t0 = self._lap(cyc, 6, t0)
                 if tid == 0:
                     P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
-                self._norm_sums(mixed, xc, hpre0 + (1 - par) * s.hpre_bytes, hsq0 + (1 - par) * s.hsq_bytes,
+                self._norm_sums(stash, xc, hpre0 + (1 - par) * s.hpre_bytes, hsq0 + (1 - par) * s.hsq_bytes,
                                 mb + 32 + 8 * (1 - par), rank, warp, lane)
                 t0 = self._lap(cyc, 7, t0)
         if cutlass.const_expr(s.profile):
@@ -203,11 +213,16 @@ class MhcPersistent(ClusterSteps):
             tot = tot + P.lds_f32(src + cr * (kpad + 1) * 4)
         if lane == 0:
             P.mbar_expect_tx(mb + 8 * par, s.cl * (kpad + 1) * 4)
-        h_pre, is_pre = self._coefficients(tot, Int64(t), Int32(t < tokens), lane, None, None, None, None, hpo, hro,
+        h_pre, _ = self._coefficients(tot, Int64(t), Int32(t < tokens), lane, None, None, None, None, hpo, hro,
                                            eps, consts)
-        if is_pre != 0:
-            for cr in cutlass.range_constexpr(s.cl):
-                self._send(hpre + (rank * s.n + lane) * 4, Int32(cr), h_pre, mb + 16 + 8 * par)
+        # Lane l sends H_pre[l % n] to CTA l // n (and so on a round later): two rounds of sends at
+        # n = 4 instead of 16 from the n lanes that hold a value.
+        sends = s.cl * s.n
+        for k in cutlass.range_constexpr((sends + 31) // 32):
+            idx = lane + 32 * k
+            v = P.shfl_idx(h_pre, idx % s.n)
+            if idx < sends:
+                self._send(hpre + (rank * s.n + idx % s.n) * 4, idx // s.n, v, mb + 16 + 8 * par)
         self._lap(cyc, 10, t0)
 
     @cute.jit
@@ -220,49 +235,57 @@ class MhcPersistent(ClusterSteps):
 
     @cute.jit
     def _coef_issue(self, tid, blk, tokens, hp_a, hr_a, coef):
-        """cp.async of block ``blk``'s H_post and H_res rows (4-byte copies: any n; zeros past the
-        last token), one group."""
+        """cp.async of block ``blk``'s H_post and H_res rows (zeros past the last token), one group:
+        at n = 4 five 16-byte copies a token (``cluster_ops.launch`` hands over 16-byte aligned
+        rows), otherwise 4-byte copies."""
         s = self.s
         n, nc = s.n, s.ncoef
-        items = s.bt * nc
+        vec = n == 4
+        per = nc // 4 if vec else nc  # copies a token
+        items = s.bt * per
         for k in cutlass.range_constexpr((items + s.threads - 1) // s.threads):
             idx = tid + k * s.threads
-            t = idx // nc
-            e = idx - t * nc
+            t = idx // per
+            e = idx - t * per
             row = blk * s.bt + t
             live = Int32(row < tokens) * Int32(idx < items)
             r64 = Int64(row * live)
-            post = Int32(e < n)
-            src = (hp_a + (r64 * n + Int64(e)) * 4) * Int64(post) + \
-                (hr_a + (r64 * (n * n) + Int64(e - n)) * 4) * Int64(1 - post)
-            P.cp_async4_if(coef + t * s.coef_row + e * 4, src, live * 4, Int32(idx < items))
+            post = Int32(e < (1 if vec else n))
+            if cutlass.const_expr(vec):
+                src = (hp_a + r64 * 16) * Int64(post) + (hr_a + r64 * 64 + Int64(e - 1) * 16) * Int64(1 - post)
+                P.cp_async16_if(coef + t * s.coef_row + e * 16, src, live * 16, Int32(idx < items))
+            else:
+                src = (hp_a + (r64 * n + Int64(e)) * 4) * Int64(post) + \
+                    (hr_a + (r64 * (n * n) + Int64(e - n)) * 4) * Int64(1 - post)
+                P.cp_async4_if(coef + t * s.coef_row + e * 4, src, live * 4, Int32(idx < items))
         P.cp_async_commit()
 
     @cute.jit
-    def _fill_plan(self, lane, warp, col0, x_a, y_a, sxt, sxn, syt) -> list:
-        """This lane's cp.async of each of its warp's chunks, worked out once: per chunk, per tile
-        (the n streams, then y), the source at block 0 and its step a block. A tile is 16 rows of
-        32 bytes; lane l copies row l // 2, half l % 2, of every tile of the chunk."""
+    def _fill_plan(self, lane, warp, col0, x_a, y_a, sxt, sxn, syt) -> tuple:
+        """This lane's cp.async sources, worked out once: (x at block 0 and the CTA's chunk 0, y likewise,
+        a block's step of each, a stream's step). A chunk's slot holds its tiles (the n streams,
+        then y) of 16 rows of 32 bytes; lane l copies row l // 2, half l % 2, of every tile."""
         s = self.s
-        r, half = lane // 2, lane % 2
-        plan = []
-        for k in cutlass.range_constexpr(s.cpw):
-            col = Int64(col0 + 16 * cutlass.min(warp + k * s.warps, s.nch - 1) + 8 * half)
-            tiles = [(x_a + (Int64(r) * sxt + Int64(j) * sxn + col) * 2, Int64(s.bt) * sxt * 2) for j in range(s.n)]
-            if cutlass.const_expr(s.update):
-                tiles.append((y_a + (Int64(r) * syt + col) * 2, Int64(s.bt) * syt * 2))
-            plan.append(tiles)
-        return plan
+        col = Int64(col0 + 8 * (lane % 2))
+        r = Int64(lane // 2)
+        return (x_a + (r * sxt + col) * 2, y_a + (r * syt + col) * 2, Int64(s.bt) * sxt * 2, Int64(s.bt) * syt * 2,
+                Int64(sxn) * 2)
 
     @cute.jit
-    def _fill(self, tiles, dst, blk, tokens, ok, lane):
-        """cp.async of one chunk of block ``blk`` into its slot at ``dst`` (``_fill_plan``'s tiles),
+    def _fill(self, plan, k: int, dst, blk, tokens, ok, warp, lane):
+        """cp.async of the warp's chunk k of block ``blk`` into its slot at ``dst`` (``_fill_plan``),
         where ``ok``; rows past the last token arrive as zeros. No commit."""
-        live = Int32(blk * self.s.bt + lane // 2 < tokens)
-        for a in cutlass.range_constexpr(len(tiles)):
-            src, step = tiles[a]
-            P.cp_async16_if(dst + (a * 16 + lane // 2) * 32 + (lane % 2) * 16, src + Int64(blk) * step * Int64(live),
-                            live * 16, ok)
+        s = self.s
+        x0, y0, xstep, ystep, nstep = plan
+        live = Int32(blk * s.bt + lane // 2 < tokens)
+        # Chunk warp + k W (past the CTA's last chunk: its last again, never read).
+        kcol = Int64(32 * cutlass.min(warp + k * s.warps, s.nch - 1))
+        xs = x0 + (Int64(blk) * xstep + kcol) * Int64(live)
+        for a in cutlass.range_constexpr(s.n):
+            P.cp_async16_if(dst + (a * 16 + lane // 2) * 32 + (lane % 2) * 16, xs + Int64(a) * nstep, live * 16, ok)
+        if cutlass.const_expr(s.update):
+            ys = y0 + (Int64(blk) * ystep + kcol) * Int64(live)
+            P.cp_async16_if(dst + (s.n * 16 + lane // 2) * 32 + (lane % 2) * 16, ys, live * 16, ok)
 
     @cute.jit
     def _stream(self, slot, fill, blk, ok_next, ncl, tokens, phi_s, coef, xol, sot, son, warp, g, q, acc, sq):
@@ -287,7 +310,7 @@ class MhcPersistent(ClusterSteps):
                 words = [[P.lds_v2(base + (j * 16 + r) * 32 + q * 8) for j in range(tiles)] for r in (r0, r1)]
                 vals = [[P.unpack(w[0]) + P.unpack(w[1]) for w in per_r] for per_r in words]
                 cute.arch.sync_warp()
-                self._fill(fill[k], base, blk + ncl, tokens, ok_next, g * 4 + q)
+                self._fill(fill, k, base, blk + ncl, tokens, ok_next, warp, g * 4 + q)
                 for i in cutlass.range_constexpr(n):
                     # phi's fragments of stream i (smallest part first), then its coefficients, all
                     # loaded before the mix whose FMAs cover their latency.
@@ -405,10 +428,11 @@ class MhcPersistent(ClusterSteps):
                 self._send(part + (rank * (kpad + 1) + col) * 4, t, tot, mbar)
 
     @cute.jit
-    def _norm_sums(self, mixed, xc, hpre, hsq, mbar, rank, warp, lane):
+    def _norm_sums(self, stash, xc, hpre, hsq, mbar, rank, warp, lane):
         """First combination pass of a block: s = sum_j H_pre[j] x'_j from the x' words in ``xc``
-        (``_xp_load``) into ``mixed`` (registers kept for the second pass), and each token's sum of
-        squares of s over this CTA's columns, pushed to every CTA (row t, column rank)."""
+        (``_xp_load``) to this thread's ``stash`` in shared memory (for the second pass), and each
+        token's sum of squares of s over this CTA's columns, pushed to every CTA (row t, column
+        rank)."""
         s = self.s
         n = s.n
         per_lane = (s.units + 31) // 32
@@ -420,8 +444,8 @@ class MhcPersistent(ClusterSteps):
         hs_ = self._mix_words(coefs, words)
         for e in cutlass.range_constexpr(tpw):
             for f in cutlass.range_constexpr(per_lane):
-                for k in cutlass.range_constexpr(8):
-                    mixed[(e * per_lane + f) * 8 + k] = hs_[e][f][k]
+                for h in cutlass.range_constexpr(2):
+                    P.sts_v4_f32(stash + ((e * per_lane + f) * 2 + h) * s.threads * 16, *hs_[e][f][4 * h:4 * h + 4])
         sqs = self._square_sums(hs_, lane, per_lane)
         sends = tpw * s.cl
         for k in cutlass.range_constexpr((sends + 31) // 32):
@@ -431,9 +455,10 @@ class MhcPersistent(ClusterSteps):
                 self._send(hsq + ((warp + e * s.warps) * s.cl + rank) * 4, idx - e * s.cl, _pick(sqs, e), mbar)
 
     @cute.jit
-    def _normalized(self, mixed, hsq, w_a, out, blk, tokens, sit, col0, norm_eps, warp, lane):
-        """Second combination pass of block ``blk``: s (``mixed``, from the first) over the root mean
-        square of the cluster's sums (in rank order), times the weight, rounded once, to ``out``."""
+    def _normalized(self, stash, hsq, w_s, out, blk, tokens, sit, col0, norm_eps, warp, lane):
+        """Second combination pass of block ``blk``: s (``stash``, from the first) over the root mean
+        square of the cluster's sums (in rank order), times the weight (``w_s``), rounded once, to
+        ``out``."""
         s = self.s
         per_lane = (s.units + 31) // 32
         ragged = per_lane * 32 != s.units
@@ -441,8 +466,8 @@ class MhcPersistent(ClusterSteps):
         ts = [warp + e * s.warps for e in range(tpw)]
         wvs = []
         for f in cutlass.range_constexpr(per_lane):
-            u_a = w_a + Int64(cutlass.min(lane + 32 * f, s.units - 1)) * 32
-            wvs.append(P.ldg_v4_f32(u_a) + P.ldg_v4_f32(u_a + 16))
+            u_s = w_s + cutlass.min(lane + 32 * f, s.units - 1) * 32
+            wvs.append(P.lds_v4_f32(u_s) + P.lds_v4_f32(u_s + 16))
         tots = []
         for t in ts:
             parts = []
@@ -458,7 +483,8 @@ class MhcPersistent(ClusterSteps):
             r2 = P.rsqrt(tots[e] / Float32(s.c) + norm_eps)
             for f in cutlass.range_constexpr(per_lane):
                 u = lane + 32 * f
-                h = [mixed[(e * per_lane + f) * 8 + k] for k in range(8)]
+                h = (P.lds_v4_f32(stash + ((e * per_lane + f) * 2) * s.threads * 16)
+                     + P.lds_v4_f32(stash + ((e * per_lane + f) * 2 + 1) * s.threads * 16))
                 wv = wvs[f]
                 o = [P.pack((h[2 * k] * r2) * wv[2 * k], (h[2 * k + 1] * r2) * wv[2 * k + 1]) for k in range(4)]
                 dst = Int64(out.toint()) + (Int64(row) * sit + Int64(col0 + 8 * u)) * 2

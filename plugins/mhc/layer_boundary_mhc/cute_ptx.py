@@ -54,6 +54,10 @@ def sts_v2(addr, a, b):
     asm(None, [addr, a, b], "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r")
 
 
+def sts_v4_f32(addr, a, b, c, d):
+    asm(None, [addr, a, b, c, d], "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f")
+
+
 def sts_f32(addr, v):
     asm(None, [addr, v], "st.shared.f32 [$0], $1;", "r,f")
 
