@@ -35,6 +35,27 @@ def test_persistent_shape_plan_and_refusals():
     assert "warps" in PersistentShape(4, 4096, True, 20, warps=10).problem  # 10 is not a multiple of 4 slots
 
 
+@pytest.mark.parametrize("n", [4, 3, 2])
+def test_phi_fragment_pairs_are_the_fragments_in_the_order_of_use(n):
+    c = 64
+    k = n * n + 2 * n
+    phi = torch.randn(n * c, k, generator=torch.Generator().manual_seed(n)) * 0.02
+    frag = cluster_ops.phi_fragments(phi, n)  # [C / 16, n, 3, NT, 8, 4, 4]
+    pairs = cluster_ops.phi_fragment_pairs(phi, n)
+    nt = frag.shape[3]
+    assert pairs.shape == (c // 16, n, 3 * nt * 128)
+    for ch in range(c // 16):
+        for i in range(n):
+            for u in range(3 * nt):
+                part, t = 2 - u // nt, u % nt  # the smallest part first
+                want = frag[ch, i, part, t].reshape(32, 4)  # lane 4 g + q: 4 values
+                if u < (3 * nt) // 2 * 2:
+                    got = pairs[ch, i, (u // 2) * 256:(u // 2 + 1) * 256].view(32, 2, 4)[:, u % 2]
+                else:
+                    got = pairs[ch, i, (u // 2) * 256:].view(32, 4)
+                assert torch.equal(got, want), (ch, i, u)
+
+
 def test_calls_take_the_persistent_variant_from_its_token_count(monkeypatch):
     from layer_boundary_mhc import cluster_ops
 

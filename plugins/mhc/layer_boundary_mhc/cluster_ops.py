@@ -22,7 +22,7 @@ import torch
 from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
-           "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
+           "phi_fragments", "phi_fragment_pairs", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
            "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
            "PERSISTENT_WARPS", "persistent_shape"]
 
@@ -87,6 +87,19 @@ def phi_fragments(phi: torch.Tensor, n: int) -> torch.Tensor:
     parts = torch.stack((hi, mid, rest - mid)).to(torch.bfloat16)  # [3, n C, 8 NT]
     # rows i C + 16 ch + 4 q + e, columns 8 nt + g  ->  (ch, i, part, nt, g, q, e)
     return parts.view(3, n, c // 16, 4, 4, nt, 8).permute(2, 1, 0, 5, 6, 3, 4).contiguous()
+
+
+def phi_fragment_pairs(phi: torch.Tensor, n: int) -> torch.Tensor:
+    """``[C / 16, n, 3 NT x 128]`` bf16: ``phi_fragments`` as the persistent variant reads them, per
+    (chunk, stream) in the order its MMAs use them (part low to high, then n-tile), two fragments a
+    lane side by side (16-byte loads: ``[pair][lane][2 fragments]``), the odd one last
+    (``[lane][fragment]``)."""
+    frag = phi_fragments(phi, n)
+    chunks, nt = frag.shape[0], frag.shape[3]
+    used = frag.flip(2).reshape(chunks, n, 3 * nt, 32, 4)
+    pairs = (3 * nt) // 2
+    both = used[:, :, :2 * pairs].reshape(chunks, n, pairs, 2, 32, 4).transpose(3, 4).reshape(chunks, n, -1)
+    return torch.cat((both, used[:, :, 2 * pairs:].reshape(chunks, n, -1)), dim=2).contiguous()
 
 
 _SHAPES: dict[tuple, Any] = {}
@@ -249,7 +262,10 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
     fn = _compiled(shape)
     from .triton_ops import derived
 
-    phf = derived(phi, ("fragments", n), lambda: phi_fragments(phi, n))
+    if shape.persistent:
+        phf = derived(phi, ("fragment pairs", n), lambda: phi_fragment_pairs(phi, n))
+    else:
+        phf = derived(phi, ("fragments", n), lambda: phi_fragments(phi, n))
     w32 = derived(norm_weight, ("w32", norm_offset), lambda: (norm_weight.float() + norm_offset).contiguous())
 
     import cutlass

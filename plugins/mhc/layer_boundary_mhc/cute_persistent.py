@@ -311,30 +311,31 @@ class MhcPersistent(ClusterSteps):
                 vals = [[P.unpack(w[0]) + P.unpack(w[1]) for w in per_r] for per_r in words]
                 cute.arch.sync_warp()
                 self._fill(fill, k, base, blk + ncl, tokens, ok_next, warp, g * 4 + q)
-                for i in cutlass.range_constexpr(n):
-                    # phi's fragments of stream i (smallest part first), then its coefficients, all
-                    # loaded before the mix whose FMAs cover their latency.
-                    frag = phi_s + ((ch * n + i) * 3) * s.nt * 256 + q * 8 + g * 32
-                    fr = [P.lds_v2(frag + ((2 - p) * s.nt + nt) * 256) for p in range(3) for nt in range(s.nt)]
-                    cfs = [self._coef_row(coef + r * s.coef_row, i) for r in (r0, r1)] if s.update else []
-                    wds = []  # [ri] -> 2 words of stream i
-                    for ri in cutlass.range_constexpr(2):
-                        if cutlass.const_expr(s.update):
-                            cf = cfs[ri]
+                # Row by row, every stream's x' (mixed, rounded once) from the row's coefficients
+                # (loaded once for all streams), stored to HBM; then the MMAs stream by stream, each
+                # stream's phi fragments loaded during the previous stream's.
+                wds = []  # [ri][i] -> 2 words
+                for ri in cutlass.range_constexpr(2):
+                    per_i = []
+                    if cutlass.const_expr(s.update):
+                        cf = self._coef_row(coef + (r0 + 8 * ri) * s.coef_row)
+                        for i in cutlass.range_constexpr(n):
                             mixed = []
                             for e in cutlass.range_constexpr(4):
-                                v = cf[0] * vals[ri][n][e]
+                                v = cf[i] * vals[ri][n][e]
                                 for j in cutlass.range_constexpr(n):
-                                    v = P.fma(cf[1 + j], vals[ri][j][e], v)
+                                    v = P.fma(cf[n + i * n + j], vals[ri][j][e], v)
                                 mixed.append(v)
-                            wds.append((P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])))
-                        else:
-                            wds.append((words[ri][i][0], words[ri][i][1]))
-                    if cutlass.const_expr(s.update):
-                        for ri in cutlass.range_constexpr(2):
+                            per_i.append((P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])))
                             P.stg_v2(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(ch * 32),
-                                     wds[ri][0], wds[ri][1], lv[ri])
-                    a = (wds[0][0], wds[1][0], wds[0][1], wds[1][1])
+                                     per_i[i][0], per_i[i][1], lv[ri])
+                    else:
+                        per_i = [(words[ri][i][0], words[ri][i][1]) for i in range(n)]
+                    wds.append(per_i)
+                fr = self._phi_frags(phi_s, ch, 0, g * 4 + q)
+                for i in cutlass.range_constexpr(n):
+                    nxt = self._phi_frags(phi_s, ch, i + 1, g * 4 + q) if i + 1 < n else []
+                    a = (wds[0][i][0], wds[1][i][0], wds[0][i][1], wds[1][i][1])
                     for p in cutlass.range_constexpr(3):
                         for nt in cutlass.range_constexpr(s.nt):
                             b = fr[p * s.nt + nt]
@@ -344,6 +345,7 @@ class MhcPersistent(ClusterSteps):
                     d = P.mma_bf16_sq(a, [sq[e] for e in range(8)])
                     for e in cutlass.range_constexpr(8):
                         sq[e] = d[e]
+                    fr = nxt
         P.cp_async_commit()
 
     @cute.jit
@@ -367,12 +369,27 @@ class MhcPersistent(ClusterSteps):
                         xc[((e * per_lane + f) * s.n + j) * 4 + v] = w[v]
 
     @cute.jit
-    def _coef_row(self, row_a, i: int) -> list:
-        """(H_post[i], H_res[i, 0..n-1]) of one token's coefficient row in shared memory."""
+    def _coef_row(self, row_a) -> list:
+        """A token's coefficient row in shared memory: H_post (n values), then H_res row-major."""
         n = self.s.n
         if cutlass.const_expr(n == 4):
-            return [P.lds_f32(row_a + 4 * i)] + P.lds_v4_f32(row_a + 4 * (n + i * n))
-        return [P.lds_f32(row_a + 4 * i)] + [P.lds_f32(row_a + 4 * (n + i * n + j)) for j in range(n)]
+            return sum((P.lds_v4_f32(row_a + 16 * u) for u in range(5)), [])
+        return [P.lds_f32(row_a + 4 * e) for e in range(n + n * n)]
+
+    @cute.jit
+    def _phi_frags(self, phi_s, ch, i: int, lane) -> list:
+        """Stream i's phi fragments of chunk ``ch`` in the order of use (``phi_fragment_pairs``):
+        two words each."""
+        s = self.s
+        nf = 3 * s.nt
+        base = phi_s + (ch * s.n + i) * nf * 256
+        out = []
+        for k in cutlass.range_constexpr(nf // 2):
+            w = P.lds_v4(base + k * 512 + lane * 16)
+            out += [(w[0], w[1]), (w[2], w[3])]
+        if cutlass.const_expr(nf % 2):
+            out.append(tuple(P.lds_v2(base + (nf // 2) * 512 + lane * 8)))
+        return out
 
     @cute.jit
     def _partials(self, acc, sq, wp, part, mbar, rank, tid, warp, g, q, first):

@@ -259,9 +259,12 @@ def sel(cond, a, b):
 
 
 def mbar_wait_rt(addr, parity):
-    """As ``mbar_wait``, the phase parity a register (a barrier reused block after block)."""
+    """As ``mbar_wait``, the phase parity a register (a barrier reused block after block), with
+    acquire at CTA scope: what the waiter reads is this CTA's shared memory, written by st.async
+    whose bytes complete the phase, and the cluster scope costs an L1 invalidation (CCTL.IVALL)
+    at every wait."""
     asm(None, [addr, parity], "{ .reg .pred p; LB_WAIT_${:uid}: "
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1; "
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1; "
         "@!p bra LB_WAIT_${:uid}; }", "r,r")
 
 
