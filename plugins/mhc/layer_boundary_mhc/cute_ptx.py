@@ -122,6 +122,12 @@ def st_async_f32(addr, v, mbar):
     asm(None, [addr, v, mbar], "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [$0], $1, [$2];", "r,f,r")
 
 
+def st_async_v4_f32(addr, a, b, c, d, mbar):
+    """As ``st_async_f32``, four values (16 bytes, ``addr`` 16-byte aligned)."""
+    asm(None, [addr, a, b, c, d, mbar],
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$1, $2, $3, $4}, [$5];", "r,f,f,f,f,r")
+
+
 def cluster_arrive_relaxed():
     asm(None, [], "barrier.cluster.arrive.relaxed.aligned;", "")
 
