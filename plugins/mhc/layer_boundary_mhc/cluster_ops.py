@@ -24,7 +24,7 @@ from .coefficients import SINKHORN_ITERS
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "phi_fragment_pairs", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
            "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
-           "PERSISTENT_WARPS", "persistent_shape"]
+           "PERSISTENT_WARPS", "PERSISTENT_SPLIT_STORES", "persistent_shape"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -60,6 +60,10 @@ SINKHORN_TOKENS = 64
 # GPU at once) where its shape fits (n = 4: H up to 4096), PERSISTENT_WARPS warps a CTA.
 PERSISTENT_TOKENS = 0
 PERSISTENT_WARPS = 8
+# x' leaves the persistent variant as 4-byte stores (1) or 8-byte ones (0): the 8-byte store's pair
+# and the MMA's A fragment need the same registers in different quads, which ptxas resolves with
+# about 80 register moves a chunk and warp.
+PERSISTENT_SPLIT_STORES = 1
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
@@ -135,13 +139,14 @@ def _plan(n: int, hidden: int, update: bool, iters: int, sinkhorn: bool) -> Any:
 def persistent_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
     """The persistent variant's shape (``cluster_shape.PersistentShape``; its ``problem`` says why
     it does not fit)."""
-    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS, PROFILE is not None)
+    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS, PERSISTENT_SPLIT_STORES, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import PersistentShape
 
         shape = _SHAPES[key] = PersistentShape(n, hidden, update, iters, warps=PERSISTENT_WARPS,
-                                               profile=PROFILE is not None)
+                                               profile=PROFILE is not None,
+                                               split_stores=bool(PERSISTENT_SPLIT_STORES))
     return shape
 
 

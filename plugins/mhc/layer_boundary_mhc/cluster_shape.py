@@ -93,11 +93,9 @@ class PersistentShape:
     w, w + warps, ...), whose x and y tiles of the next block go by cp.async into the warp's slots
     (``chunk_slot`` bytes a chunk) as soon as it has read this block's. x' is not kept: the
     combination reads it back from L2 an iteration later, so one block's exchanges and
-    combination overlap the next block's stream pass without x' buffers in shared memory. The
-    partials of H_pre's logits and of the sums of squares go to every CTA, which computes the
-    H_pre of the tokens it combines; those of H_post and H_res go to the token's owner CTA, whose
-    warp 0 computes them a stream pass later. H_res leaves as its logits (the Sinkhorn runs after
-    the kernel)."""
+    combination overlap the next block's stream pass without x' buffers in shared memory. Warp 0
+    also computes the CTA's token's coefficients of each block, a stream pass after its partials
+    were pushed. H_res leaves as its logits (the Sinkhorn runs after the kernel)."""
 
     persistent = True
     cl = 16
@@ -111,8 +109,10 @@ class PersistentShape:
                 5: "coefficient loads", 6: "H_pre wait", 7: "first pass",
                 10: "partials wait (warp 0)", 11: "coefficients (warp 0)"}
 
-    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False) -> None:
+    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
+                 split_stores: bool = True) -> None:
         self.n, self.c, self.update, self.iters, self.profile = n, hidden, update, iters, profile
+        self.split_stores = split_stores  # x' stored 4 bytes at a time (else 8: register moves, cluster_ops)
         _sizes(self, n, hidden, self.cl, self.bt, warps)
         self.ctas = 1
         self.cpw = -(-self.nch // warps)
@@ -135,11 +135,8 @@ class PersistentShape:
         self.w_bytes = self.hs * 4
         self.mixed_bytes = self.threads * (self.bt // warps) * (-(-self.units // 32)) * 32
         self.aux_bytes = self.consts_bytes + self.w_bytes + self.mixed_bytes
-        # Every CTA's partials of H_pre's logits (4 a token, n used) and of the sums of squares, for
-        # every token of the block: [CTA][token][4], then [CTA][token].
-        self.pre_bytes = self.cl * self.bt * 20
         self.smem = (self.phi_bytes + self.slot_bytes + self.aux_bytes + self.coef_bytes + self.wp_bytes
-                     + 2 * (self.part_bytes + self.pre_bytes + self.hsq_bytes) + 6 * 8 + 1024)
+                     + 2 * (self.part_bytes + self.hpre_bytes + self.hsq_bytes) + 6 * 8 + 1024)
         self.stages = 0
         self.problem = self._problem()
 

@@ -81,10 +81,10 @@ class MhcPersistent(ClusterSteps):
         coef = slots + s.slot_bytes + s.aux_bytes  # the block's H_post and H_res rows
         wp = coef + s.coef_bytes  # per-warp partials
         part0 = wp + s.wp_bytes  # [parity][CTA][K + 1]: the partials of this CTA's token
-        pre0 = part0 + 2 * s.part_bytes  # [parity]: every CTA's partials of H_pre and the sums of squares
-        hsq0 = pre0 + 2 * s.pre_bytes  # [parity][BT][CTA]
-        mb = hsq0 + 2 * s.hsq_bytes  # barriers: partials, H_pre's partials, sums; two parities each
-        part_tx, pre_tx, hsq_tx = s.cl * (kpad + 1) * 4, s.cl * bt * (n + 1) * 4, s.cl * bt * 4
+        hpre0 = part0 + 2 * s.part_bytes  # [parity][BT][n]
+        hsq0 = hpre0 + 2 * s.hpre_bytes  # [parity][BT][CTA]
+        mb = hsq0 + 2 * s.hsq_bytes  # barriers: partials, H_pre, sums; two parities each
+        part_tx, hpre_tx, hsq_tx = s.cl * (kpad + 1) * 4, bt * n * 4, s.cl * bt * 4
 
         if tid == 0:
             for k in cutlass.range_constexpr(6):
@@ -92,7 +92,7 @@ class MhcPersistent(ClusterSteps):
             P.fence_mbar_init()
             for par in cutlass.range_constexpr(2):
                 P.mbar_expect_tx(mb + 8 * par, part_tx)
-                P.mbar_expect_tx(mb + 16 + 8 * par, pre_tx)
+                P.mbar_expect_tx(mb + 16 + 8 * par, hpre_tx)
                 P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
         P.cluster_arrive_relaxed()
 
@@ -153,13 +153,13 @@ class MhcPersistent(ClusterSteps):
                 t0 = self._lap(cyc, 1, t0)
             if it >= 1 and it <= nloc:
                 # ---- 2. block it - 1's x' (this warp's tokens of the combination) from L2, loaded
-                # while warp 0 computes H_post and H_res of this CTA's token of it (its partials
-                # arrived while block it streamed).
+                # while warp 0 computes the coefficients of this CTA's token of it: its partials
+                # arrived while block it streamed, and every CTA waits for its H_pre at 3a.
                 self._xp_load(xc, src, blk - ncl, tokens, col0, warp, lane)
                 if warp == 0:
                     pv = (it - 1) % 2
-                    self._token_coefficients(part0 + pv * s.part_bytes, mb, pv, it - 1, (blk - ncl) * bt + rank,
-                                             tokens, lane,
+                    self._token_coefficients(part0 + pv * s.part_bytes, hpre0 + pv * s.hpre_bytes, mb, pv, it - 1,
+                                             (blk - ncl) * bt + rank, tokens, rank, lane,
                                              [P.lds_f32(consts_s + (k * 32 + lane) * 4) for k in range(6)], hpo,
                                              hro, eps, cyc)
                 t0 = self._clock()
@@ -175,24 +175,21 @@ class MhcPersistent(ClusterSteps):
                                  norm_eps, warp, lane)
                 t0 = self._lap(cyc, 3, t0)
             if it < nloc:
-                self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, pre0 + par * s.pre_bytes,
-                               mb + 16 + 8 * par, rank, tid, warp, g, q, it == 0)
+                self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, rank, tid, warp, g, q,
+                               it == 0)
                 t0 = self._lap(cyc, 4, t0)
                 if cutlass.const_expr(s.update):
                     # Every thread read this block's coefficients (two barriers ago).
                     self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
                 t0 = self._lap(cyc, 5, t0)
             if it >= 1 and it <= nloc:
-                # ---- 3a. block it - 1: H_pre of this warp's tokens, s and its sums of squares,
-                # from the x' loaded at 2. Every CTA's partials of H_pre arrived while block it
-                # streamed. The next push of this parity (block it + 1) waits, at its sender, for
-                # this CTA's sums of squares of this block, which each warp sends after reading.
+                # ---- 3a. block it - 1: s and its sums of squares, from the x' loaded at 2.
                 P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
                 t0 = self._lap(cyc, 6, t0)
                 if tid == 0:
-                    P.mbar_expect_tx(mb + 16 + 8 * (1 - par), pre_tx)
-                self._norm_sums(stash, xc, pre0 + (1 - par) * s.pre_bytes, hsq0 + (1 - par) * s.hsq_bytes,
-                                mb + 32 + 8 * (1 - par), rank, warp, lane, consts_s, eps)
+                    P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
+                self._norm_sums(stash, xc, hpre0 + (1 - par) * s.hpre_bytes, hsq0 + (1 - par) * s.hsq_bytes,
+                                mb + 32 + 8 * (1 - par), rank, warp, lane)
                 t0 = self._lap(cyc, 7, t0)
         if cutlass.const_expr(s.profile):
             if tid == 0:
@@ -202,9 +199,9 @@ class MhcPersistent(ClusterSteps):
                 P.stg_v2_u64(prof_a + 80, cyc[9], cyc[10])
 
     @cute.jit
-    def _token_coefficients(self, part, mb, par, it, t, tokens, lane, consts, hpo, hro, eps, cyc):
-        """Warp 0: H_post and H_res (its logits) of token ``t`` (this CTA's of the block), from its
-        partials summed in rank order once they arrived."""
+    def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, consts, hpo, hro, eps, cyc):
+        """Warp 0: token ``t``'s (this CTA's of the block) partials summed in rank order once they
+        arrived, its coefficients, and its H_pre pushed to every CTA."""
         s = self.s
         kpad = s.kpad
         t0 = self._clock()
@@ -216,7 +213,16 @@ class MhcPersistent(ClusterSteps):
             tot = tot + P.lds_f32(src + cr * (kpad + 1) * 4)
         if lane == 0:
             P.mbar_expect_tx(mb + 8 * par, s.cl * (kpad + 1) * 4)
-        self._coefficients(tot, Int64(t), Int32(t < tokens), lane, None, None, None, None, hpo, hro, eps, consts)
+        h_pre, _ = self._coefficients(tot, Int64(t), Int32(t < tokens), lane, None, None, None, None, hpo, hro,
+                                           eps, consts)
+        # Lane l sends H_pre[l % n] to CTA l // n (and so on a round later): two rounds of sends at
+        # n = 4 instead of 16 from the n lanes that hold a value.
+        sends = s.cl * s.n
+        for k in cutlass.range_constexpr((sends + 31) // 32):
+            idx = lane + 32 * k
+            v = P.shfl_idx(h_pre, idx % s.n)
+            if idx < sends:
+                self._send(hpre + (rank * s.n + idx % s.n) * 4, idx // s.n, v, mb + 16 + 8 * par)
         self._lap(cyc, 10, t0)
 
     @cute.jit
@@ -322,8 +328,12 @@ class MhcPersistent(ClusterSteps):
                                     v = P.fma(cf[1 + j], vals[ri][j][e], v)
                                 mixed.append(v)
                             wds.append((P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])))
-                            P.stg_v2(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(ch * 32),
-                                     wds[ri][0], wds[ri][1], lv[ri])
+                            xa = xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(ch * 32)
+                            if cutlass.const_expr(s.split_stores):
+                                P.stg_b32(xa, wds[ri][0], lv[ri])
+                                P.stg_b32(xa + 4, wds[ri][1], lv[ri])
+                            else:
+                                P.stg_v2(xa, wds[ri][0], wds[ri][1], lv[ri])
                         else:
                             wds.append((words[ri][i][0], words[ri][i][1]))
                     a = (wds[0][0], wds[1][0], wds[0][1], wds[1][1])
@@ -382,11 +392,10 @@ class MhcPersistent(ClusterSteps):
         return out
 
     @cute.jit
-    def _partials(self, acc, sq, wp, part, mbar, pre, pre_mbar, rank, tid, warp, g, q, first):
+    def _partials(self, acc, sq, wp, part, mbar, rank, tid, warp, g, q, first):
         """The warps' partials summed (group by group of ``wslots`` warps, the last group's stored, each
-        earlier group's added in place in turn, then the slots in order); each token's row pushed
-        to its owner, CTA t (one token a CTA), and its H_pre logits and sum of squares to every CTA
-        (``pre``: [CTA][token][4], then [CTA][token])."""
+        earlier group's added in place in turn, then the slots in order) and each token's row pushed
+        to its owner, CTA t (one token a CTA)."""
         s = self.s
         kpad = s.kpad
         ws = s.wslots
@@ -434,41 +443,19 @@ class MhcPersistent(ClusterSteps):
                 for kk in cutlass.range_constexpr(1, ws):
                     tot = tot + P.lds_f32(src + kk * 16 * row_bytes)
                 self._send(part + (rank * (kpad + 1) + col) * 4, t, tot, mbar)
-        # (token, destination CTA) pairs, the same sums in the same order as above.
-        n = s.n
-        pairs = s.bt * s.cl
-        sq_at = s.cl * s.bt * 16
-        for k in cutlass.range_constexpr((pairs + s.threads - 1) // s.threads):
-            idx = tid + k * s.threads
-            if idx < pairs:
-                t = idx // s.cl
-                dst = idx - t * s.cl
-                src = wp + t * row_bytes
-                logits = [P.lds_f32(src + j * 4) for j in range(n)]
-                ssq = P.lds_f32(src + kpad * 4)
-                for kk in cutlass.range_constexpr(1, ws):
-                    logits = [logits[j] + P.lds_f32(src + kk * 16 * row_bytes + j * 4) for j in range(n)]
-                    ssq = ssq + P.lds_f32(src + kk * 16 * row_bytes + kpad * 4)
-                cell = rank * s.bt + t
-                if cutlass.const_expr(n == 4):
-                    P.st_async_v4_f32(P.mapa(pre + cell * 16, dst), *logits, P.mapa(pre_mbar, dst))
-                else:
-                    for j in cutlass.range_constexpr(n):
-                        self._send(pre + cell * 16 + j * 4, dst, logits[j], pre_mbar)
-                self._send(pre + sq_at + cell * 4, dst, ssq, pre_mbar)
 
     @cute.jit
-    def _norm_sums(self, stash, xc, pre, hsq, mbar, rank, warp, lane, consts_s, eps):
-        """First combination pass of a block: H_pre of this warp's tokens from every CTA's partials
-        (``pre``), s = sum_j H_pre[j] x'_j from the x' words in ``xc`` (``_xp_load``) to this
-        thread's ``stash`` in shared memory (for the second pass), and each token's sum of squares
-        of s over this CTA's columns, pushed to every CTA (row t, column rank)."""
+    def _norm_sums(self, stash, xc, hpre, hsq, mbar, rank, warp, lane):
+        """First combination pass of a block: s = sum_j H_pre[j] x'_j from the x' words in ``xc``
+        (``_xp_load``) to this thread's ``stash`` in shared memory (for the second pass), and each
+        token's sum of squares of s over this CTA's columns, pushed to every CTA (row t, column
+        rank)."""
         s = self.s
         n = s.n
         per_lane = (s.units + 31) // 32
         tpw = s.bt // s.warps
         ts = [warp + e * s.warps for e in range(tpw)]
-        coefs = [self._h_pre(pre, t, lane, consts_s, eps) for t in ts]
+        coefs = [[P.lds_f32(hpre + (t * n + j) * 4) for j in range(n)] for t in ts]
         words = [[[[xc[((e * per_lane + f) * n + j) * 4 + v] for v in range(4)] for j in range(n)]
                   for f in range(per_lane)] for e in range(tpw)]
         hs_ = self._mix_words(coefs, words)
@@ -483,31 +470,6 @@ class MhcPersistent(ClusterSteps):
             if idx < sends:
                 e = idx // s.cl
                 self._send(hsq + ((warp + e * s.warps) * s.cl + rank) * 4, idx - e * s.cl, _pick(sqs, e), mbar)
-
-    @cute.jit
-    def _h_pre(self, pre, t, lane, consts_s, eps) -> list:
-        """H_pre of token ``t`` (n values, the same in every lane and every CTA): lane l (mod 16) adds
-        CTA l's partials, the 16 are summed by a fixed butterfly and lane 0's sums taken; lane j
-        (< n) computes H_pre[j] as ``_coefficients`` does."""
-        s = self.s
-        n = s.n
-        cr = lane % 16
-        if cutlass.const_expr(n == 4):
-            vals = P.lds_v4_f32(pre + (cr * s.bt + t) * 16)
-        else:
-            vals = [P.lds_f32(pre + (cr * s.bt + t) * 16 + j * 4) for j in range(n)]
-        vals.append(P.lds_f32(pre + s.cl * s.bt * 16 + (cr * s.bt + t) * 4))
-        for m_ in (8, 4, 2, 1):
-            vals = [v + P.shfl_xor(v, m_) for v in vals]
-        vals = [P.shfl_idx(v, Int32(0)) for v in vals]
-        rstd = P.rsqrt(vals[n] / Float32(n * s.c) + eps)
-        j = lane % n
-        logit = vals[0]
-        for jj in cutlass.range_constexpr(1, n):
-            logit = P.sel(Int32(j == jj), vals[jj], logit)
-        # consts_s: [6][lane], alpha_pre at row 0 and H_pre's bias at row 3 (lanes < n)
-        h = P.sigmoid(P.fma(P.lds_f32(consts_s), logit * rstd, P.lds_f32(consts_s + (3 * 32 + j) * 4)))
-        return [P.shfl_idx(h, Int32(jj)) for jj in range(n)]
 
     @cute.jit
     def _normalized(self, stash, hsq, w_s, out, blk, tokens, sit, col0, norm_eps, warp, lane):

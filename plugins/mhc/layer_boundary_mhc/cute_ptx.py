@@ -122,12 +122,6 @@ def st_async_f32(addr, v, mbar):
     asm(None, [addr, v, mbar], "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [$0], $1, [$2];", "r,f,r")
 
 
-def st_async_v4_f32(addr, a, b, c, d, mbar):
-    """As ``st_async_f32``, four values (16 bytes, ``addr`` 16-byte aligned)."""
-    asm(None, [addr, a, b, c, d, mbar],
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$1, $2, $3, $4}, [$5];", "r,f,f,f,f,r")
-
-
 def cluster_arrive_relaxed():
     asm(None, [], "barrier.cluster.arrive.relaxed.aligned;", "")
 
@@ -174,6 +168,10 @@ def ldg_v4_f32(addr):
 def stg_v2(addr, a, b, live):
     asm(None, [addr, a, b, live],
         "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.b32 [$0], {$1, $2}; }", "l,r,r,r")
+
+
+def stg_b32(addr, a, live):
+    asm(None, [addr, a, live], "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b32 [$0], $1; }", "l,r,r")
 
 
 def stg_v4(addr, a, b, c, d, live):
