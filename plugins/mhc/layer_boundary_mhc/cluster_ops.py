@@ -24,7 +24,8 @@ from .coefficients import SINKHORN_ITERS
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "phi_fragment_pairs", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
            "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
-           "PERSISTENT_WARPS", "PERSISTENT_SPLIT_STORES", "persistent_shape"]
+           "PERSISTENT_WARPS", "PERSISTENT_SPLIT_STORES", "PERSISTENT_PHI_PAIRS", "PERSISTENT_CTA_ACQUIRE",
+           "persistent_shape"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -64,6 +65,10 @@ PERSISTENT_WARPS = 8
 # and the MMA's A fragment need the same registers in different quads, which ptxas resolves with
 # about 80 register moves a chunk and warp.
 PERSISTENT_SPLIT_STORES = 1
+# phi's fragments in 16-byte pairs (1, ``phi_fragment_pairs``) or 8-byte singles (0, ``phi_fragments``);
+# mbarrier waits with acquire at CTA scope (1) or cluster scope (0: an L1 invalidation each).
+PERSISTENT_PHI_PAIRS = 1
+PERSISTENT_CTA_ACQUIRE = 1
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
@@ -139,14 +144,17 @@ def _plan(n: int, hidden: int, update: bool, iters: int, sinkhorn: bool) -> Any:
 def persistent_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
     """The persistent variant's shape (``cluster_shape.PersistentShape``; its ``problem`` says why
     it does not fit)."""
-    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS, PERSISTENT_SPLIT_STORES, PROFILE is not None)
+    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS, PERSISTENT_SPLIT_STORES, PERSISTENT_PHI_PAIRS,
+           PERSISTENT_CTA_ACQUIRE, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import PersistentShape
 
         shape = _SHAPES[key] = PersistentShape(n, hidden, update, iters, warps=PERSISTENT_WARPS,
                                                profile=PROFILE is not None,
-                                               split_stores=bool(PERSISTENT_SPLIT_STORES))
+                                               split_stores=bool(PERSISTENT_SPLIT_STORES),
+                                               phi_pairs=bool(PERSISTENT_PHI_PAIRS),
+                                               cta_acquire=bool(PERSISTENT_CTA_ACQUIRE))
     return shape
 
 
@@ -267,7 +275,7 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
     fn = _compiled(shape)
     from .triton_ops import derived
 
-    if shape.persistent:
+    if shape.persistent and shape.phi_pairs:
         phf = derived(phi, ("fragment pairs", n), lambda: phi_fragment_pairs(phi, n))
     else:
         phf = derived(phi, ("fragments", n), lambda: phi_fragments(phi, n))

@@ -110,9 +110,11 @@ class PersistentShape:
                 10: "partials wait (warp 0)", 11: "coefficients (warp 0)"}
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
-                 split_stores: bool = True) -> None:
+                 split_stores: bool = True, phi_pairs: bool = True, cta_acquire: bool = True) -> None:
         self.n, self.c, self.update, self.iters, self.profile = n, hidden, update, iters, profile
-        self.split_stores = split_stores  # x' stored 4 bytes at a time (else 8: register moves, cluster_ops)
+        # cluster_ops.PERSISTENT_*: x' stored 4 bytes at a time (else 8), phi's fragments loaded in
+        # pairs (else singles), mbarrier waits acquiring at CTA scope (else cluster).
+        self.split_stores, self.phi_pairs, self.cta_acquire = split_stores, phi_pairs, cta_acquire
         _sizes(self, n, hidden, self.cl, self.bt, warps)
         self.ctas = 1
         self.cpw = -(-self.nch // warps)

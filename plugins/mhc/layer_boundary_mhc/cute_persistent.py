@@ -167,7 +167,7 @@ class MhcPersistent(ClusterSteps):
                 # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
                 # before this CTA pushes block it's partials (the sums' buffer is reused by
                 # block it's, which need them).
-                P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2)
+                P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2, s.cta_acquire)
                 t0 = self._lap(cyc, 2, t0)
                 if tid == 0:
                     P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
@@ -184,7 +184,7 @@ class MhcPersistent(ClusterSteps):
                 t0 = self._lap(cyc, 5, t0)
             if it >= 1 and it <= nloc:
                 # ---- 3a. block it - 1: s and its sums of squares, from the x' loaded at 2.
-                P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
+                P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2, s.cta_acquire)
                 t0 = self._lap(cyc, 6, t0)
                 if tid == 0:
                     P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
@@ -205,7 +205,7 @@ class MhcPersistent(ClusterSteps):
         s = self.s
         kpad = s.kpad
         t0 = self._clock()
-        P.mbar_wait_rt(mb + 8 * par, (it // 2) % 2)
+        P.mbar_wait_rt(mb + 8 * par, (it // 2) % 2, s.cta_acquire)
         t0 = self._lap(cyc, 9, t0)
         src = part + cutlass.min(lane, kpad) * 4
         tot = P.lds_f32(src)
@@ -382,6 +382,9 @@ class MhcPersistent(ClusterSteps):
         two words each."""
         s = self.s
         nf = 3 * s.nt
+        if cutlass.const_expr(not s.phi_pairs):  # phi_fragments: (chunk, stream, part, n-tile), lane
+            frag = phi_s + ((ch * s.n + i) * 3) * s.nt * 256 + lane * 8
+            return [tuple(P.lds_v2(frag + ((2 - p) * s.nt + nt) * 256)) for p in range(3) for nt in range(s.nt)]
         base = phi_s + (ch * s.n + i) * nf * 256
         out = []
         for k in cutlass.range_constexpr(nf // 2):

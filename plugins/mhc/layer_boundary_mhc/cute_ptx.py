@@ -262,13 +262,14 @@ def sel(cond, a, b):
                        "=f,r,f,f", side=False))
 
 
-def mbar_wait_rt(addr, parity):
-    """As ``mbar_wait``, the phase parity a register (a barrier reused block after block), with
-    acquire at CTA scope: what the waiter reads is this CTA's shared memory, written by st.async
-    whose bytes complete the phase, and the cluster scope costs an L1 invalidation (CCTL.IVALL)
-    at every wait."""
+def mbar_wait_rt(addr, parity, cta: bool = False):
+    """As ``mbar_wait``, the phase parity a register (a barrier reused block after block). ``cta``:
+    acquire at CTA scope, enough where the waiter reads only this CTA's shared memory written by
+    st.async whose bytes complete the phase; the cluster scope costs an L1 invalidation
+    (CCTL.IVALL) at every wait."""
+    sem = "" if cta else ".acquire.cluster"
     asm(None, [addr, parity], "{ .reg .pred p; LB_WAIT_${:uid}: "
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1; "
+        f"mbarrier.try_wait.parity{sem}.shared::cta.b64 p, [$0], $1; "
         "@!p bra LB_WAIT_${:uid}; }", "r,r")
 
 
