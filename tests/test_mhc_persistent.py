@@ -56,6 +56,16 @@ def test_phi_fragment_pairs_are_the_fragments_in_the_order_of_use(n):
                 assert torch.equal(got, want), (ch, i, u)
 
 
+def test_settings_that_change_the_kernel_change_its_cache_key():
+    # A compiled kernel is looked up by its shape: every compile-time setting must be part of the key
+    # (the persistent variant's store width, phi layout and acquire scope once were not).
+    base = PersistentShape(4, 4096, True, 20)
+    others = [PersistentShape(4, 4096, True, 20, split_stores=False), PersistentShape(4, 4096, True, 20, phi_pairs=False),
+              PersistentShape(4, 4096, True, 20, cta_acquire=False), PersistentShape(4, 4096, True, 20, warps=16)]
+    keys = {cluster_ops._key(s) for s in [base] + others}
+    assert len(keys) == 5 and cluster_ops._key(base) == cluster_ops._key(PersistentShape(4, 4096, True, 20))
+
+
 def test_calls_take_the_persistent_variant_from_its_token_count(monkeypatch):
     from layer_boundary_mhc import cluster_ops
 

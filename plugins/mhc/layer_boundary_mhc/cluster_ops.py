@@ -223,8 +223,9 @@ _COMPILED: dict[tuple, Any] = {}
 
 
 def _key(shape: Any) -> tuple:
-    return (shape.persistent, shape.n, shape.c, shape.cl, shape.bt, shape.update, shape.iters, shape.warps,
-            shape.ctas, shape.stages, shape.profile, shape.phi_staged, shape.sinkhorn, shape.push)
+    # Every attribute of the shape (all compile-time: sizes, plan, settings), so that no two variants
+    # share a compiled kernel (a key of chosen fields once missed the persistent variant's settings).
+    return (type(shape).__name__,) + tuple(sorted(vars(shape).items()))
 
 
 def _compiled(shape: Any) -> Any:
