@@ -60,8 +60,8 @@ def test_settings_that_change_the_kernel_change_its_cache_key():
     # A compiled kernel is looked up by its shape: every compile-time setting must be part of the key
     # (the persistent variant's store width, phi layout and acquire scope once were not).
     base = PersistentShape(4, 4096, True, 20)
-    others = [PersistentShape(4, 4096, True, 20, split_stores=False), PersistentShape(4, 4096, True, 20, phi_pairs=False),
-              PersistentShape(4, 4096, True, 20, cta_acquire=False), PersistentShape(4, 4096, True, 20, warps=16)]
+    others = [PersistentShape(4, 4096, True, 20, **{k: v}) for k, v in
+              (("split_stores", False), ("phi_pairs", False), ("cta_acquire", False), ("warps", 16))]
     keys = {cluster_ops._key(s) for s in [base] + others}
     assert len(keys) == 5 and cluster_ops._key(base) == cluster_ops._key(PersistentShape(4, 4096, True, 20))
 

@@ -22,7 +22,8 @@ import torch
 from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
-           "phi_fragments", "phi_fragment_pairs", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
+           "phi_fragments", "phi_fragment_pairs", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS",
+           "WARPS", "CTAS", "STAGES",
            "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
            "PERSISTENT_WARPS", "PERSISTENT_SPLIT_STORES", "PERSISTENT_PHI_PAIRS", "PERSISTENT_CTA_ACQUIRE",
            "persistent_shape"]
