@@ -20,8 +20,7 @@ from layer_boundary_mhc import accuracy, cluster_ops, triton_ops
 
 N = 4
 SETTINGS = ("CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS",
-            "PERSISTENT_TOKENS", "PERSISTENT_WARPS", "PERSISTENT_SPLIT_STORES", "PERSISTENT_PHI_PAIRS",
-            "PERSISTENT_CTA_ACQUIRE")
+            "PERSISTENT_TOKENS", "PERSISTENT_WARPS")
 
 
 def _time(fn) -> float:

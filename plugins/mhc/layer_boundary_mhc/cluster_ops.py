@@ -22,11 +22,10 @@ import torch
 from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
-           "phi_fragments", "phi_fragment_pairs", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS",
+           "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS",
            "WARPS", "CTAS", "STAGES",
            "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
-           "PERSISTENT_WARPS", "PERSISTENT_SPLIT_STORES", "PERSISTENT_PHI_PAIRS", "PERSISTENT_CTA_ACQUIRE",
-           "persistent_shape"]
+           "PERSISTENT_WARPS", "persistent_shape"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -62,14 +61,6 @@ SINKHORN_TOKENS = 64
 # GPU at once) where its shape fits (n = 4: H up to 4096), PERSISTENT_WARPS warps a CTA.
 PERSISTENT_TOKENS = 0
 PERSISTENT_WARPS = 8
-# x' leaves the persistent variant as 4-byte stores (1) or 8-byte ones (0): the 8-byte store's pair
-# and the MMA's A fragment need the same registers in different quads, which ptxas resolves with
-# about 80 register moves a chunk and warp.
-PERSISTENT_SPLIT_STORES = 1
-# phi's fragments in 16-byte pairs (1, ``phi_fragment_pairs``) or 8-byte singles (0, ``phi_fragments``);
-# mbarrier waits with acquire at CTA scope (1) or cluster scope (0: an L1 invalidation each).
-PERSISTENT_PHI_PAIRS = 1
-PERSISTENT_CTA_ACQUIRE = 1
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
@@ -97,19 +88,6 @@ def phi_fragments(phi: torch.Tensor, n: int) -> torch.Tensor:
     parts = torch.stack((hi, mid, rest - mid)).to(torch.bfloat16)  # [3, n C, 8 NT]
     # rows i C + 16 ch + 4 q + e, columns 8 nt + g  ->  (ch, i, part, nt, g, q, e)
     return parts.view(3, n, c // 16, 4, 4, nt, 8).permute(2, 1, 0, 5, 6, 3, 4).contiguous()
-
-
-def phi_fragment_pairs(phi: torch.Tensor, n: int) -> torch.Tensor:
-    """``[C / 16, n, 3 NT x 128]`` bf16: ``phi_fragments`` as the persistent variant reads them, per
-    (chunk, stream) in the order its MMAs use them (part low to high, then n-tile), two fragments a
-    lane side by side (16-byte loads: ``[pair][lane][2 fragments]``), the odd one last
-    (``[lane][fragment]``)."""
-    frag = phi_fragments(phi, n)
-    chunks, nt = frag.shape[0], frag.shape[3]
-    used = frag.flip(2).reshape(chunks, n, 3 * nt, 32, 4)
-    pairs = (3 * nt) // 2
-    both = used[:, :, :2 * pairs].reshape(chunks, n, pairs, 2, 32, 4).transpose(3, 4).reshape(chunks, n, -1)
-    return torch.cat((both, used[:, :, 2 * pairs:].reshape(chunks, n, -1)), dim=2).contiguous()
 
 
 _SHAPES: dict[tuple, Any] = {}
@@ -145,17 +123,13 @@ def _plan(n: int, hidden: int, update: bool, iters: int, sinkhorn: bool) -> Any:
 def persistent_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
     """The persistent variant's shape (``cluster_shape.PersistentShape``; its ``problem`` says why
     it does not fit)."""
-    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS, PERSISTENT_SPLIT_STORES, PERSISTENT_PHI_PAIRS,
-           PERSISTENT_CTA_ACQUIRE, PROFILE is not None)
+    key = ("persistent", n, hidden, update, iters, PERSISTENT_WARPS, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import PersistentShape
 
         shape = _SHAPES[key] = PersistentShape(n, hidden, update, iters, warps=PERSISTENT_WARPS,
-                                               profile=PROFILE is not None,
-                                               split_stores=bool(PERSISTENT_SPLIT_STORES),
-                                               phi_pairs=bool(PERSISTENT_PHI_PAIRS),
-                                               cta_acquire=bool(PERSISTENT_CTA_ACQUIRE))
+                                               profile=PROFILE is not None)
     return shape
 
 
@@ -277,10 +251,7 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
     fn = _compiled(shape)
     from .triton_ops import derived
 
-    if shape.persistent and shape.phi_pairs:
-        phf = derived(phi, ("fragment pairs", n), lambda: phi_fragment_pairs(phi, n))
-    else:
-        phf = derived(phi, ("fragments", n), lambda: phi_fragments(phi, n))
+    phf = derived(phi, ("fragments", n), lambda: phi_fragments(phi, n))
     w32 = derived(norm_weight, ("w32", norm_offset), lambda: (norm_weight.float() + norm_offset).contiguous())
 
     import cutlass

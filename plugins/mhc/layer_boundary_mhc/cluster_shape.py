@@ -109,12 +109,8 @@ class PersistentShape:
                 5: "coefficient loads", 6: "H_pre wait", 7: "first pass",
                 10: "partials wait (warp 0)", 11: "coefficients (warp 0)"}
 
-    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
-                 split_stores: bool = True, phi_pairs: bool = True, cta_acquire: bool = True) -> None:
+    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False) -> None:
         self.n, self.c, self.update, self.iters, self.profile = n, hidden, update, iters, profile
-        # cluster_ops.PERSISTENT_*: x' stored 4 bytes at a time (else 8), phi's fragments loaded in
-        # pairs (else singles), mbarrier waits acquiring at CTA scope (else cluster).
-        self.split_stores, self.phi_pairs, self.cta_acquire = split_stores, phi_pairs, cta_acquire
         _sizes(self, n, hidden, self.cl, self.bt, warps)
         self.ctas = 1
         self.cpw = -(-self.nch // warps)

@@ -167,7 +167,7 @@ class MhcPersistent(ClusterSteps):
                 # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
                 # before this CTA pushes block it's partials (the sums' buffer is reused by
                 # block it's, which need them).
-                P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2, s.cta_acquire)
+                P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2)
                 t0 = self._lap(cyc, 2, t0)
                 if tid == 0:
                     P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
@@ -184,7 +184,7 @@ class MhcPersistent(ClusterSteps):
                 t0 = self._lap(cyc, 5, t0)
             if it >= 1 and it <= nloc:
                 # ---- 3a. block it - 1: s and its sums of squares, from the x' loaded at 2.
-                P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2, s.cta_acquire)
+                P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
                 t0 = self._lap(cyc, 6, t0)
                 if tid == 0:
                     P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
@@ -205,7 +205,7 @@ class MhcPersistent(ClusterSteps):
         s = self.s
         kpad = s.kpad
         t0 = self._clock()
-        P.mbar_wait_rt(mb + 8 * par, (it // 2) % 2, s.cta_acquire)
+        P.mbar_wait_rt(mb + 8 * par, (it // 2) % 2)
         t0 = self._lap(cyc, 9, t0)
         src = part + cutlass.min(lane, kpad) * 4
         tot = P.lds_f32(src)
@@ -312,9 +312,9 @@ class MhcPersistent(ClusterSteps):
                 cute.arch.sync_warp()
                 self._fill(fill, k, base, blk + ncl, tokens, ok_next, warp, g * 4 + q)
                 for i in cutlass.range_constexpr(n):
-                    # Stream i's phi fragments (in pairs) and coefficients, loaded before the mix
-                    # whose FMAs cover their latency (measured: mixing every stream of a row first,
-                    # with each row's coefficients loaded once, was slower).
+                    # Stream i's phi fragments and coefficients, loaded before the mix whose FMAs
+                    # cover their latency (measured: mixing every stream of a row first, with each
+                    # row's coefficients loaded once, was slower).
                     fr = self._phi_frags(phi_s, ch, i, g * 4 + q)
                     cfs = [self._coef_row(coef + r * s.coef_row, i) for r in (r0, r1)] if s.update else []
                     wds = []  # [ri] -> 2 words of stream i
@@ -328,12 +328,11 @@ class MhcPersistent(ClusterSteps):
                                     v = P.fma(cf[1 + j], vals[ri][j][e], v)
                                 mixed.append(v)
                             wds.append((P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])))
-                            xa = xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(ch * 32)
-                            if cutlass.const_expr(s.split_stores):
-                                P.stg_b32(xa, wds[ri][0], lv[ri])
-                                P.stg_b32(xa + 4, wds[ri][1], lv[ri])
-                            else:
-                                P.stg_v2(xa, wds[ri][0], wds[ri][1], lv[ri])
+                            # 8 bytes a store: the pair sits in other registers than the MMA's A
+                            # fragment (ptxas moves them), but 4-byte stores, twice as many
+                            # wavefronts, measured 16 % slower (395.5 against 339.4 µs).
+                            P.stg_v2(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(ch * 32),
+                                     wds[ri][0], wds[ri][1], lv[ri])
                         else:
                             wds.append((words[ri][i][0], words[ri][i][1]))
                     a = (wds[0][0], wds[1][0], wds[0][1], wds[1][1])
@@ -378,21 +377,11 @@ class MhcPersistent(ClusterSteps):
 
     @cute.jit
     def _phi_frags(self, phi_s, ch, i: int, lane) -> list:
-        """Stream i's phi fragments of chunk ``ch`` in the order of use (``phi_fragment_pairs``):
-        two words each."""
+        """Stream i's phi fragments of chunk ``ch`` (``phi_fragments``: part, n-tile; lane ``lane``) in
+        the order of use, the smallest part first: two words each."""
         s = self.s
-        nf = 3 * s.nt
-        if cutlass.const_expr(not s.phi_pairs):  # phi_fragments: (chunk, stream, part, n-tile), lane
-            frag = phi_s + ((ch * s.n + i) * 3) * s.nt * 256 + lane * 8
-            return [tuple(P.lds_v2(frag + ((2 - p) * s.nt + nt) * 256)) for p in range(3) for nt in range(s.nt)]
-        base = phi_s + (ch * s.n + i) * nf * 256
-        out = []
-        for k in cutlass.range_constexpr(nf // 2):
-            w = P.lds_v4(base + k * 512 + lane * 16)
-            out += [(w[0], w[1]), (w[2], w[3])]
-        if cutlass.const_expr(nf % 2):
-            out.append(tuple(P.lds_v2(base + (nf // 2) * 512 + lane * 8)))
-        return out
+        frag = phi_s + ((ch * s.n + i) * 3) * s.nt * 256 + lane * 8
+        return [tuple(P.lds_v2(frag + ((2 - p) * s.nt + nt) * 256)) for p in range(3) for nt in range(s.nt)]
 
     @cute.jit
     def _partials(self, acc, sq, wp, part, mbar, rank, tid, warp, g, q, first):

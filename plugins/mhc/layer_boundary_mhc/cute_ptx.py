@@ -170,10 +170,6 @@ def stg_v2(addr, a, b, live):
         "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.b32 [$0], {$1, $2}; }", "l,r,r,r")
 
 
-def stg_b32(addr, a, live):
-    asm(None, [addr, a, live], "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b32 [$0], $1; }", "l,r,r")
-
-
 def stg_v4(addr, a, b, c, d, live):
     asm(None, [addr, a, b, c, d, live],
         "{ .reg .pred p; setp.ne.b32 p, $5, 0; @p st.global.v4.b32 [$0], {$1, $2, $3, $4}; }", "l,r,r,r,r,r")
@@ -262,14 +258,10 @@ def sel(cond, a, b):
                        "=f,r,f,f", side=False))
 
 
-def mbar_wait_rt(addr, parity, cta: bool = False):
-    """As ``mbar_wait``, the phase parity a register (a barrier reused block after block). ``cta``:
-    acquire at CTA scope, enough where the waiter reads only this CTA's shared memory written by
-    st.async whose bytes complete the phase; the cluster scope costs an L1 invalidation
-    (CCTL.IVALL) at every wait."""
-    sem = "" if cta else ".acquire.cluster"
+def mbar_wait_rt(addr, parity):
+    """As ``mbar_wait``, the phase parity a register (a barrier reused block after block)."""
     asm(None, [addr, parity], "{ .reg .pred p; LB_WAIT_${:uid}: "
-        f"mbarrier.try_wait.parity{sem}.shared::cta.b64 p, [$0], $1; "
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1; "
         "@!p bra LB_WAIT_${:uid}; }", "r,r")
 
 
