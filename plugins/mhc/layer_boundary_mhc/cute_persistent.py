@@ -2,32 +2,40 @@
 sm_90a; imports ``cutlass``, load through ``cluster_ops``).
 
 Same arithmetic and exchanges as ``cute_cluster`` (read its docstring first), rearranged for many
-blocks. What the cluster kernel spent its time on at T = 8192 (H200, PERFORMANCE.md) and what
-changes here:
+blocks: clusters of 16 CTAs, one CTA an SM, as many as the GPU holds at once, each taking 16-token
+blocks ``cid, cid + clusters, ...``. What changes (PERFORMANCE.md, eighth and ninth passes):
 
-- **Instructions.** A warp there computes one stream's x' but unpacks all n streams and y to do it,
-  and the SM issued about 3 instructions a cycle in its stream pass: the pass was bound by issue,
-  not bytes. Here a warp owns 16-column chunks of every stream: each x and y element is loaded,
+- **Instructions.** A warp owns 16-column chunks of every stream: each x and y element is loaded,
   unpacked and mixed once, and the sums of squares of x' come out of two extra mma.sync a stream
-  (``cute_ptx.mma_bf16_sq``) instead of 16 unpacks and FMAs.
+  (``cute_ptx.mma_bf16_sq``).
 - **phi from L2 every block.** Each CTA keeps its slice of phi's fragments in shared memory for
-  the whole launch (144 KiB at n = 4, H = 4096); a cluster takes blocks ``cid, cid + clusters, ...``.
-- **Bytes in flight.** x and y go from HBM straight to registers, one block ahead (the whole next
-  block: 40 KiB an SM), so no stage ring and no CTA barrier a chunk.
-- **Exchanges.** One block's x' is kept in each of two buffers. Iteration ``it`` streams block
-  ``it`` and pushes its partials, then runs the first combination pass of block ``it - 1`` (its
-  H_pre arrived while block ``it`` streamed), the coefficients of block ``it`` (warp 0; this CTA's
-  token), and the second combination pass of block ``it - 1``. Every wait follows other work.
+  the whole launch (144 KiB at n = 4, H = 4096).
+- **Bytes in flight.** Each warp's x and y tiles of the next block go by cp.async into the warp's
+  own slots as soon as it has read this block's (40 KiB an SM in flight; no CTA barrier a chunk).
+  Loading them to registers instead cost 5,500 of an iteration's 14,000 cycles.
+- **x' is not kept in shared memory.** The combination reads it back from L2 (``ld.global.cg``) an
+  iteration after this CTA stored it, so the slots fit beside phi and one block's exchanges and
+  combination still overlap the next block's stream pass.
+- **Order of an iteration.** Stream block ``it``; warp 0 computes H_post, H_res and H_pre of this
+  CTA's token of block ``it - 1`` (its partials arrived while block ``it`` streamed) and sends H_pre
+  to every CTA; normalize block ``it - 2`` (its sums were pushed an iteration ago); push block
+  ``it``'s partials; combine block ``it - 1`` (x' loaded from L2 after the stream pass) and push its
+  sums of squares.
 
 Exchange barriers: one per (exchange, parity of the block), each armed for the bytes it expects and
-re-armed by its waiter; block ``it`` waits for phase ``(it // 2) % 2``. A push for block ``it + 2``
-cannot reach a buffer before its receiver is done with block ``it``: the sender would need the
-receiver's partials of block ``it + 1``, which the receiver sends only after it finished with
-block ``it``'s partials, H_pre (both combination passes) and sums.
+re-armed by its waiter; block ``b`` waits for phase ``(b // 2) % 2``. A push for block ``b + 2``
+cannot reach a buffer before its receiver is done with block ``b``:
+
+- partials: the sender pushes them after its normalization of block ``b``, which waits for every
+  CTA's sums of block ``b``; the receiver's warp 0 sends its own after reading the partials;
+- H_pre: the sender needs every CTA's partials of block ``b + 2``, which the receiver pushes after
+  its combination of block ``b``;
+- sums: the sender needs the receiver's H_pre of block ``b + 2``, sent an iteration after the
+  receiver normalized block ``b``.
 
 Summation orders (all fixed, so replays are bitwise): a warp's chunks in order, each chunk's
-streams in order; per-warp partials in pairs (warp w + W/2 into w), then the W/2 pairs in order;
-the 16 CTAs' partials and sums in rank order.
+streams in order; per-warp partials group by group (``wslots`` warps a group, the last group's
+first), then the slots in order; the 16 CTAs' partials and sums in rank order.
 """
 
 from __future__ import annotations
