@@ -221,8 +221,8 @@ class MhcPersistent(ClusterSteps):
             tot = tot + P.lds_f32(src + cr * (kpad + 1) * 4)
         if lane == 0:
             P.mbar_expect_tx(mb + 8 * par, s.cl * (kpad + 1) * 4)
-        h_pre, _ = self._coefficients(tot, Int64(t), Int32(t < tokens), lane, None, None, None, None, hpo, hro,
-                                           eps, consts)
+        h_pre, _ = self._coefficients(tot, Int64(t), Int32(t < tokens), lane, None, None, None, None, hpo, hro, eps,
+                                      consts)
         # Lane l sends H_pre[l % n] to CTA l // n (and so on a round later): two rounds of sends at
         # n = 4 instead of 16 from the n lanes that hold a value.
         sends = s.cl * s.n
@@ -270,9 +270,10 @@ class MhcPersistent(ClusterSteps):
 
     @cute.jit
     def _fill_plan(self, lane, warp, col0, x_a, y_a, sxt, sxn, syt) -> tuple:
-        """This lane's cp.async sources, worked out once: (x at block 0 and the CTA's chunk 0, y likewise,
-        a block's step of each, a stream's step). A chunk's slot holds its tiles (the n streams,
-        then y) of 16 rows of 32 bytes; lane l copies row l // 2, half l % 2, of every tile."""
+        """This lane's cp.async sources, worked out once: (x at block 0 and the CTA's chunk 0, y
+        likewise, a block's step of each, a stream's step). A chunk's slot holds its tiles (the n
+        streams, then y) of 16 rows of 32 bytes; lane l copies row l // 2, half l % 2, of every
+        tile."""
         s = self.s
         col = Int64(col0 + 8 * (lane % 2))
         r = Int64(lane // 2)
