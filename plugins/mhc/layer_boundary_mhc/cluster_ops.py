@@ -198,9 +198,7 @@ _COMPILED: dict[tuple, Any] = {}
 
 
 def _key(shape: Any) -> tuple:
-    # Every attribute of the shape (all compile-time: sizes, plan, settings), so that no two variants
-    # share a compiled kernel (a key of chosen fields once missed the persistent variant's settings).
-    return (type(shape).__name__,) + tuple(sorted(vars(shape).items()))
+    return shape.key  # cluster_shape._frozen_key
 
 
 def _compiled(shape: Any) -> Any:

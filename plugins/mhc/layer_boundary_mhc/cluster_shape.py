@@ -35,6 +35,13 @@ def _sizes(shape, n: int, hidden: int, cluster: int, block_tokens: int, warps: i
     shape.hsq_bytes = cluster * block_tokens * 4
 
 
+def _frozen_key(shape) -> tuple:
+    """Every attribute of a finished shape (all compile-time: sizes, plan, settings), the key of its
+    compiled kernel: no two variants share one (a key of chosen fields once missed the persistent
+    variant's settings). Computed once, as the calls look it up each time."""
+    return (type(shape).__name__,) + tuple(sorted(vars(shape).items()))
+
+
 class ClusterShape:
     """Compile-time shape of one variant: n streams, hidden size C, ``cluster`` CTAs a block of
     ``block_tokens``, ``warps`` a CTA, shared memory sized for ``ctas`` CTAs an SM (two let one CTA's
@@ -67,6 +74,7 @@ class ClusterShape:
         self.stages = stages or max(2, min(MAX_STAGES, (budget - fixed) // self.stage_bytes))
         self.smem = fixed + self.stages * self.stage_bytes
         self.problem = self._problem()
+        self.key = _frozen_key(self)
 
     def _problem(self) -> str:
         if not 2 <= self.n <= 4:
@@ -137,6 +145,7 @@ class PersistentShape:
                      + 2 * (self.part_bytes + self.hpre_bytes + self.hsq_bytes) + 6 * 8 + 1024)
         self.stages = 0
         self.problem = self._problem()
+        self.key = _frozen_key(self)
 
     def _problem(self) -> str:
         if not 2 <= self.n <= 4:

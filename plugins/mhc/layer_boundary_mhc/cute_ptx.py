@@ -146,12 +146,6 @@ def ldg_v2(addr, live):
     return [Int32(v) for v in _fields(r, T.i32(), 2)]
 
 
-def ldg_v2_nc(addr):
-    """Two words from global memory, read-only path, not kept in L1 (streamed once)."""
-    r = asm(_struct(T.i32(), 2), [addr], "ld.global.nc.L1::no_allocate.v2.b32 {$0, $1}, [$2];", "=r,=r,l")
-    return [Int32(v) for v in _fields(r, T.i32(), 2)]
-
-
 def ldg_v4_cg(addr, live):
     """Four words from L2 (not L1: written by this kernel), zeros where ``live`` is 0."""
     r = asm(_struct(T.i32(), 4), [addr, live],
