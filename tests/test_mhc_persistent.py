@@ -21,7 +21,8 @@ from layer_boundary_mhc.cluster_shape import SMEM_LIMIT, PersistentShape
 
 def test_persistent_shape_plan_and_refusals():
     s = PersistentShape(4, 4096, True, 20)
-    assert (s.cl, s.bt, s.hs, s.nch, s.cpw, s.nt, s.problem) == (16, 16, 256, 16, 2, 3, "")
+    assert (s.cl, s.bt, s.hs, s.groups, s.gpw, s.nt, s.problem) == (16, 16, 256, 8, 1, 3, "")
+    assert s.group_slot == 5 * 16 * 64 and s.slot_bytes == 8 * s.group_slot  # x and y of the next block
     assert s.phi_bytes == 144 * 1024 and s.xr_bytes == 32 * 1024 and s.smem <= SMEM_LIMIT
     assert s.coef_row == 80  # 20 coefficients, 5 units: rows g = 0..7 start in distinct bank quads
     assert PersistentShape(3, 2048, False, 20).problem == "" and PersistentShape(2, 1024, True, 20).problem == ""
@@ -29,10 +30,35 @@ def test_persistent_shape_plan_and_refusals():
     assert "multiple of 1024" in PersistentShape(4, 4000, True, 20).problem
     assert "2 to 4" in PersistentShape(5, 4096, True, 20).problem
     assert "warps" in PersistentShape(4, 4096, True, 20, warps=3).problem
-    # 16 warps, one chunk each: the partials reduce through 4 slots, so phi and two x' buffers still fit
+    # 16 warps: half stream nothing (8 groups), and have no slots; the partials reduce through 4 slots
     w16 = PersistentShape(4, 4096, True, 20, warps=16)
-    assert (w16.cpw, w16.wslots, w16.problem) == (1, 4, "") and w16.smem <= SMEM_LIMIT
+    assert (w16.gpw, w16.wslots, w16.slot_bytes, w16.problem) == (1, 4, s.slot_bytes, "") and w16.smem <= SMEM_LIMIT
+    assert "at most 2 groups" in PersistentShape(4, 4096, True, 20, warps=2).problem  # 4 groups a warp
     assert "warps" in PersistentShape(4, 4096, True, 20, warps=10).problem  # 10 is not a multiple of 4 slots
+
+
+@pytest.mark.parametrize("n,c", [(4, 4096), (3, 2048), (2, 1024)])
+def test_resident_phi_order_gives_each_lane_adjacent_columns(n, c):
+    # The resident copy, gathered from phi_fragments piece by piece: k-step s of group u, lane (g, q),
+    # value e is phi's part at column 32 u + 8 q + 4 s + e of its stream (coefficient 8 nt + g).
+    from layer_boundary_mhc.cluster_shape import resident_piece
+
+    torch.manual_seed(0)
+    k = n * n + 2 * n
+    phi = torch.randn(n * c, k)
+    frags = cluster_ops.phi_fragments(phi, n)  # [C / 16, n, 3, NT, 8, 4, 4]
+    nt = frags.shape[3]
+    pieces = frags.view(-1, 4)  # 8 bytes: the 4 values of a lane
+    resident = pieces[resident_piece(torch.arange(pieces.shape[0]), n * 3 * nt)].view(frags.shape)
+    hi = (phi.view(torch.int32) & -65536).view(torch.float32)
+    ch, i, nti, g, q, e = (torch.arange(v).view([-1] + [1] * (5 - d)) for d, v in
+                           enumerate((c // 16, n, nt, 8, 4, 4)))
+    col = 32 * (ch // 2) + 8 * q + 4 * (ch % 2) + e
+    coef = (8 * nti + g).expand(c // 16, n, nt, 8, 4, 4)
+    rows = (i * c + col).expand(coef.shape)
+    live = coef < k
+    want = torch.where(live, hi[rows, coef.clamp(max=k - 1)], torch.zeros(()))
+    assert torch.equal(resident[:, :, 0].float(), want.to(torch.bfloat16).float())
 
 
 def test_settings_that_change_the_kernel_change_its_cache_key():
@@ -71,14 +97,19 @@ def test_persistent_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatc
     shape = PersistentShape(n, c, update, 20, warps=cluster_ops.PERSISTENT_WARPS)
     ptx = mod.compile_persistent(shape, str(tmp_path)).__ptx__
     assert ".target sm_90a" in ptx
-    # per chunk of a warp and stream: 3 parts x NT n-tiles, and 2 for the sums of squares
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == shape.cpw * n * (3 * shape.nt + 2)
+    # per group of a warp, stream and k-step (2): 3 parts x NT n-tiles, and 2 for the sums of squares
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == shape.gpw * n * 2 * (3 * shape.nt + 2)
     assert "ld.shared::cluster" not in ptx and "st.shared::cluster" not in ptx
     # one cluster barrier: arrived at the start, waited for before the first push
     assert re.findall(r"barrier\.cluster\.\w+", ptx) == ["barrier.cluster.arrive", "barrier.cluster.wait"]
     assert len(re.findall(r"mbarrier\.init", ptx)) == 6
     assert f".reqntid {32 * shape.warps}" in ptx  # the stream warps alone: warp 0 computes the coefficients
-    assert ("st.global.v2.b32" in ptx) == update  # x' is stored only by an update
+    # 16-byte stores: x' (only by an update: each stream, row g and g + 8 of each group) and the read's input
+    outs = (shape.bt // shape.warps) * -(-shape.units // 32)
+    assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == (shape.gpw * n * 2 if update else 0) + outs
+    assert "st.global.v2" not in ptx
+    # phi's fragments gathered at the start in 8-byte pieces (the groups' lane order)
+    assert re.search(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 8;", ptx)
     # x and y by cp.async into per-warp slots (no stage ring), x' back from L2 (not kept in shared
     # memory) for the combination
     assert "cp.async.wait_group" not in ptx and "cp.async.wait_all" in ptx

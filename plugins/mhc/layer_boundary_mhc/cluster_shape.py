@@ -35,6 +35,20 @@ def _sizes(shape, n: int, hidden: int, cluster: int, block_tokens: int, warps: i
     shape.hsq_bytes = cluster * block_tokens * 4
 
 
+def resident_piece(idx, per: int):
+    """The 8-byte piece of ``cluster_ops.phi_fragments``' layout (``per`` 256-byte blocks of 32 lanes
+    a 16-column chunk) that piece ``idx`` of the persistent variant's resident copy holds. Its chunk
+    ``2 u + c`` is k-step c of 32-column group u, where lane (g, q) holds columns ``8 q + 4 c .. + 3``
+    of the group, so that after both steps a lane has 8 adjacent columns of a row for one 16-byte
+    store; ``phi_fragments`` has those in chunk ``2 u + q // 2``, lane ``(g, 2 (q % 2) + c)``. Plain
+    arithmetic: the kernel calls it on registers, the tests on tensors."""
+    blk = idx // 32
+    ln = idx - blk * 32
+    ch = blk // per
+    q = ln % 4
+    return (blk + (2 * (ch // 2) + q // 2 - ch) * per) * 32 + (ln - q) + 2 * (q % 2) + ch % 2
+
+
 def _frozen_key(shape) -> tuple:
     """Every attribute of a finished shape (all compile-time: sizes, plan, settings), the key of its
     compiled kernel: no two variants share one (a key of chosen fields once missed the persistent
@@ -97,9 +111,11 @@ class PersistentShape:
     """Compile-time shape of the persistent variant (``cute_persistent``): clusters of 16 CTAs, one
     CTA an SM, that stay resident and take blocks of 16 tokens in turn. Each CTA keeps its slice of
     phi's fragments in shared memory for the whole launch (``phi_bytes``: 144 KiB at n = 4,
-    H = 4096). ``warps`` warps each own ``cpw`` 16-column chunks of every stream (warp w: chunks
-    w, w + warps, ...), whose x and y tiles of the next block go by cp.async into the warp's slots
-    (``chunk_slot`` bytes a chunk) as soon as it has read this block's. x' is not kept: the
+    H = 4096). ``warps`` warps each own ``gpw`` groups of 32 adjacent columns of every stream (warp w:
+    groups w, w + warps, ...), whose x and y tiles of the next block go by cp.async into the warp's
+    slots (``group_slot`` bytes a group) as soon as it has read this block's. 64-byte row segments
+    rather than 32: every global access a warp makes then touches half as many lines a byte, and
+    the kernel is bound by its L1 wavefronts (PERFORMANCE.md, tenth pass). x' is not kept: the
     combination reads it back from L2 an iteration later, so one block's exchanges and
     combination overlap the next block's stream pass without x' buffers in shared memory. Warp 0
     also computes the CTA's token's coefficients of each block, a stream pass after its partials
@@ -111,17 +127,19 @@ class PersistentShape:
     push = True
     sinkhorn = False
     phi_staged = True
-    # Profiled: cycles (clock64) of stream warp 0 in each section of an iteration (values 0-7), the
-    # iterations (8), warp 0's coefficient step (10, 11), summed over the launch, per CTA (int64 [CTA, 16]).
-    SECTIONS = {0: "top barrier", 1: "stream pass", 2: "sums wait", 3: "normalize", 4: "partials",
+    # Profiled: cycles (clock64) of stream warp 0 in each section of an iteration (values 0-7, 12), the
+    # iterations (8), the whole loop (9), warp 0's coefficient step (10, 11), summed over the launch,
+    # per CTA (int64 [CTA, 16]).
+    SECTIONS = {0: "top barrier", 1: "stream pass", 12: "x' loads", 2: "sums wait", 3: "normalize", 4: "partials",
                 5: "coefficient loads", 6: "H_pre wait", 7: "first pass",
-                10: "partials wait (warp 0)", 11: "coefficients (warp 0)"}
+                10: "partials wait (warp 0)", 11: "coefficients (warp 0)", 9: "whole iteration"}
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False) -> None:
         self.n, self.c, self.update, self.iters, self.profile = n, hidden, update, iters, profile
         _sizes(self, n, hidden, self.cl, self.bt, warps)
         self.ctas = 1
-        self.cpw = -(-self.nch // warps)
+        self.groups = self.nch // 2
+        self.gpw = -(-self.groups // warps)
         self.phi_bytes = self.nch * self.phi_chunk
         self.ncoef = n + n * n if update else 0  # H_post then H_res, a token
         # Coefficient rows padded to an odd number of 16-byte units: 8 rows' 16-byte reads, conflict-free.
@@ -131,9 +149,9 @@ class PersistentShape:
         self.wslots = warps // 2 if warps <= 8 else 4
         self.wp_bytes = self.wslots * 16 * (self.kpad + 1) * 4
         self.part_bytes = self.cl * (self.kpad + 1) * 4  # a parity's: the 16 CTAs' rows of one token
-        self.chunk_slot = (n + 1 if update else n) * 16 * 32  # the n stream tiles and y: 16 rows of 32 bytes
-        self.warp_slot = self.cpw * self.chunk_slot
-        self.slot_bytes = warps * self.warp_slot
+        self.group_slot = (n + 1 if update else n) * 16 * 64  # the n stream tiles and y: 16 rows of 64 bytes
+        self.warp_slot = self.gpw * self.group_slot
+        self.slot_bytes = min(warps, self.groups) * self.warp_slot  # warps past the groups stream nothing
         # Kept in shared memory rather than registers held across the loop by every warp: the
         # parameters warp 0's coefficient step reads (6 a lane), this CTA's columns of the norm
         # weight (FP32), and each thread's combination of a block between its two passes.
@@ -152,8 +170,8 @@ class PersistentShape:
             return f"n = {self.n} streams (2 to 4)"
         if self.c % (self.cl * 64):
             return f"hidden size {self.c} is not a multiple of {self.cl * 64} (16 CTAs of 64-column groups)"
-        if self.warps % 2 or not 2 <= self.warps <= 16 or self.cpw > 4 or self.warps % self.wslots:
-            return f"{self.warps} warps for {self.nch} chunks a CTA (even, 2 to 16, at most 4 chunks a warp)"
+        if self.warps % 2 or not 2 <= self.warps <= 16 or self.gpw > 2 or self.warps % self.wslots:
+            return f"{self.warps} warps for {self.groups} groups of 32 columns a CTA (even, 2 to 16, at most 2 groups a warp)"
         if self.smem > SMEM_LIMIT:
             return (f"{self.smem} bytes of shared memory a CTA (at most {SMEM_LIMIT}): phi's slice alone is "
                     f"{self.phi_bytes}")

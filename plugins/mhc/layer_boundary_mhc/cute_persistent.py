@@ -46,7 +46,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import cute_ptx as P
-from .cluster_shape import PersistentShape
+from .cluster_shape import PersistentShape, resident_piece
 from .cute_steps import ClusterSteps, compile_kernel
 
 
@@ -111,7 +111,7 @@ class MhcPersistent(ClusterSteps):
         slot = slots + warp * s.warp_slot
         fill = self._fill_plan(lane, warp, col0, x_a, y_a, sxt, sxn, syt)
         stash = mixed_s + tid * 16
-        xol = xo_a + (Int64(g) * sot + Int64(col0 + 4 * q)) * 2
+        xol = xo_a + (Int64(g) * sot + Int64(col0 + 8 * q)) * 2
         # Where the combination reads x' back (from L2: this CTA stored it an iteration before).
         if cutlass.const_expr(s.update):
             src = (xo_a, sot, son)
@@ -121,13 +121,14 @@ class MhcPersistent(ClusterSteps):
         cyc.fill(0)
         prof_a = Int64(prof.toint()) + Int64(cid * s.cl + rank) * 128
 
-        # This CTA's slice of phi's fragments (chunks rank * nch ...), once; the first block's
+        # This CTA's slice of phi's fragments (chunks rank * nch ...), once, in the groups' lane
+        # order (``resident_piece``); the first block's
         # coefficients, x and y; the parameters warp 0's coefficient step reads.
-        pieces = s.phi_bytes // 16
-        for k in cutlass.range_constexpr((pieces + s.threads - 1) // s.threads):
+        pieces = s.phi_bytes // 8
+        for k in cutlass.range((pieces + s.threads - 1) // s.threads, unroll=1):
             idx = tid + k * s.threads
-            P.cp_async16_if(phi_s + idx * 16, phf_a + Int64(rank) * s.phi_bytes + Int64(idx * 16), Int32(16),
-                            Int32(idx < pieces))
+            P.cp_async8_if(phi_s + idx * 8, phf_a + Int64(rank) * s.phi_bytes + Int64(resident_piece(idx, s.n * 3 * s.nt)) * 8,
+                           Int32(idx < pieces))
         P.cp_async_commit()
         w_a = Int64(w32.toint()) + Int64(col0) * 4
         for k in cutlass.range_constexpr((s.w_bytes // 16 + s.threads - 1) // s.threads):
@@ -135,8 +136,9 @@ class MhcPersistent(ClusterSteps):
             P.cp_async16_if(w_s + idx * 16, w_a + Int64(idx * 16), Int32(16), Int32(idx < s.w_bytes // 16))
         if cutlass.const_expr(s.update):
             self._coef_issue(tid, cid, tokens, hp_a, hr_a, coef)
-        for k in cutlass.range_constexpr(s.cpw):
-            self._fill(fill, k, slot + k * s.chunk_slot, cid, tokens, Int32(1), warp, lane)
+        for k in cutlass.range_constexpr(s.gpw):
+            self._fill(fill, k, slot + k * s.group_slot, cid, tokens, Int32(warp + k * s.warps < s.groups), warp,
+                       lane)
         P.cp_async_commit()
         if warp == 0:
             consts = self._coef_consts(lane, alpha, bpre, bpost, bres)
@@ -147,6 +149,7 @@ class MhcPersistent(ClusterSteps):
         per_lane = (s.units + 31) // 32
         tpw = s.bt // nw
         xc = cute.make_rmem_tensor((tpw * per_lane * n * 4,), Int32)
+        t_loop = self._clock()
         for it in cutlass.range(nloc + 2, unroll=1):
             par = it % 2
             blk = cid + it * ncl
@@ -164,6 +167,7 @@ class MhcPersistent(ClusterSteps):
                 # while warp 0 computes the coefficients of this CTA's token of it: its partials
                 # arrived while block it streamed, and every CTA waits for its H_pre at 3a.
                 self._xp_load(xc, src, blk - ncl, tokens, col0, warp, lane)
+                self._lap(cyc, 8, t0)
                 if warp == 0:
                     pv = (it - 1) % 2
                     self._token_coefficients(part0 + pv * s.part_bytes, hpre0 + pv * s.hpre_bytes, mb, pv, it - 1,
@@ -203,8 +207,9 @@ class MhcPersistent(ClusterSteps):
             if tid == 0:
                 for k in cutlass.range_constexpr(4):
                     P.stg_v2_u64(prof_a + 16 * k, cyc[2 * k], cyc[2 * k + 1])
-                P.stg_v2_u64(prof_a + 64, Int64(nloc), Int64(0))
+                P.stg_v2_u64(prof_a + 64, Int64(nloc), self._clock() - t_loop)
                 P.stg_v2_u64(prof_a + 80, cyc[9], cyc[10])
+                P.stg_v2_u64(prof_a + 96, cyc[8], Int64(0))
 
     @cute.jit
     def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, consts, hpo, hro, eps, cyc):
@@ -270,35 +275,38 @@ class MhcPersistent(ClusterSteps):
 
     @cute.jit
     def _fill_plan(self, lane, warp, col0, x_a, y_a, sxt, sxn, syt) -> tuple:
-        """This lane's cp.async sources, worked out once: (x at block 0 and the CTA's chunk 0, y
-        likewise, a block's step of each, a stream's step). A chunk's slot holds its tiles (the n
-        streams, then y) of 16 rows of 32 bytes; lane l copies row l // 2, half l % 2, of every
-        tile."""
+        """This lane's cp.async sources, worked out once: (x at block 0 and the CTA's group 0, y
+        likewise, a block's step of each, a stream's step, 8 rows' step of x and of y). A group's slot
+        holds its tiles (the n streams, then y) of 16 rows of 64 bytes; lane l copies 16-byte piece
+        l % 4 of rows l // 4 and l // 4 + 8 of every tile."""
         s = self.s
-        col = Int64(col0 + 8 * (lane % 2))
-        r = Int64(lane // 2)
+        col = Int64(col0 + 8 * (lane % 4))
+        r = Int64(lane // 4)
         return (x_a + (r * sxt + col) * 2, y_a + (r * syt + col) * 2, Int64(s.bt) * sxt * 2, Int64(s.bt) * syt * 2,
-                Int64(sxn) * 2)
+                Int64(sxn) * 2, Int64(8) * sxt * 2, Int64(8) * syt * 2)
 
     @cute.jit
     def _fill(self, plan, k: int, dst, blk, tokens, ok, warp, lane):
-        """cp.async of the warp's chunk k of block ``blk`` into its slot at ``dst`` (``_fill_plan``),
+        """cp.async of the warp's group k of block ``blk`` into its slot at ``dst`` (``_fill_plan``),
         where ``ok``; rows past the last token arrive as zeros. No commit."""
         s = self.s
-        x0, y0, xstep, ystep, nstep = plan
-        live = Int32(blk * s.bt + lane // 2 < tokens)
-        # Chunk warp + k W (past the CTA's last chunk: its last again, never read).
-        kcol = Int64(32 * cutlass.min(warp + k * s.warps, s.nch - 1))
-        xs = x0 + (Int64(blk) * xstep + kcol) * Int64(live)
-        for a in cutlass.range_constexpr(s.n):
-            P.cp_async16_if(dst + (a * 16 + lane // 2) * 32 + (lane % 2) * 16, xs + Int64(a) * nstep, live * 16, ok)
-        if cutlass.const_expr(s.update):
-            ys = y0 + (Int64(blk) * ystep + kcol) * Int64(live)
-            P.cp_async16_if(dst + (s.n * 16 + lane // 2) * 32 + (lane % 2) * 16, ys, live * 16, ok)
+        x0, y0, xstep, ystep, nstep, x8, y8 = plan
+        r = lane // 4
+        # Group warp + k W (callers pass ``ok`` false past the CTA's last group).
+        gcol = Int64(64 * cutlass.min(warp + k * s.warps, s.groups - 1))
+        for h in cutlass.range_constexpr(2):
+            live = Int32(blk * s.bt + r + 8 * h < tokens)
+            at = dst + (r + 8 * h) * 64 + (lane % 4) * 16
+            xs = x0 + (Int64(blk) * xstep + gcol + x8 * h) * Int64(live)
+            for a in cutlass.range_constexpr(s.n):
+                P.cp_async16_if(at + a * 16 * 64, xs + Int64(a) * nstep, live * 16, ok)
+            if cutlass.const_expr(s.update):
+                ys = y0 + (Int64(blk) * ystep + gcol + y8 * h) * Int64(live)
+                P.cp_async16_if(at + s.n * 16 * 64, ys, live * 16, ok)
 
     @cute.jit
     def _stream(self, slot, fill, blk, ok_next, ncl, tokens, phi_s, coef, xol, sot, son, warp, g, q, acc, sq):
-        """The warp's chunks of block ``blk`` from its slots (each refilled with block
+        """The warp's groups of block ``blk`` from its slots (each refilled with block
         ``blk + ncl`` once read, where ``ok_next``): x' of every stream (mixed, rounded once) to HBM,
         and its projection on phi and sums of squares into ``acc`` and ``sq``."""
         s = self.s
@@ -310,50 +318,52 @@ class MhcPersistent(ClusterSteps):
         acc.fill(0.0)
         sq.fill(0.0)
         tiles = n + 1 if s.update else n
-        for k in cutlass.range_constexpr(s.cpw):
-            ch = warp + k * s.warps
-            if ch < s.nch:
-                base = slot + k * s.chunk_slot
-                # Rows g, g + 8 of each stream and y, unpacked once: [ri][j] -> 4 values; then the
-                # slot is free for the next block (every lane has its words).
-                words = [[P.lds_v2(base + (j * 16 + r) * 32 + q * 8) for j in range(tiles)] for r in (r0, r1)]
-                vals = [[P.unpack(w[0]) + P.unpack(w[1]) for w in per_r] for per_r in words]
+        for k in cutlass.range_constexpr(s.gpw):
+            grp = warp + k * s.warps
+            if grp < s.groups:
+                base = slot + k * s.group_slot
+                # Columns 8 q .. 8 q + 7 of rows g, g + 8 of each stream and y, unpacked once:
+                # [ri][j] -> 8 values; then the slot is free for the next block.
+                words = [[P.lds_v4(base + (j * 16 + r) * 64 + q * 16) for j in range(tiles)] for r in (r0, r1)]
+                vals = [[P.unpack(w[0]) + P.unpack(w[1]) + P.unpack(w[2]) + P.unpack(w[3]) for w in per_r] for per_r in words]
                 cute.arch.sync_warp()
                 self._fill(fill, k, base, blk + ncl, tokens, ok_next, warp, g * 4 + q)
                 for i in cutlass.range_constexpr(n):
-                    # Stream i's phi fragments and coefficients, loaded before the mix whose FMAs
-                    # cover their latency (measured: mixing every stream of a row first, with each
-                    # row's coefficients loaded once, was slower).
-                    fr = self._phi_frags(phi_s, ch, i, g * 4 + q)
                     cfs = [self._coef_row(coef + r * s.coef_row, i) for r in (r0, r1)] if s.update else []
-                    wds = []  # [ri] -> 2 words of stream i
-                    for ri in cutlass.range_constexpr(2):
-                        if cutlass.const_expr(s.update):
-                            cf = cfs[ri]
-                            mixed = []
-                            for e in cutlass.range_constexpr(4):
-                                v = cf[0] * vals[ri][n][e]
-                                for j in cutlass.range_constexpr(n):
-                                    v = P.fma(cf[1 + j], vals[ri][j][e], v)
-                                mixed.append(v)
-                            wds.append((P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])))
-                            # 8 bytes a store: the pair sits in other registers than the MMA's A
-                            # fragment (ptxas moves them), but 4-byte stores, twice as many
-                            # wavefronts, measured 16 % slower (395.5 against 339.4 µs).
-                            P.stg_v2(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(ch * 32),
-                                     wds[ri][0], wds[ri][1], lv[ri])
-                        else:
-                            wds.append((words[ri][i][0], words[ri][i][1]))
-                    a = (wds[0][0], wds[1][0], wds[0][1], wds[1][1])
-                    for p in cutlass.range_constexpr(3):
-                        for nt in cutlass.range_constexpr(s.nt):
-                            b = fr[p * s.nt + nt]
-                            d = P.mma_bf16(a, (b[0], b[1]), [acc[nt * 4 + e] for e in range(4)])
-                            for e in cutlass.range_constexpr(4):
-                                acc[nt * 4 + e] = d[e]
-                    d = P.mma_bf16_sq(a, [sq[e] for e in range(8)])
-                    for e in cutlass.range_constexpr(8):
-                        sq[e] = d[e]
+                    st = [[], []]  # [ri]: stream i's words of the row, both k-steps
+                    for c in cutlass.range_constexpr(2):
+                        # Stream i's phi fragments, loaded before the mix whose FMAs cover their latency.
+                        fr = self._phi_frags(phi_s, 2 * grp + c, i, g * 4 + q)
+                        wds = []  # [ri] -> 2 words of stream i: columns 8 q + 4 c .. + 3
+                        for ri in cutlass.range_constexpr(2):
+                            if cutlass.const_expr(s.update):
+                                cf = cfs[ri]
+                                mixed = []
+                                for e in cutlass.range_constexpr(4 * c, 4 * c + 4):
+                                    v = cf[0] * vals[ri][n][e]
+                                    for j in cutlass.range_constexpr(n):
+                                        v = P.fma(cf[1 + j], vals[ri][j][e], v)
+                                    mixed.append(v)
+                                wds.append((P.pack(mixed[0], mixed[1]), P.pack(mixed[2], mixed[3])))
+                            else:
+                                wds.append((words[ri][i][2 * c], words[ri][i][2 * c + 1]))
+                            st[ri] += list(wds[ri])
+                        a = (wds[0][0], wds[1][0], wds[0][1], wds[1][1])
+                        for p in cutlass.range_constexpr(3):
+                            for nt in cutlass.range_constexpr(s.nt):
+                                b = fr[p * s.nt + nt]
+                                d = P.mma_bf16(a, (b[0], b[1]), [acc[nt * 4 + e] for e in range(4)])
+                                for e in cutlass.range_constexpr(4):
+                                    acc[nt * 4 + e] = d[e]
+                        d = P.mma_bf16_sq(a, [sq[e] for e in range(8)])
+                        for e in cutlass.range_constexpr(8):
+                            sq[e] = d[e]
+                    if cutlass.const_expr(s.update):
+                        # 16 bytes of a row a store: 8 rows of 64 bytes an instruction, where 16-column
+                        # chunks stored 8 rows of 32 (PERFORMANCE.md, tenth pass).
+                        for ri in cutlass.range_constexpr(2):
+                            P.stg_v4(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(grp * 64),
+                                     *st[ri], lv[ri])
         P.cp_async_commit()
 
     @cute.jit

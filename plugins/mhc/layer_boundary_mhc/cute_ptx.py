@@ -265,6 +265,12 @@ def cp_async4_if(dst, src, nbytes, ok):
         "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.ca.shared.global [$0], [$1], 4, $2; }", "r,l,r,r")
 
 
+def cp_async8_if(dst, src, ok):
+    # 8 bytes through L1: phi's fragments gathered into another lane order at a launch's start.
+    asm(None, [dst, src, ok],
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.ca.shared.global [$0], [$1], 8; }", "r,l,r")
+
+
 def bar_sync(barrier: int, threads: int):
     """Named barrier ``barrier`` (not 0: __syncthreads') among ``threads`` threads of the CTA."""
     asm(None, [], f"bar.sync {barrier}, {threads};", "")
