@@ -58,7 +58,7 @@ SINKHORN_TOKENS = 64
 # Calls of at least PERSISTENT_TOKENS tokens (0: none) run the persistent variant
 # (``cute_persistent``: phi resident, clusters that take 16-token blocks in turn, as many as fit the
 # GPU at once) where its shape fits (n = 4: H up to 4096), PERSISTENT_WARPS warps a CTA. Off: at
-# T = 8192 (H200, n = 4, H = 4096) it took 339.4 µs, the Triton two launches 307 (16 warps: 449.9).
+# T = 8192 (H200, n = 4, H = 4096) it took 337.7-342.0 µs, the Triton two launches 307.
 PERSISTENT_TOKENS = 0
 PERSISTENT_WARPS = 8
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled

@@ -3,13 +3,18 @@ sm_90a; imports ``cutlass``, load through ``cluster_ops``).
 
 Same arithmetic and exchanges as ``cute_cluster`` (read its docstring first), rearranged for many
 blocks: clusters of 16 CTAs, one CTA an SM, as many as the GPU holds at once, each taking 16-token
-blocks ``cid, cid + clusters, ...``. What changes (PERFORMANCE.md, eighth and ninth passes):
+blocks ``cid, cid + clusters, ...``. What changes (PERFORMANCE.md, eighth to tenth passes):
 
-- **Instructions.** A warp owns 16-column chunks of every stream: each x and y element is loaded,
+- **Instructions.** A warp owns 32-column groups of every stream: each x and y element is loaded,
   unpacked and mixed once, and the sums of squares of x' come out of two extra mma.sync a stream
-  (``cute_ptx.mma_bf16_sq``).
+  and k-step (``cute_ptx.mma_bf16_sq``).
+- **L1 requests.** The kernel is bound by its L1 wavefronts (ncu: 90 % of the active cycles with
+  16-column chunks). A group's rows are 64-byte segments, so its x and y copies and its x' stores
+  (16 bytes a lane: k-step c of a group gives lane q columns ``8 q + 4 c .. + 3``) touch half as many
+  lines a byte as 32-byte segments did.
 - **phi from L2 every block.** Each CTA keeps its slice of phi's fragments in shared memory for
-  the whole launch (144 KiB at n = 4, H = 4096).
+  the whole launch (144 KiB at n = 4, H = 4096), gathered at the start into the groups' lane order
+  (``cluster_shape.resident_piece``).
 - **Bytes in flight.** Each warp's x and y tiles of the next block go by cp.async into the warp's
   own slots as soon as it has read this block's (40 KiB an SM in flight; no CTA barrier a chunk).
   Loading them to registers instead cost 5,500 of an iteration's 14,000 cycles.
@@ -33,8 +38,8 @@ cannot reach a buffer before its receiver is done with block ``b``:
 - sums: the sender needs the receiver's H_pre of block ``b + 2``, sent an iteration after the
   receiver normalized block ``b``.
 
-Summation orders (all fixed, so replays are bitwise): a warp's chunks in order, each chunk's
-streams in order; per-warp partials group by group (``wslots`` warps a group, the last group's
+Summation orders (all fixed, so replays are bitwise): a warp's groups in order, each group's
+streams in order, each stream's two k-steps in order; per-warp partials group by group (``wslots`` warps a group, the last group's
 first), then the slots in order; the 16 CTAs' partials and sums in rank order.
 """
 
