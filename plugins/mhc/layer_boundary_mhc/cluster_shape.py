@@ -171,7 +171,8 @@ class PersistentShape:
         if self.c % (self.cl * 64):
             return f"hidden size {self.c} is not a multiple of {self.cl * 64} (16 CTAs of 64-column groups)"
         if self.warps % 2 or not 2 <= self.warps <= 16 or self.gpw > 2 or self.warps % self.wslots:
-            return f"{self.warps} warps for {self.groups} groups of 32 columns a CTA (even, 2 to 16, at most 2 groups a warp)"
+            return (f"{self.warps} warps for {self.groups} groups of 32 columns a CTA (even, 2 to 16, at most 2 "
+                    "groups a warp)")
         if self.smem > SMEM_LIMIT:
             return (f"{self.smem} bytes of shared memory a CTA (at most {SMEM_LIMIT}): phi's slice alone is "
                     f"{self.phi_bytes}")

@@ -39,8 +39,9 @@ cannot reach a buffer before its receiver is done with block ``b``:
   receiver normalized block ``b``.
 
 Summation orders (all fixed, so replays are bitwise): a warp's groups in order, each group's
-streams in order, each stream's two k-steps in order; per-warp partials group by group (``wslots`` warps a group, the last group's
-first), then the slots in order; the 16 CTAs' partials and sums in rank order.
+streams in order, each stream's two k-steps in order; per-warp partials group by group (``wslots``
+warps a group, the last group's first), then the slots in order; the 16 CTAs' partials and sums in
+rank order.
 """
 
 from __future__ import annotations
@@ -127,13 +128,13 @@ class MhcPersistent(ClusterSteps):
         prof_a = Int64(prof.toint()) + Int64(cid * s.cl + rank) * 128
 
         # This CTA's slice of phi's fragments (chunks rank * nch ...), once, in the groups' lane
-        # order (``resident_piece``); the first block's
-        # coefficients, x and y; the parameters warp 0's coefficient step reads.
+        # order (``resident_piece``); the first block's coefficients, x and y; the parameters warp
+        # 0's coefficient step reads.
         pieces = s.phi_bytes // 8
         for k in cutlass.range((pieces + s.threads - 1) // s.threads, unroll=1):
             idx = tid + k * s.threads
-            P.cp_async8_if(phi_s + idx * 8, phf_a + Int64(rank) * s.phi_bytes + Int64(resident_piece(idx, s.n * 3 * s.nt)) * 8,
-                           Int32(idx < pieces))
+            piece = Int64(resident_piece(idx, s.n * 3 * s.nt))
+            P.cp_async8_if(phi_s + idx * 8, phf_a + Int64(rank) * s.phi_bytes + piece * 8, Int32(idx < pieces))
         P.cp_async_commit()
         w_a = Int64(w32.toint()) + Int64(col0) * 4
         for k in cutlass.range_constexpr((s.w_bytes // 16 + s.threads - 1) // s.threads):
@@ -330,7 +331,8 @@ class MhcPersistent(ClusterSteps):
                 # Columns 8 q .. 8 q + 7 of rows g, g + 8 of each stream and y, unpacked once:
                 # [ri][j] -> 8 values; then the slot is free for the next block.
                 words = [[P.lds_v4(base + (j * 16 + r) * 64 + q * 16) for j in range(tiles)] for r in (r0, r1)]
-                vals = [[P.unpack(w[0]) + P.unpack(w[1]) + P.unpack(w[2]) + P.unpack(w[3]) for w in per_r] for per_r in words]
+                vals = [[P.unpack(w[0]) + P.unpack(w[1]) + P.unpack(w[2]) + P.unpack(w[3]) for w in per_r]
+                        for per_r in words]
                 cute.arch.sync_warp()
                 self._fill(fill, k, base, blk + ncl, tokens, ok_next, warp, g * 4 + q)
                 for i in cutlass.range_constexpr(n):
