@@ -227,8 +227,9 @@ def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None
     for update in (False, True):
         for sinkhorn in (True, False):
             _compiled(cluster_shape(n, hidden, update, iters, sinkhorn))
-        if PERSISTENT_TOKENS and not persistent_shape(n, hidden, update, iters).problem:
-            _compiled(persistent_shape(n, hidden, update, iters))
+        persistent = persistent_shape(n, hidden, update, iters) if PERSISTENT_TOKENS else None
+        if persistent is not None and not persistent.problem:
+            _compiled(persistent)
     if torch.cuda.is_available():
         _sinkhorn_after(torch.zeros(1, n, n, device="cuda"), 1, n, iters)
         if PERSISTENT_TOKENS:

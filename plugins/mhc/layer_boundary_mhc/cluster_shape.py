@@ -49,6 +49,11 @@ def resident_piece(idx, per: int):
     return (blk + (2 * (ch // 2) + q // 2 - ch) * per) * 32 + (ln - q) + 2 * (q % 2) + ch % 2
 
 
+def _streams_problem(n: int) -> str:
+    # n = 1 would compile, but neither kernel has run it on a GPU.
+    return f"n = {n} streams (2 to 4)"
+
+
 def _frozen_key(shape) -> tuple:
     """Every attribute of a finished shape (all compile-time: sizes, plan, settings), the key of its
     compiled kernel: no two variants share one (a key of chosen fields once missed the persistent
@@ -92,8 +97,7 @@ class ClusterShape:
 
     def _problem(self) -> str:
         if not 2 <= self.n <= 4:
-            # n = 1 would compile, but has not run on a GPU.
-            return f"n = {self.n} streams (2 to 4)"
+            return _streams_problem(self.n)
         if self.c % (self.cl * 16):
             return f"hidden size {self.c} is not a multiple of {self.cl * 16} (cluster of {self.cl} x 16 columns)"
         if self.hs % 64 or self.nch % 2:
@@ -167,7 +171,7 @@ class PersistentShape:
 
     def _problem(self) -> str:
         if not 2 <= self.n <= 4:
-            return f"n = {self.n} streams (2 to 4)"
+            return _streams_problem(self.n)
         if self.c % (self.cl * 64):
             return f"hidden size {self.c} is not a multiple of {self.cl * 64} (16 CTAs of 64-column groups)"
         if self.warps % 2 or not 2 <= self.warps <= 16 or self.gpw > 2 or self.warps % self.wslots:
