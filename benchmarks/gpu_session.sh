@@ -35,6 +35,9 @@
 #      launches, bench mhc (MHC_BENCH=1, the dated record), ncu of it (MHC_NCU), ncu's warp-stall
 #      samples per SASS instruction of one variant (MHC_NCU_SASS)
 #   p  as m, without the cluster kernel's suite (only the MHC_TESTS given, if any)
+#   r  (carry .cute1b and .cute2, right after u; two GPUs): every GPU-marked test: the multi-GPU
+#      files on both GPUs, then the rest split over the two (without FlashInfer unless installed);
+#      R_MHC_ONLY=1: only the Triton MHC files, one a GPU (they take longer than one call holds)
 #   w  every GPU visible (4 or 8: the 4- and 8-GPU issue): the NCCL parallel matrix at 2, 4 and 8
 #      ranks, bench allreduce --world N and bench decode --tp 1 2 N (dated records)
 # Logs and results go to $OUT (the device tool brings them back).
@@ -264,6 +267,31 @@ m|p)
     ncu -i "$OUT/cluster.ncu-rep" --page source --csv --print-source sass > "$OUT/cluster-sass.csv" 2>>"$OUT/ncu-sass.log"
     tail -3 "$OUT/ncu-sass.log"; wc -l "$OUT/cluster-sass.csv"; head -3 "$OUT/cluster-sass.csv" | cut -c1-600
   fi
+  ;;
+r)
+  [ -f /tmp/cute_parts/cu13part.aa ] || { echo "machine not warm: redo stage u"; exit 3; }
+  mkdir -p /tmp/site && cat /tmp/cute_parts/cu13part.aa .cute1b/* | xz -T8 -dc | tar -xf - -C /tmp/site || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 .cute2/*.whl \
+    && cp -rn /tmp/site2/. /tmp/site/ 2>/dev/null || exit 1
+  cute_env
+  versions | tee "$OUT/versions-r.txt"
+  layer-boundary plugins > "$OUT/plugins-r.txt" 2>&1; cat "$OUT/plugins-r.txt"
+  if [ -n "${R_MHC_ONLY:-}" ]; then  # the Triton MHC files alone, one a GPU (about 9 minutes)
+    CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu -rfs --durations=8 tests/test_mhc_launch_forms.py tests/test_mhc.py \
+      > "$OUT/r-mhc1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 pt 540 -m gpu -rfs --durations=8 tests/test_mhc_kernels.py > "$OUT/r-mhc0.log" 2>&1
+    wait; for f in r-mhc0 r-mhc1; do grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -20; tail -12 "$OUT/$f.log"; done
+    exit 0
+  fi
+  multi="tests/test_gpu_parallel.py tests/test_fused_allreduce.py tests/test_moe_finalize_fusion.py tests/test_gpu_features.py"
+  pt 200 -m gpu -rfs --durations=8 $multi > "$OUT/r-multi.log" 2>&1; tail -12 "$OUT/r-multi.log"
+  one=$(ls tests/test_*.py | grep -v -e test_mhc -e test_triton_kernels -e test_gpu_parallel -e test_fused_allreduce \
+    -e test_moe_finalize_fusion -e test_gpu_features)
+  CUDA_VISIBLE_DEVICES=1 pt 330 -m gpu -rfs --durations=8 tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py \
+    tests/test_mhc.py > "$OUT/r-gpu1.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 pt 330 -m gpu -rfs --durations=8 tests/test_mhc_cluster.py tests/test_mhc_persistent.py \
+    tests/test_triton_kernels.py $one > "$OUT/r-gpu0.log" 2>&1
+  wait; for f in r-gpu0 r-gpu1; do grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -20; tail -14 "$OUT/$f.log"; done
   ;;
 w)
   versions | tee "$OUT/versions-w.txt"
