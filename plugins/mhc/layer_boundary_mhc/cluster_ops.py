@@ -57,8 +57,9 @@ SINKHORN_AFTER_TOKENS = 512
 SINKHORN_TOKENS = 64
 # Calls of at least PERSISTENT_TOKENS tokens (0: none) run the persistent variant
 # (``cute_persistent``: phi resident, clusters that take 16-token blocks in turn, as many as fit the
-# GPU at once) where its shape fits (n = 4: H up to 4096), PERSISTENT_WARPS warps a CTA. Off: at
-# T = 8192 (H200, n = 4, H = 4096) it took 337.7-342.0 µs, the Triton two launches 307.
+# GPU at once) where its shape fits (n = 4: H up to 4096), PERSISTENT_WARPS warps a CTA. Off: it ties
+# the Triton two launches, which serve every shape (H200, n = 4, H = 4096, same run: T = 8192 309.8
+# against 309.4 µs, T = 32768 1203.3 against 1194.5).
 PERSISTENT_TOKENS = 0
 PERSISTENT_WARPS = 8
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled

@@ -122,8 +122,8 @@ class PersistentShape:
     the kernel is bound by its L1 wavefronts (PERFORMANCE.md, tenth pass). x' is not kept: the
     combination reads it back from L2 an iteration later, so one block's exchanges and
     combination overlap the next block's stream pass without x' buffers in shared memory. Warp 0
-    also computes the CTA's token's coefficients of each block, a stream pass after its partials
-    were pushed. H_res leaves as its logits (the Sinkhorn runs after the kernel)."""
+    also computes the CTA's token's coefficients of each block, at the start of the next iteration
+    (before its own stream pass). H_res leaves as its logits (the Sinkhorn runs after the kernel)."""
 
     persistent = True
     cl = 16

@@ -21,11 +21,13 @@ blocks ``cid, cid + clusters, ...``. What changes (PERFORMANCE.md, eighth to ten
 - **x' is not kept in shared memory.** The combination reads it back from L2 (``ld.global.cg``) an
   iteration after this CTA stored it, so the slots fit beside phi and one block's exchanges and
   combination still overlap the next block's stream pass.
-- **Order of an iteration.** Stream block ``it``; warp 0 computes H_post, H_res and H_pre of this
-  CTA's token of block ``it - 1`` (its partials arrived while block ``it`` streamed) and sends H_pre
-  to every CTA; normalize block ``it - 2`` (its sums were pushed an iteration ago); push block
-  ``it``'s partials; combine block ``it - 1`` (x' loaded from L2 after the stream pass) and push its
-  sums of squares.
+- **Order of an iteration.** Warp 0 computes H_post, H_res and H_pre of this CTA's token of block
+  ``it - 1`` (its partials were pushed an iteration ago) and sends H_pre to every CTA, while the
+  other warps start streaming; stream block ``it``; normalize block ``it - 2`` (its sums were pushed
+  an iteration ago); push block ``it``'s partials; combine block ``it - 1`` (x' loaded from L2 after
+  the stream pass; its H_pre arrived while the CTAs streamed) and push its sums of squares. Warp 0
+  computed the coefficients after its stream pass before, and every warp waited for it at the
+  partials barrier: 341.0 against 309.8 µs at T = 8192 (PERFORMANCE.md, eleventh pass).
 
 Exchange barriers: one per (exchange, parity of the block), each armed for the bytes it expects and
 re-armed by its waiter; block ``b`` waits for phase ``(b // 2) % 2``. A push for block ``b + 2``
@@ -33,8 +35,8 @@ cannot reach a buffer before its receiver is done with block ``b``:
 
 - partials: the sender pushes them after its normalization of block ``b``, which waits for every
   CTA's sums of block ``b``; the receiver's warp 0 sends its own after reading the partials;
-- H_pre: the sender needs every CTA's partials of block ``b + 2``, which the receiver pushes after
-  its combination of block ``b``;
+- H_pre: the sender needs every CTA's partials of block ``b + 2``, which the receiver pushes an
+  iteration after its combination of block ``b``;
 - sums: the sender needs the receiver's H_pre of block ``b + 2``, sent an iteration after the
   receiver normalized block ``b``.
 
@@ -163,26 +165,29 @@ class MhcPersistent(ClusterSteps):
             P.cp_async_wait_all()
             P.bar_sync(1, s.threads)
             t0 = self._lap(cyc, 0, t0)
-            if it < nloc:
-                # ---- 1. stream pass of block it; the slots refilled with block it + 1 -----------
-                self._stream(slot, fill, blk, Int32(blk + ncl < blocks), ncl, tokens, phi_s, coef, xol, sot, son,
-                             warp, g, q, acc, sq)
-                t0 = self._lap(cyc, 1, t0)
-            if it >= 1 and it <= nloc:
-                # ---- 2. block it - 1's x' (this warp's tokens of the combination) from L2, loaded
-                # while warp 0 computes the coefficients of this CTA's token of it: its partials
-                # arrived while block it streamed, and every CTA waits for its H_pre at 3a.
-                self._xp_load(xc, src, blk - ncl, tokens, col0, warp, lane)
-                self._lap(cyc, 8, t0)
-                if warp == 0:
+            if warp == 0:
+                if it >= 1 and it <= nloc:
+                    # ---- 1. the coefficients of this CTA's token of block it - 1, before warp 0's
+                    # stream pass: H_pre then arrives while the CTAs stream, and the stream warps
+                    # need not wait for this step at the partials barrier.
                     pv = (it - 1) % 2
                     self._token_coefficients(part0 + pv * s.part_bytes, hpre0 + pv * s.hpre_bytes, mb, pv, it - 1,
                                              (blk - ncl) * bt + rank, tokens, rank, lane,
                                              [P.lds_f32(consts_s + (k * 32 + lane) * 4) for k in range(6)], hpo,
                                              hro, eps, cyc)
                 t0 = self._clock()
+            if it < nloc:
+                # ---- 2. stream pass of block it; the slots refilled with block it + 1 -----------
+                self._stream(slot, fill, blk, Int32(blk + ncl < blocks), ncl, tokens, phi_s, coef, xol, sot, son,
+                             warp, g, q, acc, sq)
+                t0 = self._lap(cyc, 1, t0)
+            if it >= 1 and it <= nloc:
+                # ---- 3. block it - 1's x' (this warp's tokens of the combination) from L2, in
+                # flight while block it - 2 is normalized and block it's partials are pushed.
+                self._xp_load(xc, src, blk - ncl, tokens, col0, warp, lane)
+                t0 = self._lap(cyc, 8, t0)
             if it >= 2:
-                # ---- 3b. block it - 2, normalized: its sums were pushed an iteration ago. Read
+                # ---- 4b. block it - 2, normalized: its sums were pushed an iteration ago. Read
                 # before this CTA pushes block it's partials (the sums' buffer is reused by
                 # block it's, which need them).
                 P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2)
@@ -201,7 +206,7 @@ class MhcPersistent(ClusterSteps):
                     self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
                 t0 = self._lap(cyc, 5, t0)
             if it >= 1 and it <= nloc:
-                # ---- 3a. block it - 1: s and its sums of squares, from the x' loaded at 2.
+                # ---- 4a. block it - 1: s and its sums of squares, from the x' loaded at 3.
                 P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
                 t0 = self._lap(cyc, 6, t0)
                 if tid == 0:
