@@ -238,10 +238,11 @@ m|p)
     grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
     tail -2 "$OUT/m-tests.log"
   fi
-  # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items) at H = 4096, then
+  # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items; MHC_VARIANT_TOKENS: the
+  # token counts, default 1024 8192) at H = 4096, then
   # MHC_CLUSTER_VARIANTS_WIDE at H = 7168, each with one profiled call.
   if [ -n "${MHC_CLUSTER_VARIANTS:-}" ]; then
-    ( cd benchmarks/sweeps && eval "timeout ${MHC_VARIANTS_TIMEOUT:-200} python3 mhc_cluster_variants.py $MHC_CLUSTER_VARIANTS --tokens 1024 8192 --phases" \
+    ( cd benchmarks/sweeps && eval "timeout ${MHC_VARIANTS_TIMEOUT:-200} python3 mhc_cluster_variants.py $MHC_CLUSTER_VARIANTS --tokens ${MHC_VARIANT_TOKENS:-1024 8192} --phases" \
         > "$OUT/cluster-variants.log" 2>&1
       eval "timeout 120 python3 mhc_cluster_variants.py ${MHC_CLUSTER_VARIANTS_WIDE:-\"\"} --hidden 7168 --tokens 1024 8192" \
         >> "$OUT/cluster-variants.log" 2>&1 )
