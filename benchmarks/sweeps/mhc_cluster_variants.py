@@ -20,7 +20,7 @@ from layer_boundary_mhc import accuracy, cluster_ops, triton_ops
 
 N = 4
 SETTINGS = ("CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS",
-            "PERSISTENT_TOKENS", "PERSISTENT_WARPS")
+            "PERSISTENT_TOKENS", "PERSISTENT_WARPS", "PERSISTENT_SPLIT")
 
 
 def _time(fn) -> float:
@@ -41,7 +41,7 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
                                                            h_res_out=outs[3]))
     roof = bench.bytes_moved("update+read", t, N, hidden, 2) / (copy_gbps * 1e3)
     line = (f"T={t:5d} {'ok  ' if ok else 'FAIL'} cluster {us:7.1f} ({100 * roof / us:4.1f} %)  "
-            f"[{'persistent ' if persistent else ''}CL={shape.cl} BT={shape.bt} warps={shape.warps} "
+            f"[{'split ' if shape.split else 'persistent ' if persistent else ''}CL={shape.cl} BT={shape.bt} warps={shape.warps} "
             f"ctas={shape.ctas} stages={shape.stages} smem={shape.smem // 1024} KiB]")
     if triton_too:
         two = _time(lambda: triton_ops.mhc_update_read_triton(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
@@ -50,7 +50,7 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
         line += f"  triton 2-launch {two:7.1f} ({100 * roof / two:4.1f} %)"
     if not ok:
         line += "  " + "; ".join(str(d) for d in devs if not d.ok)
-    if phases:
+    if phases and not shape.split:  # the split variant has no profiled form
         line += "\n" + (_sections(i, shape) if persistent else _phases(i, shape))
     return line
 

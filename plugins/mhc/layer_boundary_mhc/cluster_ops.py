@@ -24,7 +24,7 @@ from .coefficients import SINKHORN_ITERS
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
            "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
-           "PERSISTENT_WARPS", "persistent_shape"]
+           "PERSISTENT_WARPS", "PERSISTENT_SPLIT", "SPLIT_FINISHERS", "persistent_shape", "split_shape"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -62,6 +62,13 @@ SINKHORN_TOKENS = 64
 # against 309.4 µs, T = 32768 1203.3 against 1194.5).
 PERSISTENT_TOKENS = 0
 PERSISTENT_WARPS = 8
+# 1: those calls run the split variant instead (``cute_split``: the persistent variant's stream pass
+# on sets of 16 CTAs, and the exchanges, the coefficients and the combination on finisher CTAs on
+# the other SMs). Compiled and checked here (sm_90a); not yet run on a GPU, so off.
+PERSISTENT_SPLIT = 0
+# The split variant's finisher CTAs: at least this many SMs are left to them (an H200's 132 SMs:
+# 7 sets of 16 stream CTAs and 20 finishers).
+SPLIT_FINISHERS = 16
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
@@ -134,10 +141,22 @@ def persistent_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_IT
     return shape
 
 
+def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
+    """The split variant's shape (``cluster_shape.SplitShape``; its ``problem`` says why it does not
+    fit)."""
+    key = ("split", n, hidden, update, iters, PERSISTENT_WARPS)
+    shape = _SHAPES.get(key)
+    if shape is None:
+        from .cluster_shape import SplitShape
+
+        shape = _SHAPES[key] = SplitShape(n, hidden, update, iters, warps=PERSISTENT_WARPS)
+    return shape
+
+
 def _variant(t: int, n: int, hidden: int, update: bool, iters: int) -> Any:
     """The shape a call of ``t`` tokens runs."""
     if PERSISTENT_TOKENS and t >= PERSISTENT_TOKENS:
-        shape = persistent_shape(n, hidden, update, iters)
+        shape = (split_shape if PERSISTENT_SPLIT else persistent_shape)(n, hidden, update, iters)
         if not shape.problem:
             return shape
     return cluster_shape(n, hidden, update, iters, sinkhorn=t < SINKHORN_AFTER_TOKENS)
@@ -160,6 +179,20 @@ def _resident_clusters(device: torch.device) -> int:
         with torch.cuda.device(index):
             got = _CLUSTERS[index] = max(1, int(HardwareInfo(index).get_max_active_clusters(16)))
     return got
+
+
+_SMS: dict[int, int] = {}
+
+
+def _split_grid(device: torch.device, blocks: int) -> tuple[int, int]:
+    """(sets of 16 stream CTAs, finisher CTAs) for the split variant: one CTA an SM, at least
+    ``SPLIT_FINISHERS`` SMs left to the finishers, no more sets than blocks."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(index)
+    if sms is None:
+        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    sets = max(1, min(blocks, (sms - SPLIT_FINISHERS) // 16))
+    return sets, max(1, sms - 16 * sets)
 
 
 def import_problem() -> str:
@@ -209,7 +242,11 @@ def _compiled(shape: Any) -> Any:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the MHC cluster kernel for this shape was not compiled before CUDA-graph capture; "
                                "call layer_boundary_mhc.cluster_ops.prepare_cluster first")
-        if shape.persistent:
+        if shape.split:
+            from .cute_split import compile_split
+
+            fn = _COMPILED[key] = compile_split(shape)
+        elif shape.persistent:
             from .cute_persistent import compile_persistent
 
             fn = _COMPILED[key] = compile_persistent(shape)
@@ -228,12 +265,14 @@ def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None
     for update in (False, True):
         for sinkhorn in (True, False):
             _compiled(cluster_shape(n, hidden, update, iters, sinkhorn))
-        persistent = persistent_shape(n, hidden, update, iters) if PERSISTENT_TOKENS else None
+        persistent = None
+        if PERSISTENT_TOKENS:
+            persistent = (split_shape if PERSISTENT_SPLIT else persistent_shape)(n, hidden, update, iters)
         if persistent is not None and not persistent.problem:
             _compiled(persistent)
     if torch.cuda.is_available():
         _sinkhorn_after(torch.zeros(1, n, n, device="cuda"), 1, n, iters)
-        if PERSISTENT_TOKENS:
+        if PERSISTENT_TOKENS and not PERSISTENT_SPLIT:
             _resident_clusters(torch.device("cuda"))
 
 
@@ -261,7 +300,8 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
 
     def ptr(v: Optional[torch.Tensor], like: torch.Tensor, align: int = 16) -> Any:
         v = like if v is None else v
-        el = {torch.bfloat16: cutlass.BFloat16, torch.int64: cutlass.Int64}.get(v.dtype, cutlass.Float32)
+        el = {torch.bfloat16: cutlass.BFloat16, torch.int64: cutlass.Int64, torch.int32: cutlass.Int32}.get(
+            v.dtype, cutlass.Float32)
         return make_ptr(el, v.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
     yy = y if update else x
@@ -272,11 +312,21 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
         h_post = h_post if h_post.data_ptr() % 16 == 0 else h_post.clone()
         h_res = h_res if h_res.data_ptr() % 16 == 0 else h_res.clone()
     blocks = (t + shape.bt - 1) // shape.bt
-    clusters = [min(blocks, _resident_clusters(x.device))] if shape.persistent else []
+    extra: list = []
+    if shape.split:
+        # Each block's partials ([block][CTA][token][K + 1]) and its ready count, per call: stream
+        # ordered, so replays of a captured graph get their own zeroed counts.
+        part = torch.empty(blocks * 16 * shape.bt * (shape.kpad + 1), dtype=torch.float32, device=x.device)
+        cnt = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+        extra = [ptr(part, part, 4), ptr(cnt, cnt, 4), t, blocks, *_split_grid(x.device, blocks)]
+    elif shape.persistent:
+        extra = [t, blocks, min(blocks, _resident_clusters(x.device))]
+    else:
+        extra = [t, blocks]
     fn(ptr(x, x), ptr(yy, x), ptr(h_post, h_post_out, 4), ptr(h_res, h_res_out, 4), ptr(xo, x), ptr(phf, phf),
        ptr(alpha, alpha, 4), ptr(b_pre, b_pre, 4), ptr(b_post, b_post, 4), ptr(b_res, b_res, 4), ptr(w32, w32),
        ptr(out, out), ptr(h_post_out, h_post_out, 4), ptr(h_res_out, h_res_out, 4),
-       ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), t, blocks, *clusters,
+       ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), *extra,
        x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1), out.stride(0), eps, norm_eps,
        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
     if not shape.sinkhorn:
@@ -314,7 +364,7 @@ def _eligible(x: torch.Tensor, update: bool, iters: int, shape: Any) -> bool:
         return False
     try:
         _compiled(shape)
-        if shape.persistent:
+        if shape.persistent and not shape.split:
             _resident_clusters(x.device)
     except Exception as e:  # a broken CuTe DSL install must not end the forward
         import warnings

@@ -73,6 +73,7 @@ class ClusterShape:
     start, rather than three cluster barriers around stores and loads."""
 
     persistent = False  # which kernel: cute_cluster (False) or cute_persistent
+    split = False
 
     def __init__(self, n: int, hidden: int, cluster: int, block_tokens: int, update: bool, iters: int,
                  stages: int = 0, warps: int = 8, ctas: int = 1, profile: bool = False,
@@ -126,6 +127,7 @@ class PersistentShape:
     (before its own stream pass). H_res leaves as its logits (the Sinkhorn runs after the kernel)."""
 
     persistent = True
+    split = False
     cl = 16
     bt = 16
     push = True
@@ -180,4 +182,35 @@ class PersistentShape:
         if self.smem > SMEM_LIMIT:
             return (f"{self.smem} bytes of shared memory a CTA (at most {SMEM_LIMIT}): phi's slice alone is "
                     f"{self.phi_bytes}")
+        return ""
+
+
+class SplitShape(PersistentShape):
+    """Compile-time shape of the split variant (``cute_split``): the persistent variant's stream
+    pass on ``sets`` sets of 16 CTAs (no clusters), and finisher CTAs on the SMs the sets leave. A
+    stream CTA writes each block's partials to global memory and counts the block ready. A finisher
+    warp takes whole tokens once their block is ready: it sums the 16 CTAs' partials in rank order,
+    computes the coefficients, and combines and normalizes the token's x' (from L2) in one warp.
+    The exchanges between CTAs then leave the stream CTAs' path, and the combination leaves their
+    SMs, whose L1 the stream pass needs (PERFORMANCE.md, eleventh pass). Sizes that depend on the
+    GPU (sets, finishers) are launch arguments, not compile-time."""
+
+    split = True
+
+    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8) -> None:
+        super().__init__(n, hidden, update, iters, warps=warps)
+        # A finisher warp's stash of s (FP32, one token) and the whole FP32 norm weight; the stream
+        # role's plan (phi, slots, coefficient rows, per-warp partials) without the exchange buffers.
+        self.units_row = hidden // 8  # 16-byte units of a row; a lane takes every 32nd
+        self.stash_bytes = warps * hidden * 4
+        self.wfull_bytes = hidden * 4
+        stream = self.phi_bytes + self.slot_bytes + self.coef_bytes + self.wp_bytes
+        finish = self.stash_bytes + self.wfull_bytes + self.consts_bytes
+        self.smem = max(stream, finish) + 1024
+        self.problem = self._problem() or self._split_problem()
+        self.key = _frozen_key(self)
+
+    def _split_problem(self) -> str:
+        if self.units_row % 32:
+            return f"hidden size {self.c} is not a multiple of 256 (a finisher lane takes every 32nd 8-column unit)"
         return ""

@@ -415,10 +415,11 @@ class MhcPersistent(ClusterSteps):
         return [tuple(P.lds_v2(frag + ((2 - p) * s.nt + nt) * 256)) for p in range(3) for nt in range(s.nt)]
 
     @cute.jit
-    def _partials(self, acc, sq, wp, part, mbar, rank, tid, warp, g, q, first):
+    def _partials(self, acc, sq, wp, part, mbar, rank, tid, warp, g, q, first, sink=None):
         """The warps' partials summed (group by group of ``wslots`` warps, the last group's stored, each
         earlier group's added in place in turn, then the slots in order) and each token's row pushed
-        to its owner, CTA t (one token a CTA)."""
+        to its owner, CTA t (one token a CTA); or, with ``sink`` (a global address: the split
+        variant), stored there as ``[token][K + 1]``."""
         s = self.s
         kpad = s.kpad
         ws = s.wslots
@@ -453,8 +454,9 @@ class MhcPersistent(ClusterSteps):
                     for off, v in sums:
                         P.sts_f32(slot + off, v + P.lds_f32(slot + off))
         P.bar_sync(1, s.threads)
-        if first:
-            P.cluster_wait()  # every CTA's barriers initialized (arrived at the start)
+        if cutlass.const_expr(sink is None):
+            if first:
+                P.cluster_wait()  # every CTA's barriers initialized (arrived at the start)
         cells = s.bt * (kpad + 1)
         for k in cutlass.range_constexpr((cells + s.threads - 1) // s.threads):
             idx = tid + k * s.threads
@@ -465,7 +467,10 @@ class MhcPersistent(ClusterSteps):
                 tot = P.lds_f32(src)
                 for kk in cutlass.range_constexpr(1, ws):
                     tot = tot + P.lds_f32(src + kk * 16 * row_bytes)
-                self._send(part + (rank * (kpad + 1) + col) * 4, t, tot, mbar)
+                if cutlass.const_expr(sink is None):
+                    self._send(part + (rank * (kpad + 1) + col) * 4, t, tot, mbar)
+                else:
+                    P.stg_f32(sink + Int64(idx) * 4, tot, Int32(1))
 
     @cute.jit
     def _norm_sums(self, stash, xc, hpre, hsq, mbar, rank, warp, lane):

@@ -286,3 +286,30 @@ def mma_bf16_sq(a, c):
     lo = mma_bf16(a, (a[0], a[2]), c[0:4])
     hi = mma_bf16(a, (a[1], a[3]), c[4:8])
     return lo + hi
+
+
+# --- flags between CTAs of one grid (the split variant: no cluster) --------------------------
+
+def fence_gpu():
+    """This thread's earlier writes (x' and partials) ordered before a later release (GPU scope)."""
+    asm(None, [], "fence.acq_rel.gpu;", "")
+
+
+def red_release_add(addr, v):
+    """Add ``v`` to the u32 at ``addr`` with release semantics at GPU scope: a block's ready count."""
+    asm(None, [addr, v], "red.release.gpu.global.add.u32 [$0], $1;", "l,r")
+
+
+def ldg_f32_cg(addr, live):
+    """One FP32 value from L2 (written by another CTA of this kernel), zero where ``live`` is 0."""
+    return Float32(asm(T.f32(), [addr, live],
+                       "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.cg.f32 $0, [$1]; }",
+                       "=f,l,r"))
+
+
+def spin_until(addr, target):
+    """Until the u32 at ``addr`` (read with acquire semantics at GPU scope) reaches ``target``,
+    sleeping briefly between reads."""
+    asm(None, [addr, target], "{ .reg .pred p; .reg .u32 v; LB_SPIN_${:uid}: "
+        "ld.acquire.gpu.global.u32 v, [$0]; setp.lt.u32 p, v, $1; @p nanosleep.u32 64; "
+        "@p bra LB_SPIN_${:uid}; }", "l,r")

@@ -186,9 +186,9 @@ class ClusterSteps:
             out.append(per_t)
         return out
 
-def compile_kernel(kernel, ints: int, ptx_dir: str = ""):
+def compile_kernel(kernel, ints: int, ptx_dir: str = "", extra: tuple = ()):
     """``cute.compile`` of a kernel object called as ``compile_cluster``'s result, with ``ints`` Int32
-    arguments after the pointers."""
+    arguments after the pointers (and after ``extra``: more pointers, by element type)."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     def ptr(dtype, align=16):
@@ -197,6 +197,7 @@ def compile_kernel(kernel, ints: int, ptx_dir: str = ""):
     bf, f32 = cutlass.BFloat16, Float32
     args = [ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(f32, 4),
             ptr(f32, 4), ptr(f32), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(cutlass.Int64)]
+    args += [ptr(el, 4) for el in extra]
     options = f"--keep-ptx --dump-dir={ptx_dir}" if ptx_dir else None
     return cute.compile(kernel, *args, *[Int32(1)] * ints, Float32(1e-6), Float32(1e-6), make_fake_stream(),
                         options=options)

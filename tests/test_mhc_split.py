@@ -1,0 +1,153 @@
+"""The split variant of the MHC persistent kernel (``layer_boundary_mhc.cute_split``: stream CTAs on
+sets of 16 SMs, finisher CTAs on the rest, exchanging through global memory).
+
+On the CPU: its shape plan and refusals, the grid it asks for, and, where the CuTe DSL imports, the
+sm_90a compile (the persistent variant's stream pass, no cluster, a release count a block, an
+acquire spin). On an H200 (``-m gpu``): every output against the reference, bitwise replays, x' and
+the coefficients bit for bit the persistent variant's (the same sums in the same order), ragged and
+tiny grids, CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from layer_boundary_mhc import cluster_ops
+from layer_boundary_mhc.cluster_shape import SMEM_LIMIT, PersistentShape, SplitShape
+
+
+def test_split_shape_plan_and_refusals():
+    s = SplitShape(4, 4096, True, 20)
+    p = PersistentShape(4, 4096, True, 20)
+    assert s.split and s.persistent and not p.split and (s.bt, s.hs, s.gpw, s.problem) == (16, 256, 1, "")
+    # stream role: phi, slots, coefficient rows, per-warp partials; finisher role: 8 stashes of one
+    # token's s (FP32) and the whole norm weight. No exchange buffers.
+    assert s.smem == s.phi_bytes + s.slot_bytes + s.coef_bytes + s.wp_bytes + 1024 < p.smem <= SMEM_LIMIT
+    assert s.stash_bytes + s.wfull_bytes + s.consts_bytes < s.smem
+    assert SplitShape(3, 2048, False, 20).problem == "" and SplitShape(2, 1024, True, 20).problem == ""
+    assert "phi's slice alone" in SplitShape(4, 7168, True, 20).problem
+    assert "2 to 4" in SplitShape(5, 4096, True, 20).problem
+    assert cluster_ops._key(s) != cluster_ops._key(p)
+
+
+def test_split_grid_leaves_the_finishers_their_sms(monkeypatch):
+    monkeypatch.setitem(cluster_ops._SMS, 0, 132)
+    assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (7, 20)  # H200
+    assert cluster_ops._split_grid(torch.device("cuda", 0), 3) == (3, 84)  # fewer blocks than sets
+    monkeypatch.setitem(cluster_ops._SMS, 0, 114)
+    assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (6, 18)
+    monkeypatch.setitem(cluster_ops._SMS, 0, 20)
+    assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (1, 4)
+
+
+def test_calls_take_the_split_variant_when_asked(monkeypatch):
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 1)
+    assert cluster_ops._variant(8192, 4, 4096, True, 20).split
+    assert not cluster_ops._variant(511, 4, 4096, True, 20).persistent
+    wide = cluster_ops._variant(8192, 4, 7168, True, 20)  # phi's slice does not fit: the cluster kernel
+    assert not wide.persistent and not wide.split
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 0)
+    assert not cluster_ops._variant(8192, 4, 4096, True, 20).split
+
+
+def _cute():
+    from test_mhc_cluster import _cute as cute_module
+
+    return cute_module("cute_split")
+
+
+@pytest.mark.parametrize("n,c,update", [(4, 4096, True), (3, 2048, False), (2, 1024, True)])
+def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    mod = _cute()
+    shape = SplitShape(n, c, update, 20)
+    ptx = mod.compile_split(shape, str(tmp_path)).__ptx__
+    assert ".target sm_90a" in ptx
+    # the persistent variant's stream pass: per group of a warp, stream and k-step, 3 parts x NT
+    # n-tiles and 2 for the sums of squares
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == shape.gpw * n * 2 * (3 * shape.nt + 2)
+    # no cluster: no cluster barrier, no distributed shared memory, no mbarrier
+    assert "barrier.cluster" not in ptx and "shared::cluster" not in ptx and "mbarrier" not in ptx
+    # a block counted ready after a GPU-scope fence; finishers wait with an acquire read
+    assert "fence.acq_rel.gpu" in ptx and "red.release.gpu.global.add.u32" in ptx
+    assert "ld.acquire.gpu.global.u32" in ptx
+    # finishers read x' and the partials from L2 and store the input 16 bytes at a time
+    assert "ld.global.cg.v4.b32" in ptx and "ld.global.cg.f32" in ptx
+
+
+# -- GPU ---------------------------------------------------------------------------------------------
+
+def _gpu_ready():
+    from test_mhc_cluster import _gpu_ready as cluster_ready
+
+    cluster_ready()
+    _cute()
+
+
+# 8192: 512 blocks over 7 sets; 1100: a ragged last block; 97: fewer blocks than sets; 16: one block.
+CASES = [(8192, 4, 4096), (1100, 4, 4096), (600, 3, 2048), (97, 2, 1024), (16, 4, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,n,c", CASES, ids=str)
+@pytest.mark.parametrize("op", ["update+read", "read"])
+def test_gpu_split_matches_reference_and_the_persistent_variant(t, n, c, op, monkeypatch):
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import accuracy
+
+    params = _params(n, c)
+    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, stride=8)
+
+    def run():
+        if op == "read":
+            return cluster_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0)
+        return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
+
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 1)
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 1)
+    assert cluster_ops._variant(t, n, c, op != "read", 20).split
+    got, again = run(), run()
+    kw = {} if op == "read" else dict(y=y, h_post=h_post, h_res=h_res)
+    accuracy.assert_matches_reference(op, got, x, params=params, norm_weight=w, norm_eps=1e-6, norm_offset=1.0,
+                                      where=f"split T={t} n={n} C={c}", **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "replays differ"
+    # The stream pass and the coefficients' sums are the persistent variant's: x', H_post and H_res
+    # bit for bit (the input sums its squares in another order).
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 0)
+    ref = run()
+    same = got[-2:] if op == "read" else (got[0],) + tuple(got[-2:])
+    want = ref[-2:] if op == "read" else (ref[0],) + tuple(ref[-2:])
+    assert all(torch.equal(a, b) for a, b in zip(same, want)), "differs from the persistent variant"
+
+
+@pytest.mark.gpu
+def test_gpu_split_under_cuda_graph_capture(monkeypatch):
+    """Captured once and replayed twice: each replay zeroes its own ready counts (a replay that
+    found the last one's would not wait for its stream CTAs), and gives eager's bits."""
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
+    monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 1)
+    t, n, c = 4096, 4, 4096
+    params = _params(n, c)
+    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
+    cluster_ops.prepare_cluster(n, c)
+    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+    outs = [torch.empty_like(v) for v in eager]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, streams_out=outs[0], out=outs[1],
+                                            h_post_out=outs[2], h_res_out=outs[3])
+    for _ in range(2):
+        for v in outs:
+            v.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(eager, outs))
