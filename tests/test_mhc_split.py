@@ -74,7 +74,7 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     assert "barrier.cluster" not in ptx and "shared::cluster" not in ptx and "mbarrier" not in ptx
     # a block counted ready after a GPU-scope fence; finishers wait with an acquire read
     assert "fence.acq_rel.gpu" in ptx and "red.release.gpu.global.add.u32" in ptx
-    assert "ld.acquire.gpu.global.u32" in ptx
+    assert "ld.acquire.gpu.global.u32" in ptx and "trap;" in ptx  # a count that never comes: an error, not a hang
     # finishers read x' and the partials from L2 and store the input 16 bytes at a time
     assert "ld.global.cg.v4.b32" in ptx and "ld.global.cg.f32" in ptx
 

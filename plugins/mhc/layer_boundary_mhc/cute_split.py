@@ -25,7 +25,8 @@ different SMs of one launch (no clusters):
 
 A finisher spins only on blocks whose stream CTAs never wait, so the launch completes whenever its
 stream CTAs get SMs. The grid is sized so that every CTA is resident on an idle GPU (one CTA an SM:
-shared memory), and CTAs are dispatched in index order, stream CTAs first.
+shared memory), and CTAs are dispatched in index order, stream CTAs first. A count that has not come
+after about 20 s traps (``cute_ptx.spin_until``): a bug then fails the launch instead of hanging it.
 """
 
 from __future__ import annotations
