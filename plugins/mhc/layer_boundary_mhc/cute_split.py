@@ -166,6 +166,9 @@ class MhcSplit(MhcPersistent):
             t = gw + i * stride
             blk = t // s.bt
             P.spin_until(cnt_a + Int64(blk) * 4, Int32(16))
+            row = base + Int64(t) * st * 2
+            # The first batch of x' in flight while the coefficients are computed.
+            words = self._xp_batch(row, sn, lane, 0, batch)
             # The 16 CTAs' partials of token t, summed in rank order (the persistent variant's).
             at = part_a + (Int64(blk) * 16 * s.bt + Int64(t - blk * s.bt)) * (kpad + 1) * 4 + Int64(col) * 4
             tot = P.ldg_f32_cg(at, Int32(1))
@@ -174,13 +177,11 @@ class MhcSplit(MhcPersistent):
             h_pre, _ = self._coefficients(tot, Int64(t), Int32(1), lane, None, None, None, None, hpo, hro, eps,
                                           consts)
             coefs = [[P.shfl_idx(h_pre, Int32(j)) for j in range(n)]]
-            row = base + Int64(t) * st * 2
             ssq = Float32(0.0)
             for b in cutlass.range_constexpr(per // batch):
-                units = [lane + 32 * (b * batch + k) for k in range(batch)]
-                words = [[[P.ldg_v4_cg(row + (Int64(j) * sn + Int64(8 * u)) * 2, Int32(1)) for j in range(n)]
-                          for u in units]]
-                hs_ = self._mix_words(coefs, words)[0]
+                if cutlass.const_expr(b > 0):
+                    words = self._xp_batch(row, sn, lane, b, batch)
+                hs_ = self._mix_words(coefs, [words])[0]
                 for k in cutlass.range_constexpr(batch):
                     for h in cutlass.range_constexpr(2):
                         P.sts_v4_f32(stash + (((b * batch + k) * 2 + h) * 32 + lane) * 16, *hs_[k][4 * h:4 * h + 4])
@@ -198,6 +199,14 @@ class MhcSplit(MhcPersistent):
                 wv = P.lds_v4_f32(w_s + unit * 32) + P.lds_v4_f32(w_s + unit * 32 + 16)
                 o = [P.pack((h[2 * k] * r2) * wv[2 * k], (h[2 * k + 1] * r2) * wv[2 * k + 1]) for k in range(4)]
                 P.stg_v4(out_a + (Int64(t) * sit + Int64(8 * unit)) * 2, o[0], o[1], o[2], o[3], Int32(1))
+
+
+    @cute.jit
+    def _xp_batch(self, row, sn, lane, b: int, batch: int) -> list:
+        """x' of one token (``row``: its address) at this lane's units ``b * batch ..`` of the batch:
+        ``[unit][stream] -> 4 words`` (8 bf16 columns), from L2."""
+        return [[P.ldg_v4_cg(row + (Int64(j) * sn + Int64(8 * (lane + 32 * (b * batch + k)))) * 2, Int32(1))
+                 for j in range(self.s.n)] for k in range(batch)]
 
 
 def compile_split(shape: SplitShape, ptx_dir: str = ""):
