@@ -50,6 +50,14 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/mhc -e 
 cute_env() {
   export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH} CUTE_DSL_ARCH=sm_90a
 }
+# After stage u: the CuTe DSL libraries from both parts (.cute1b carried now) and its wheels (.cute2).
+cute_install() {
+  [ -f /tmp/cute_parts/cu13part.aa ] || { echo "machine not warm: redo stage u"; exit 3; }
+  mkdir -p /tmp/site && cat /tmp/cute_parts/cu13part.aa .cute1b/* | xz -T8 -dc | tar -xf - -C /tmp/site || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 .cute2/*.whl \
+    && cp -rn /tmp/site2/. /tmp/site/ 2>/dev/null || exit 1
+  cute_env
+}
 versions() { python3 - <<'PY'
 import torch, triton
 def v(mod):
@@ -224,11 +232,7 @@ u)
   ;;
 m|p)
   # p: as m without the cluster kernel's test suite (MHC_TESTS alone, if set).
-  [ -f /tmp/cute_parts/cu13part.aa ] || { echo "machine not warm: redo stage u"; exit 3; }
-  mkdir -p /tmp/site && cat /tmp/cute_parts/cu13part.aa .cute1b/* | xz -T8 -dc | tar -xf - -C /tmp/site || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 .cute2/*.whl \
-    && cp -rn /tmp/site2/. /tmp/site/ 2>/dev/null || exit 1
-  cute_env
+  cute_install
   versions | tee "$OUT/versions-m.txt"
   # MHC_TESTS: more pytest arguments (files, -k) beside the cluster kernel's tests;
   # MHC_TESTS_TIMEOUT, MHC_VARIANTS_TIMEOUT: their limits in seconds (a variant that hangs costs no more).
@@ -270,11 +274,7 @@ m|p)
   fi
   ;;
 r)
-  [ -f /tmp/cute_parts/cu13part.aa ] || { echo "machine not warm: redo stage u"; exit 3; }
-  mkdir -p /tmp/site && cat /tmp/cute_parts/cu13part.aa .cute1b/* | xz -T8 -dc | tar -xf - -C /tmp/site || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 .cute2/*.whl \
-    && cp -rn /tmp/site2/. /tmp/site/ 2>/dev/null || exit 1
-  cute_env
+  cute_install
   versions | tee "$OUT/versions-r.txt"
   layer-boundary plugins > "$OUT/plugins-r.txt" 2>&1; cat "$OUT/plugins-r.txt"
   if [ -n "${R_MHC_ONLY:-}" ]; then  # the Triton MHC files alone, one a GPU (about 9 minutes)

@@ -129,11 +129,10 @@ def _gpu_ready():
 CASES = [(8192, 4, 4096), (1100, 4, 4096), (600, 3, 2048), (97, 2, 1024), (16, 4, 4096)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("t,n,c", CASES, ids=str)
-@pytest.mark.parametrize("op", ["update+read", "read"])
-def test_gpu_persistent_matches_reference(t, n, c, op, monkeypatch):
-    _gpu_ready()
+def checked_run(t, n, c, op, monkeypatch, what, **settings):
+    """The persistent variant (``cluster_ops`` settings: ``settings``, PERSISTENT_TOKENS 1) on
+    ``bench``-like inputs: checked against the reference, replayed bit for bit. Returns its outputs
+    and the call (which runs whatever the settings are at the time)."""
     from mhc_gpu import _inputs, _params
 
     from layer_boundary_mhc import accuracy, cluster_ops
@@ -147,12 +146,25 @@ def test_gpu_persistent_matches_reference(t, n, c, op, monkeypatch):
         return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
 
     monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 1)
+    for name, value in settings.items():
+        monkeypatch.setattr(cluster_ops, name, value)
     assert cluster_ops._variant(t, n, c, op != "read", 20).persistent
     got, again = run(), run()
     kw = {} if op == "read" else dict(y=y, h_post=h_post, h_res=h_res)
     accuracy.assert_matches_reference(op, got, x, params=params, norm_weight=w, norm_eps=1e-6, norm_offset=1.0,
-                                      where=f"persistent T={t} n={n} C={c}", **kw)
+                                      where=f"{what} T={t} n={n} C={c}", **kw)
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "replays differ"
+    return got, run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,n,c", CASES, ids=str)
+@pytest.mark.parametrize("op", ["update+read", "read"])
+def test_gpu_persistent_matches_reference(t, n, c, op, monkeypatch):
+    _gpu_ready()
+    from layer_boundary_mhc import cluster_ops
+
+    got, run = checked_run(t, n, c, op, monkeypatch, "persistent")
     if op == "update+read":
         monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 0)
         assert torch.equal(run()[0], got[0]), "x' differs from the cluster kernel's (the same mix)"

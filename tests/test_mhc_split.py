@@ -97,26 +97,10 @@ CASES = [(8192, 4, 4096), (1100, 4, 4096), (600, 3, 2048), (97, 2, 1024), (16, 4
 @pytest.mark.parametrize("op", ["update+read", "read"])
 def test_gpu_split_matches_reference_and_the_persistent_variant(t, n, c, op, monkeypatch):
     _gpu_ready()
-    from mhc_gpu import _inputs, _params
+    from test_mhc_persistent import checked_run
 
-    from layer_boundary_mhc import accuracy
-
-    params = _params(n, c)
-    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, stride=8)
-
-    def run():
-        if op == "read":
-            return cluster_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0)
-        return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
-
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 1)
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 1)
+    got, run = checked_run(t, n, c, op, monkeypatch, "split", PERSISTENT_SPLIT=1)
     assert cluster_ops._variant(t, n, c, op != "read", 20).split
-    got, again = run(), run()
-    kw = {} if op == "read" else dict(y=y, h_post=h_post, h_res=h_res)
-    accuracy.assert_matches_reference(op, got, x, params=params, norm_weight=w, norm_eps=1e-6, norm_offset=1.0,
-                                      where=f"split T={t} n={n} C={c}", **kw)
-    assert all(torch.equal(a, b) for a, b in zip(got, again)), "replays differ"
     # The stream pass and the coefficients' sums are the persistent variant's: x', H_post and H_res
     # bit for bit (the input sums its squares in another order).
     monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 0)

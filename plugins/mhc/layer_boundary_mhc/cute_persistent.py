@@ -132,22 +132,12 @@ class MhcPersistent(ClusterSteps):
         # This CTA's slice of phi's fragments (chunks rank * nch ...), once, in the groups' lane
         # order (``resident_piece``); the first block's coefficients, x and y; the parameters warp
         # 0's coefficient step reads.
-        pieces = s.phi_bytes // 8
-        for k in cutlass.range((pieces + s.threads - 1) // s.threads, unroll=1):
-            idx = tid + k * s.threads
-            piece = Int64(resident_piece(idx, s.n * 3 * s.nt))
-            P.cp_async8_if(phi_s + idx * 8, phf_a + Int64(rank) * s.phi_bytes + piece * 8, Int32(idx < pieces))
-        P.cp_async_commit()
+        self._gather_phi(tid, rank, phf_a, phi_s)
         w_a = Int64(w32.toint()) + Int64(col0) * 4
         for k in cutlass.range_constexpr((s.w_bytes // 16 + s.threads - 1) // s.threads):
             idx = tid + k * s.threads
             P.cp_async16_if(w_s + idx * 16, w_a + Int64(idx * 16), Int32(16), Int32(idx < s.w_bytes // 16))
-        if cutlass.const_expr(s.update):
-            self._coef_issue(tid, cid, tokens, hp_a, hr_a, coef)
-        for k in cutlass.range_constexpr(s.gpw):
-            self._fill(fill, k, slot + k * s.group_slot, cid, tokens, Int32(warp + k * s.warps < s.groups), warp,
-                       lane)
-        P.cp_async_commit()
+        self._first_block(tid, cid, tokens, hp_a, hr_a, coef, fill, slot, warp, lane)
         if warp == 0:
             consts = self._coef_consts(lane, alpha, bpre, bpost, bres)
             for k in cutlass.range_constexpr(6):
@@ -221,6 +211,30 @@ class MhcPersistent(ClusterSteps):
                 P.stg_v2_u64(prof_a + 64, Int64(nloc), self._clock() - t_loop)
                 P.stg_v2_u64(prof_a + 80, cyc[9], cyc[10])
                 P.stg_v2_u64(prof_a + 96, cyc[8], Int64(0))
+
+    @cute.jit
+    def _gather_phi(self, tid, rank, phf_a, phi_s):
+        """cp.async of CTA ``rank``'s slice of phi's fragments into ``phi_s``, in the groups' lane order
+        (``resident_piece``), committed."""
+        s = self.s
+        pieces = s.phi_bytes // 8
+        for k in cutlass.range((pieces + s.threads - 1) // s.threads, unroll=1):
+            idx = tid + k * s.threads
+            piece = Int64(resident_piece(idx, s.n * 3 * s.nt))
+            P.cp_async8_if(phi_s + idx * 8, phf_a + Int64(rank) * s.phi_bytes + piece * 8, Int32(idx < pieces))
+        P.cp_async_commit()
+
+    @cute.jit
+    def _first_block(self, tid, blk, tokens, hp_a, hr_a, coef, fill, slot, warp, lane):
+        """cp.async of block ``blk``'s coefficient rows and of the warp's x and y tiles into its slots,
+        committed: what the first stream pass reads."""
+        s = self.s
+        if cutlass.const_expr(s.update):
+            self._coef_issue(tid, blk, tokens, hp_a, hr_a, coef)
+        for k in cutlass.range_constexpr(s.gpw):
+            self._fill(fill, k, slot + k * s.group_slot, blk, tokens, Int32(warp + k * s.warps < s.groups), warp,
+                       lane)
+        P.cp_async_commit()
 
     @cute.jit
     def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, consts, hpo, hro, eps, cyc):

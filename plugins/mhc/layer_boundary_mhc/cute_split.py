@@ -37,7 +37,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import cute_ptx as P
-from .cluster_shape import SplitShape, resident_piece
+from .cluster_shape import SplitShape
 from .cute_persistent import MhcPersistent
 from .cute_steps import compile_kernel
 
@@ -101,18 +101,8 @@ class MhcSplit(MhcPersistent):
         slot = slots + warp * s.warp_slot
         fill = self._fill_plan(lane, warp, col0, x_a, y_a, sxt, sxn, syt)
         xol = xo_a + (Int64(g) * sot + Int64(col0 + 8 * q)) * 2
-        pieces = s.phi_bytes // 8
-        for k in cutlass.range((pieces + s.threads - 1) // s.threads, unroll=1):
-            idx = tid + k * s.threads
-            piece = Int64(resident_piece(idx, s.n * 3 * s.nt))
-            P.cp_async8_if(phi_s + idx * 8, phf_a + Int64(rank) * s.phi_bytes + piece * 8, Int32(idx < pieces))
-        P.cp_async_commit()
-        if cutlass.const_expr(s.update):
-            self._coef_issue(tid, first, tokens, hp_a, hr_a, coef)
-        for k in cutlass.range_constexpr(s.gpw):
-            self._fill(fill, k, slot + k * s.group_slot, first, tokens, Int32(warp + k * s.warps < s.groups), warp,
-                       lane)
-        P.cp_async_commit()
+        self._gather_phi(tid, rank, phf_a, phi_s)
+        self._first_block(tid, first, tokens, hp_a, hr_a, coef, fill, slot, warp, lane)
         acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
         sq = cute.make_rmem_tensor((8,), Float32)
         row = s.bt * (kpad + 1)  # a CTA's partials of one block
