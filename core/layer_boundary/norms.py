@@ -1,12 +1,19 @@
 """Norm modules whose parameters a stage read binds: RMSNorm and Gemma RMSNorm.
 
 A stage's read calls a norm-read kernel with ``(weight, eps, weight_offset)`` taken from these
-modules, so the module's own ``forward`` is only used outside boundaries.
-Any module with ``weight`` and ``eps`` (or ``variance_epsilon``) is read the same way; a module
-with neither is called as a black box (no add+norm fusion).
+modules, so the module's own ``forward`` is only used outside boundaries. Other modules with a 1-D
+``weight`` and an ``eps`` (or ``variance_epsilon``), such as transformers' ``LlamaRMSNorm`` or
+``GemmaRMSNorm``, are read the same way once a probe showed what their forward computes:
+``x / rms(x) * weight`` (offset 0) or ``* (1 + weight)`` (offset 1). A module that is neither (a
+hand-written LayerNorm, a batch norm), or that the probe cannot run, is called as a black box (no
+add+norm fusion), with a warning that says so.
 """
 
 from __future__ import annotations
+
+import copy
+import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -49,12 +56,52 @@ class GemmaRMSNorm(RMSNorm):
         return self.weight
 
 
+# Offsets a probe found, per module (weakly held): bound once per stage, looked up again by the
+# final norm and the fused finalize's checks.
+_PROBED: "weakref.WeakKeyDictionary[nn.Module, float | None]" = weakref.WeakKeyDictionary()
+_WARNED: set[type] = set()
+
+
 def norm_params(norm: nn.Module) -> tuple[torch.Tensor, float, float] | None:
     """``(weight, eps, weight_offset)`` of an RMSNorm-like module, or ``None`` if it is not one."""
     weight = getattr(norm, "weight", None)
     eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    if type(norm) is nn.RMSNorm and eps is None and isinstance(weight, torch.Tensor):
+        eps = torch.finfo(weight.dtype).eps  # torch's default: the input dtype's (the weight's here)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, (int, float)):
         return None
-    if isinstance(norm, (nn.LayerNorm, nn.GroupNorm)):
+    if isinstance(norm, (nn.LayerNorm, nn.GroupNorm)) or hasattr(norm, "running_mean"):
         return None
-    return weight, float(eps), float(getattr(norm, "weight_offset", 0.0))
+    if isinstance(norm, RMSNorm) or type(norm) is nn.RMSNorm:
+        return weight, float(eps), float(norm.weight_offset if isinstance(norm, RMSNorm) else 0.0)
+    if norm not in _PROBED:
+        _PROBED[norm] = _probe_offset(norm, weight.shape[0], float(eps))
+    offset = _PROBED[norm]
+    return None if offset is None else (weight, float(eps), offset)
+
+
+def _probe_offset(norm: nn.Module, hidden: int, eps: float) -> float | None:
+    """What ``norm``'s forward computes, found on an FP32 CPU copy with a random weight: the offset
+    0 or 1 of ``x / rms(x) * (offset + weight)``, or ``None`` (warned once per class) if neither."""
+    try:
+        probe = copy.deepcopy(norm)
+        meta = any(t.is_meta for t in list(probe.parameters()) + list(probe.buffers()))
+        probe = (probe.to_empty(device="cpu") if meta else probe.to("cpu")).float()
+        gen = torch.Generator().manual_seed(0)
+        w = torch.rand(hidden, generator=gen) + 0.5
+        x = torch.randn(3, hidden, generator=gen) * 2.0
+        with torch.no_grad():
+            probe.weight.copy_(w)
+            got = probe(x).float()
+        for offset in (0.0, 1.0):
+            want = rmsnorm_ref(x, w, eps, weight_offset=offset)
+            if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+                return offset
+        why = "its forward is neither x / rms(x) * weight nor x / rms(x) * (1 + weight)"
+    except Exception as e:  # a forward that needs more arguments, a weight it does not own, ...
+        why = f"probing its forward failed ({type(e).__name__}: {e})"
+    if type(norm) not in _WARNED:
+        _WARNED.add(type(norm))
+        warnings.warn(f"norm module {type(norm).__name__} has a weight and an eps, but {why}: stages call it "
+                      "as a black box (no fused add+norm read)", stacklevel=3)
+    return None

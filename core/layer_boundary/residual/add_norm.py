@@ -111,7 +111,7 @@ class RMSNormRead:
         # eps is configuration, fixed at construction; the weight is looked up at each call in
         # the module's parameter table (a loader may replace the Parameter object), which skips
         # nn.Module.__getattr__ on the hot path.
-        self._eps = float(norm.eps if hasattr(norm, "eps") else norm.variance_epsilon)
+        self._eps = norm_params(norm)[1]  # ``eps`` or ``variance_epsilon``; nn.RMSNorm's default
         self._params = norm._parameters if "weight" in norm._parameters else None
 
     @property

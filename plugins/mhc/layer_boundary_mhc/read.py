@@ -52,7 +52,7 @@ def _check_norm(norm: Any) -> None:
 class _Norm:
     """The stage's norm applied to an FP32 (or FP64) tensor, rounded once to ``dtype``."""
 
-    __slots__ = ("norm", "offset", "kind", "_eps_attr", "_black_box")
+    __slots__ = ("norm", "offset", "kind", "_eps", "_black_box")
 
     def __init__(self, norm: nn.Module) -> None:
         _check_norm(norm)
@@ -60,16 +60,16 @@ class _Norm:
         params = norm_params(norm)
         self._black_box = params is None
         self.offset = 0.0 if params is None else params[2]
-        self._eps_attr = "eps" if hasattr(norm, "eps") else "variance_epsilon"
+        self._eps = None if params is None else params[1]  # configuration: fixed, as the core's read
         if params is None:
             self.kind = f"module:{type(norm).__name__}"
         else:
             self.kind = "gemma_rmsnorm" if self.offset == 1.0 else "rmsnorm"
 
     def rms(self) -> tuple[torch.Tensor, float]:
-        """``(weight, eps)`` of an RMSNorm-like norm, looked up per call: a loader may replace the
-        parameter object."""
-        return self.norm.weight, getattr(self.norm, self._eps_attr)
+        """``(weight, eps)`` of an RMSNorm-like norm, the weight looked up per call: a loader may
+        replace the parameter object."""
+        return self.norm.weight, self._eps
 
     def __call__(self, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self._black_box:

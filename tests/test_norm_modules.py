@@ -1,0 +1,138 @@
+"""Which norm modules a stage read binds as RMSNorm (fused add+norm), which as Gemma RMSNorm, and
+which it calls as a black box: a stage's prepared input must equal ``norm(x)`` for every one of them.
+Found by a new-user trial: transformers' GemmaRMSNorm (``* (1 + weight)``), a hand-written LayerNorm
+and a batch norm were once all read as plain RMSNorm, silently."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from layer_boundary import ForwardBatch, Topology, declare_attn, make_stages
+from layer_boundary.norms import GemmaRMSNorm, RMSNorm, norm_params
+from layer_boundary.residual import batch as residual_batch
+
+H = 16
+
+
+class LlamaStyleRMSNorm(nn.Module):
+    """As transformers' LlamaRMSNorm: FP32 statistics, ``variance_epsilon``, ``weight * x``."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class GemmaStyleRMSNorm(nn.Module):
+    """As transformers' GemmaRMSNorm: ``x / rms(x) * (1 + weight)``, weight initialized to zeros."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6, device: str | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class HandWrittenLayerNorm(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.bias = nn.Parameter(torch.zeros(hidden))
+        self.eps = 1e-5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class NeedsMask(nn.Module):
+    """RMSNorm-like attributes, but a forward that takes two arguments."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x * mask
+
+
+def _prepared(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, str]:
+    (stage,) = make_stages((declare_attn(), norm), topology=Topology.single())
+    fb = ForwardBatch.for_tokens(x.shape[0])
+    residual_batch.start(fb)
+    return stage.prepare(x, fb), repr(stage)
+
+
+@pytest.mark.parametrize("make,read", [
+    (lambda: RMSNorm(H), "read=rmsnorm"),
+    (lambda: GemmaRMSNorm(H), "read=gemma_rmsnorm"),
+    (lambda: nn.RMSNorm(H, eps=1e-6), "read=rmsnorm"),
+    (lambda: nn.RMSNorm(H), "read=rmsnorm"),  # eps None: torch's default, the dtype's epsilon
+    (lambda: LlamaStyleRMSNorm(H), "read=rmsnorm"),
+    (lambda: GemmaStyleRMSNorm(H), "read=gemma_rmsnorm"),
+    (lambda: nn.BatchNorm1d(H).eval(), "read=module:BatchNorm1d"),
+    (lambda: nn.LayerNorm(H), "read=module:LayerNorm"),
+], ids=["rmsnorm", "gemma", "torch-rmsnorm", "torch-rmsnorm-default-eps", "llama-style", "gemma-style",
+        "batchnorm", "layernorm"])
+def test_a_stage_prepares_what_the_norm_computes(make, read):
+    torch.manual_seed(0)
+    norm = make()
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+    x = torch.randn(4, H) * 3 + 1
+    got, desc = _prepared(norm, x)
+    assert read in desc
+    torch.testing.assert_close(got, norm(x), rtol=1e-6, atol=1e-6)
+
+
+def test_an_unrecognized_norm_is_called_as_a_black_box_with_a_warning():
+    torch.manual_seed(0)
+    norm = HandWrittenLayerNorm(H)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+        norm.bias.normal_(0.0, 0.5)
+    x = torch.randn(4, H) * 3 + 1
+    with pytest.warns(UserWarning, match="HandWrittenLayerNorm .* black box"):
+        got, desc = _prepared(norm, x)
+    assert "read=module:HandWrittenLayerNorm" in desc
+    torch.testing.assert_close(got, norm(x))
+    with pytest.warns(UserWarning, match="NeedsMask .* probing its forward failed"):
+        assert norm_params(NeedsMask(H)) is None  # its forward cannot be probed: a black box too
+
+
+def test_the_probe_reads_a_meta_device_norm_and_leaves_the_module_alone():
+    # Engines often build on the meta device and load weights later: the probe runs on a copy.
+    norm = GemmaStyleRMSNorm(H, device="meta")
+    params = norm_params(norm)
+    assert params is not None and params[2] == 1.0 and params[0] is norm.weight and norm.weight.is_meta
+    llama = LlamaStyleRMSNorm(H)
+    before = llama.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert norm_params(llama)[2] == 0.0
+    assert torch.equal(llama.weight, before)
+
+
+def test_transformers_gemma_rmsnorm_reads_with_its_offset():
+    gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    torch.manual_seed(0)
+    norm = gemma.GemmaRMSNorm(H, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+    x = torch.randn(4, H) * 3 + 1
+    got, desc = _prepared(norm, x)
+    assert "read=gemma_rmsnorm" in desc
+    torch.testing.assert_close(got, norm(x), rtol=1e-6, atol=1e-6)
