@@ -111,6 +111,9 @@ def test_an_unrecognized_norm_is_called_as_a_black_box_with_a_warning():
     torch.testing.assert_close(got, norm(x))
     with pytest.warns(UserWarning, match="NeedsMask .* probing its forward failed"):
         assert norm_params(NeedsMask(H)) is None  # its forward cannot be probed: a black box too
+    declared = NeedsMask(H)
+    declared.weight_offset = 1.0  # what an engine whose norm cannot run on a CPU copy declares
+    assert norm_params(declared)[2] == 1.0
 
 
 def test_the_probe_reads_a_meta_device_norm_and_leaves_the_module_alone():

@@ -6,7 +6,9 @@ modules, so the module's own ``forward`` is only used outside boundaries. Other 
 ``GemmaRMSNorm``, are read the same way once a probe showed what their forward computes:
 ``x / rms(x) * weight`` (offset 0) or ``* (1 + weight)`` (offset 1). A module that is neither (a
 hand-written LayerNorm, a batch norm), or that the probe cannot run, is called as a black box (no
-add+norm fusion), with a warning that says so.
+add+norm fusion), with a warning that says so. An engine whose norm's forward cannot run on a CPU
+copy declares what it computes instead: a float ``weight_offset`` attribute (0.0 or 1.0) is taken
+as is.
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ def norm_params(norm: nn.Module) -> tuple[torch.Tensor, float, float] | None:
         return None
     if isinstance(norm, (nn.LayerNorm, nn.GroupNorm)) or hasattr(norm, "running_mean"):
         return None
-    if isinstance(norm, RMSNorm) or type(norm) is nn.RMSNorm:
-        return weight, float(eps), float(norm.weight_offset if isinstance(norm, RMSNorm) else 0.0)
+    declared = getattr(norm, "weight_offset", None)
+    if isinstance(declared, (int, float)) and float(declared) in (0.0, 1.0):
+        return weight, float(eps), float(declared)
+    if type(norm) is nn.RMSNorm:
+        return weight, float(eps), 0.0
     if norm not in _PROBED:
         _PROBED[norm] = _probe_offset(norm, weight.shape[0], float(eps))
     offset = _PROBED[norm]
