@@ -137,6 +137,12 @@ def test_hook_raising_fails_that_plugin_only(plugin_site: PluginSite):
         class Norm:
             name = "raiser-norm"
 
+            def refuse(self, request):
+                return "serves nothing"
+
+            def kernels(self, request):
+                raise AssertionError("never chosen")
+
         @hookimpl
         def layer_boundary_norm_kernels():
             return [Norm()]  # succeeds; must be discarded with the rest of the plugin

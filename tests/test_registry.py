@@ -22,6 +22,13 @@ class P:
         self.name = name
 
 
+class S(P):
+    def stage(self, hidden_size, *, dtype, device=None):
+        raise AssertionError("never used")
+
+    exit = stage
+
+
 @hookimpl
 def layer_boundary_fusion_providers():
     return [P(PLUGIN + "-first"), P(PLUGIN + "-second")]
@@ -34,7 +41,7 @@ def layer_boundary_norm_kernels():
 
 @hookimpl
 def layer_boundary_residual_semantics():
-    return [P("shared"), P(PLUGIN + "-own")]
+    return [S("shared"), S(PLUGIN + "-own")]
 '''
 
 
@@ -63,7 +70,12 @@ class InProcess:
 
 
 def thing(name: str) -> SimpleNamespace:
-    return SimpleNamespace(name=name)
+    """A provider of any kind: a norm-kernel provider's and a residual scheme's methods (never called)."""
+    def never(*args, **kwargs):
+        raise AssertionError("never called")
+
+    return SimpleNamespace(name=name, refuse=lambda request: "test provider serves nothing", kernels=never,
+                           stage=never, exit=never)
 
 
 # -- collection order --------------------------------------------------------------------------
@@ -82,9 +94,10 @@ def test_providers_are_collected_in_discovery_order_with_their_origin(plugin_sit
         ("gamma", "gamma-fusion"),
     ]
     assert named(reg.norm_kernels, ours) == [("gamma", "gamma-norm")]
-    # A semantics name provided twice: the first plugin in discovery order keeps it, with a warning.
-    assert reg.residual_semantics["shared"][0] == "alpha"
-    assert reg.semantics("shared") is reg.residual_semantics["shared"][1]
+    # A semantics name provided twice: asking for it is an error naming both plugins (a third-party
+    # plugin must not silently take over, say, "mhc"), with a warning at discovery.
+    with pytest.raises(PluginError, match="'shared' is provided by plugins alpha, beta; disable all but one"):
+        reg.semantics("shared")
     assert reg.semantics("beta-own").name == "beta-own"
     assert any("shared" in r.getMessage() and "beta" in r.getMessage() and "alpha" in r.getMessage()
                for r in caplog.records)

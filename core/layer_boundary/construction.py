@@ -294,6 +294,7 @@ def _scattered_paths(decl: Any, topology: Topology, capture_owned: bool, out_sum
 
 def _bind_candidates(plan: StagePlan, context: Any) -> None:
     """Ask each fusion provider for consumer candidates; keep those that accept this stage."""
+    from .providers import guarded
     from .selection import Candidate, Selection
 
     if not plan.fusions:
@@ -303,11 +304,15 @@ def _bind_candidates(plan: StagePlan, context: Any) -> None:
     cands: list[Candidate] = []
     for provider in plan.fusions:
         origin = context.provider_origin(provider)
-        offer = getattr(provider, hook, None)
-        if offer is None:
+        if getattr(provider, hook, None) is None:
             continue
-        for cand in offer(plan) or ():
-            why = cand.refuse(plan) if hasattr(cand, "refuse") else None
+        offered, failed = guarded(provider, hook, plan)
+        if failed is not None:
+            cands.append(Candidate(getattr(provider, "name", "?"), origin, failed))
+            continue
+        for cand in offered or ():
+            why, failed = guarded(cand, "refuse", plan) if hasattr(cand, "refuse") else (None, None)
+            why = failed or why
             if why is None and plan.declaration.previous is None:
                 why = "stack entry: nothing is owed to this input"
             if why is None and not getattr(plan.read, "fuses_with", ()):

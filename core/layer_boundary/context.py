@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .kernels.providers import core_norm_providers
-from .providers import NormRequest
+from .providers import NormRequest, guarded
 from .residual.add_norm import NormKernels
 from .selection import Candidate, Selection, SelectionReport
 from .topology import Topology
@@ -70,7 +70,7 @@ class BoundaryContext:
 
             self._core_fusions = tuple(core_fusion_providers())
         self._stage_count = 0
-        self._peeked: dict[NormRequest, NormKernels] = {}
+        self._peeked: dict[NormRequest, tuple[Any, NormKernels]] = {}
         # The last stage built, in construction order, and what it declared about its consumer:
         # the next stage's previous= is checked against it (see factories._check_neighbours).
         self.last_stage: Optional[BuiltStage] = None
@@ -123,17 +123,24 @@ class BoundaryContext:
 
                 request = replace(request, device_type=self.device.type)
             cands: list[Candidate] = []
-            chosen = None
+            chosen = kernels = None
             for origin, prov in self.norm_candidates():
-                if chosen is None:
-                    why = prov.refuse(request)
-                    if why is None:
-                        chosen = (origin, prov)
-                        cands.append(Candidate(prov.name, origin))
-                        continue
-                    cands.append(Candidate(prov.name, origin, why))
-                else:
+                if chosen is not None:
                     cands.append(Candidate(prov.name, origin, f"{chosen[1].name} comes first"))
+                    continue
+                why, failed = guarded(prov, "refuse", request)
+                if why is None and failed is None:
+                    # A peek at this stage (record=False, below) may have asked this provider already.
+                    peeked = self._peeked.pop(request, None) if record else None
+                    if peeked is not None and peeked[0] is prov:
+                        kernels = peeked[1]
+                    else:
+                        kernels, failed = guarded(prov, "kernels", request)
+                if failed is not None or why is not None:
+                    cands.append(Candidate(prov.name, origin, failed or why))
+                    continue
+                chosen = (origin, prov)
+                cands.append(Candidate(prov.name, origin))
             if chosen is None:
                 from .errors import DeclarationError
 
@@ -145,12 +152,11 @@ class BoundaryContext:
             if not record:
                 # A peek at the next stage's kernels: keep them for that stage's own selection,
                 # so a provider is asked once per norm.
-                kernels = self._peeked[request] = chosen[1].kernels(request)
+                self._peeked[request] = (chosen[1], kernels)
                 return kernels
             self.report.add(Selection(stage, variant, "norm kernels", request.describe(), chosen[1].name,
                                       tuple(cands)))
-            peeked = self._peeked.pop(request, None)
-            return peeked if peeked is not None else chosen[1].kernels(request)
+            return kernels
 
         return select
 

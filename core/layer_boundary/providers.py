@@ -6,6 +6,7 @@ forward step never goes back through pluggy.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
@@ -22,7 +23,10 @@ __all__ = [
     "FusionProvider",
     "StageResidual",
     "ResidualSemantics",
+    "guarded",
 ]
+
+log = logging.getLogger("layer_boundary")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,3 +126,15 @@ class ResidualSemantics(Protocol):
     def stage(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual: ...
 
     def exit(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual: ...
+
+
+def guarded(provider: Any, method: str, *args: Any) -> tuple[Any, Optional[str]]:
+    """``provider.method(*args)`` as ``(result, None)``, or ``(None, why)`` when the provider (a
+    plugin's code) raises: the caller then skips that provider as refused, with the reason, so that
+    a broken plugin is reported and skipped rather than ending the model's construction."""
+    try:
+        return getattr(provider, method)(*args), None
+    except Exception as e:
+        why = f"{method}() raised {type(e).__name__}: {e}"
+        log.warning("provider %s skipped: %s", getattr(provider, "name", provider), why)
+        return None, why

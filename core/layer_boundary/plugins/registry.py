@@ -27,6 +27,25 @@ _HOOKS = (
 )
 
 
+# What each hook's providers must have, callable (layer_boundary.providers' Protocols). A fusion
+# provider's methods are all optional, but one it has must be callable.
+_REQUIRED = {
+    "layer_boundary_norm_kernels": ("refuse", "kernels"),
+    "layer_boundary_fusion_providers": (),
+    "layer_boundary_residual_semantics": ("stage", "exit"),
+}
+_OPTIONAL = ("attention_input", "ffn_input", "can_defer_finalize", "can_defer_all_reduce")
+
+
+def _missing_methods(hook: str, provider: Any) -> str:
+    """The methods ``provider`` lacks (or has but cannot call) for ``hook``: "" when none."""
+    bad = [m for m in _REQUIRED[hook] if not callable(getattr(provider, m, None))]
+    if hook == "layer_boundary_fusion_providers":
+        bad += [m for m in _OPTIONAL if getattr(provider, m, None) is not None
+                and not callable(getattr(provider, m))]
+    return ", ".join(f"{m}()" for m in bad)
+
+
 class PluginRegistry:
     """Active plugins and what they provide, in discovery order."""
 
@@ -39,6 +58,7 @@ class PluginRegistry:
         self.norm_kernels: list[tuple[str, Any]] = []
         self.fusion_providers: list[tuple[str, Any]] = []
         self.residual_semantics: dict[str, tuple[str, Any]] = {}
+        self._clashes: dict[str, list[str]] = {}
         for rec in self.records:
             if rec.status is PluginStatus.ACTIVE:
                 self._activate(rec)
@@ -49,7 +69,7 @@ class PluginRegistry:
     def _activate(self, rec: PluginRecord) -> None:
         try:
             self.pm.register(rec.hooks, name=rec.name)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # a plugin's sys.exit() is its failure, not the engine's exit
             rec.status, rec.reason = PluginStatus.FAILED, f"its hooks do not match the specification: {e}"
             return
         others = [p for p in self.pm.get_plugins() if p is not rec.hooks]
@@ -58,12 +78,19 @@ class PluginRegistry:
             for hook, _ in _HOOKS:
                 caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
                 results = caller()
+                odd = [r for r in results if r is not None and not isinstance(r, (list, tuple))]
+                if odd:
+                    raise TypeError(f"{hook} must return a list of providers, got {odd[0]!r}")
                 items = [x for r in results for x in (r or [])]
                 for x in items:
                     if not getattr(x, "name", None):
                         raise TypeError(f"{hook} returned {x!r}, which has no name")
+                    missing = _missing_methods(hook, x)
+                    if missing:
+                        raise TypeError(f"{hook} returned {x.name!r}, which lacks {missing} (see "
+                                        "layer_boundary.providers for the interface)")
                 collected[hook] = items
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             self.pm.unregister(rec.hooks)
             rec.status, rec.reason = PluginStatus.FAILED, f"a hook raised {type(e).__name__}: {e}"
             return
@@ -71,8 +98,10 @@ class PluginRegistry:
         self.fusion_providers += [(rec.name, x) for x in collected["layer_boundary_fusion_providers"]]
         for x in collected["layer_boundary_residual_semantics"]:
             if x.name in self.residual_semantics:
-                log.warning("residual semantics %r of plugin %s is shadowed by plugin %s",
-                            x.name, rec.name, self.residual_semantics[x.name][0])
+                # Two schemes of one name: asking for it is an error naming both (never a silent pick).
+                self._clashes.setdefault(x.name, [self.residual_semantics[x.name][0]]).append(rec.name)
+                log.warning("residual semantics %r is provided by plugins %s", x.name,
+                            " and ".join(self._clashes[x.name]))
                 continue
             self.residual_semantics[x.name] = (rec.name, x)
 
@@ -132,6 +161,12 @@ class PluginRegistry:
 
             return PLAIN_RESIDUAL
         found = self.residual_semantics.get(name)
+        if name in self._clashes:
+            owners = self._clashes[name]
+            raise PluginError(
+                f"residual semantics {name!r} is provided by plugins {', '.join(owners)}; disable all but "
+                f"one (for example LAYER_BOUNDARY_DISABLE={','.join(o for o in owners if o != name) or owners[-1]})"
+            )
         if found is None:
             known = ["plain", *sorted(self.residual_semantics)]
             raise PluginError(

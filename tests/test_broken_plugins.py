@@ -1,0 +1,147 @@
+"""A broken plugin is reported and skipped, never the engine's crash: providers that lack the
+interface, providers whose methods raise when the model is built, a hook that calls ``sys.exit``,
+and two plugins offering one residual scheme. Found by a new-user trial (each of these once listed
+the plugin ``active`` and then ended ``layer-boundary run`` with a traceback, or exited it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import make_norm
+from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
+from layer_boundary.forward import ForwardBatch
+from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+from layer_boundary.plugins import PluginError, PluginRegistry, PluginStatus, discover, hookimpl
+from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
+
+
+class Hooks:
+    def __init__(self, *, norms=(), fusions=(), semantics=()) -> None:
+        self._n, self._f, self._s = list(norms), list(fusions), list(semantics)
+
+    @hookimpl
+    def layer_boundary_norm_kernels(self):
+        return self._n
+
+    @hookimpl
+    def layer_boundary_fusion_providers(self):
+        return self._f
+
+    @hookimpl
+    def layer_boundary_residual_semantics(self):
+        return self._s
+
+
+class NoMethods:
+    name = "no-methods"
+
+
+class RaisingNorm:
+    name = "raising-norm"
+    tolerance: dict = {}
+
+    def refuse(self, request):
+        raise RuntimeError("vendor probe crashed")
+
+    def kernels(self, request):
+        raise AssertionError("never chosen")
+
+
+class BrokenKernels(RaisingNorm):
+    name = "broken-kernels"
+
+    def refuse(self, request):
+        return None  # accepts ...
+
+    def kernels(self, request):
+        raise OSError("libvendor.so: cannot open shared object file")  # ... then cannot load
+
+
+class RaisingFusion:
+    name = "raising-fusion"
+
+    def attention_input(self, plan):
+        raise RuntimeError("fusion probe crashed")
+
+    ffn_input = attention_input
+
+
+def _registry(hooks: Hooks, name: str = "vendor") -> PluginRegistry:
+    reg = PluginRegistry([])
+    reg.register(hooks, name=name)
+    return reg
+
+
+def test_a_provider_without_its_interface_fails_its_plugin():
+    for hooks, missing in ((Hooks(norms=[NoMethods()]), "refuse(), kernels()"),
+                           (Hooks(semantics=[NoMethods()]), "stage(), exit()")):
+        reg = PluginRegistry([])
+        with pytest.raises(PluginError, match=f"lacks {missing.replace('(', '[(]').replace(')', '[)]')}"):
+            reg.register(hooks, name="vendor")
+        rec = next(r for r in reg.records if r.name == "vendor")
+        assert rec.status is PluginStatus.FAILED and not reg.norm_kernels and not reg.residual_semantics
+
+
+def _qwen3(ctx):
+    model = Qwen3ForCausalLM(small_random_config(), context=ctx)
+    init_random_weights(model, seed=0)
+    return model.eval()
+
+
+def _logits(model, n: int = 5):
+    ids, pos = torch.arange(3, 3 + n), torch.arange(n)
+    with torch.inference_mode():
+        return model(ids, pos, ForwardBatch(num_tokens=n, positions=pos))
+
+
+def test_providers_that_raise_while_the_model_is_built_are_skipped_with_the_reason():
+    ctx = BoundaryContext(registry=_registry(Hooks(norms=[RaisingNorm(), BrokenKernels()],
+                                                   fusions=[RaisingFusion()])))
+    model = _qwen3(ctx)  # builds: the core kernels serve every read
+    ctx.freeze()
+    report = "\n".join(ctx.report.lines())
+    assert "raising-norm (vendor): refuse() raised RuntimeError: vendor probe crashed" in report
+    assert "broken-kernels (vendor): kernels() raised OSError: libvendor.so" in report
+    assert "raising-fusion (vendor): attention_input() raised RuntimeError: fusion probe crashed" in report
+    torch.testing.assert_close(_logits(model), _logits(_qwen3(BoundaryContext())), rtol=0, atol=0)
+
+
+def test_the_report_is_the_same_whether_a_stage_was_peeked_at_first():
+    # A stage's kernels may be looked up once for its neighbour (record=False) and then for itself.
+    ctx = BoundaryContext(registry=_registry(Hooks(norms=[BrokenKernels()])))
+    make_stages((declare_attn(), make_norm(64, torch.float32)), (declare_ffn(), make_norm(64, torch.float32)),
+                context=ctx)
+    rows = [s for s in ctx.report.selections if s.what == "norm kernels"]
+    assert rows and all(r.chosen != "broken-kernels" for r in rows)
+
+
+def test_a_hook_that_calls_sys_exit_fails_its_plugin_not_the_process(plugin_site: PluginSite):
+    plugin_site.add("alpha")
+    plugin_site.add("quitter", hooks_source='''
+        import sys
+        from layer_boundary.plugins import hookimpl
+
+        @hookimpl
+        def layer_boundary_fusion_providers():
+            sys.exit("plugin hook decided to exit")
+        ''')
+    reg = discover()
+    recs = {r.name: r for r in reg.records}
+    assert recs["quitter"].status is PluginStatus.FAILED and "SystemExit" in recs["quitter"].reason
+    assert recs["alpha"].status is PluginStatus.ACTIVE
+
+
+def test_a_hook_must_return_a_list(plugin_site: PluginSite):
+    plugin_site.add("single", hooks_source='''
+        from layer_boundary.plugins import hookimpl
+
+        class Fusion:
+            name = "lonely"
+
+        @hookimpl
+        def layer_boundary_fusion_providers():
+            return Fusion()  # not a list
+        ''')
+    rec = next(r for r in discover().records if r.name == "single")
+    assert rec.status is PluginStatus.FAILED and "must return a list of providers" in rec.reason
