@@ -145,3 +145,25 @@ def test_a_hook_must_return_a_list(plugin_site: PluginSite):
         ''')
     rec = next(r for r in discover().records if r.name == "single")
     assert rec.status is PluginStatus.FAILED and "must return a list of providers" in rec.reason
+
+
+def test_the_plugins_listing_in_strict_mode_still_calls_the_hooks(plugin_site: PluginSite, monkeypatch, capsys):
+    # Strict mode fails on the broken plugin, and the listing it still prints must show it failed
+    # (it once showed discovery alone: "active").
+    from layer_boundary.cli.main import main
+
+    plugin_site.add("alpha")
+    plugin_site.add("single", hooks_source='''
+        from layer_boundary.plugins import hookimpl
+
+        @hookimpl
+        def layer_boundary_fusion_providers():
+            raise ValueError("boom")
+        ''')
+    monkeypatch.setenv("LAYER_BOUNDARY_STRICT_PLUGINS", "1")
+    assert main(["plugins", "--json"]) == 1
+    import json
+
+    listed = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert listed["single"]["status"] == "failed" and "boom" in listed["single"]["reason"]
+    assert listed["alpha"]["status"] == "active"

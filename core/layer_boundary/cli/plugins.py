@@ -22,7 +22,9 @@ def plugins_command(args: argparse.Namespace) -> int:
         # The report is still worth printing: rebuild it without the failing requirement.
         print(f"layer-boundary plugins: {e}", file=sys.stderr)
         lenient = DiscoveryOptions(options.allow, options.deny, options.autoload, strict=False)
-        records = find_plugins(lenient)
+        # Activated too (hooks called), so that a plugin whose hooks fail shows failed here as well.
+        records = PluginRegistry(find_plugins(lenient), DiscoveryOptions(None, options.deny, options.autoload,
+                                                                         strict=False)).records
         _print(records, args.json)
         return 1
     _print(records, args.json)
