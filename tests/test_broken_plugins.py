@@ -167,3 +167,14 @@ def test_the_plugins_listing_in_strict_mode_still_calls_the_hooks(plugin_site: P
     listed = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert listed["single"]["status"] == "failed" and "boom" in listed["single"]["reason"]
     assert listed["alpha"]["status"] == "active"
+
+
+@pytest.mark.parametrize("field", ["provides", "requires_distributions"])
+def test_a_manifest_field_given_as_a_string_is_refused_with_the_fix(field):
+    # It was read a character at a time ("t, o, r, c, h not installed").
+    from layer_boundary.plugins import PluginManifest
+
+    kw = dict(name="vendor", api_version=1, provides=("norm_kernels",), hooks="vendor.hooks")
+    kw[field] = "norm_kernels" if field == "provides" else "torch"
+    with pytest.raises(ValueError, match=f"{field} must be a tuple of names, got '.*' \\(for one name: \\('"):
+        PluginManifest(**kw)

@@ -61,6 +61,11 @@ class PluginManifest:
             raise ValueError(f"plugin name {self.name!r} must be an identifier (letters, digits, _)")
         if isinstance(self.api_version, bool) or not isinstance(self.api_version, int):
             raise ValueError(f"plugin {self.name}: api_version must be an int, got {self.api_version!r}")
+        for what in ("provides", "requires_distributions"):
+            value = getattr(self, what)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"plugin {self.name}: {what} must be a tuple of names, got {value!r} "
+                                 f"(for one name: ({value!r},))")
         known = {p.value for p in Provides}
         bad = [p for p in self.provides if p not in known]
         if bad:
