@@ -110,6 +110,58 @@ def test_missing_model_folder(tmp_path):
         main(["run", "--model", str(tmp_path / "nope")])
 
 
+def test_a_folder_without_weights_is_refused_before_the_ranks_start(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg.save_pretrained(tmp_path)  # config.json alone
+    assert main(["run", "--model", str(tmp_path), "--input-ids", "1,2"]) == 2
+    assert "no *.safetensors files" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,flag,why", [
+    (["run", "--tp", "-1"], "--tp", "must be at least 1"),
+    (["run", "--pp", "0"], "--pp", "must be at least 1"),
+    (["run", "--seed", "99999999999999999999"], "--seed", "not a seed"),
+    (["bench", "host", "--iters", "0"], "--iters", "must be at least 1"),
+    (["bench", "host", "--tokens", "-1"], "--tokens", "must be at least 1"),
+    (["bench", "host", "--threads", "0"], "--threads", "must be at least 1"),
+    (["bench", "norm", "--hidden", "0"], "--hidden", "must be at least 1"),
+])
+def test_counts_and_sizes_are_checked_when_parsed(argv, flag, why, capsys):
+    # They used to fail deep inside the job with a ZeroDivisionError or a torch error.
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and why in err
+
+
+@pytest.mark.parametrize("argv", [["run", "--save-logits", "{missing}/l.pt"],
+                                  ["bench", "host", "--json", "{missing}/h.json"]])
+def test_an_output_file_in_a_missing_folder_is_refused_before_the_work(argv, tmp_path, capsys):
+    # --save-logits used to fail after the whole forward.
+    with pytest.raises(SystemExit) as e:
+        main([a.format(missing=tmp_path / "nope") for a in argv])
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_a_layout_the_model_refuses_is_its_message_not_a_traceback(capsys):
+    # 4 layers over 5 pipeline stages: the ranks refuse it; the user sees why, in one line.
+    assert main(["run", "--pp", "5", "--input-ids", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be split over 5 pipeline stages" in err and "Traceback" not in err
+
+
+def test_default_ids_outside_a_small_vocabulary_say_they_are_the_defaults(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    assert main(["run", "--model", str(tmp_path)]) == 2
+    assert "the default token ids" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_cuda_without_gpu_says_so(capsys):
     assert main(["run", "--device", "cuda"]) == 2

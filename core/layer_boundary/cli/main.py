@@ -32,6 +32,27 @@ def _input_ids(text: str) -> list[list[int]]:
     return seqs
 
 
+def _positive(text: str) -> int:
+    """An integer of at least 1 (sizes, counts, iterations)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"{v} is not a seed torch takes (0 to 2**63 - 1)")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="layer-boundary",
@@ -80,15 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--save-logits", metavar="FILE", help="torch.save the float32 logits [tokens, vocab]")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    run.add_argument("--tp", type=int, default=None, metavar="N",
+    run.add_argument("--tp", type=_positive, default=None, metavar="N",
                      help="ranks (the world size of a stage group); default 2 for the embedded model "
                      "on CPU, else 1")
-    run.add_argument("--dp", type=int, default=1, metavar="D",
+    run.add_argument("--dp", type=_positive, default=1, metavar="D",
                      help="attention data parallel: D groups of N/D attention-TP ranks (D divides N)")
-    run.add_argument("--pp", type=int, default=1, metavar="P",
+    run.add_argument("--pp", type=_positive, default=1, metavar="P",
                      help="pipeline stages (layers split evenly, the remainder on the last); the "
                      "world is N x P ranks, stage s on ranks [s*N, (s+1)*N)")
-    run.add_argument("--cp", type=int, default=1, metavar="C",
+    run.add_argument("--cp", type=_positive, default=1, metavar="C",
                      help="context-parallel prefill: each sequence's tokens spread (zig-zag) over C "
                      "ranks of attention TP, heads over the other N/D/C (C divides N/D; needs --dp 1)")
     run.add_argument("--reduction", choices=("auto", "ar", "rs", "rsv", "rs+rsv"), default="auto",
@@ -97,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch.distributed backend (default: gloo on CPU, nccl on CUDA)")
     run.add_argument("--check", action="store_true",
                      help="compare every rank's logits with the single-rank model; exit 1 on a mismatch")
-    run.add_argument("--seed", type=int, default=0, help="seed of the embedded random model")
+    run.add_argument("--seed", type=_seed, default=0, help="seed of the embedded random model")
     run.add_argument(
         "--pattern", metavar="LAYERS", default=None,
         help="build the embedded random heterogeneous decoder instead of Qwen3, one layer per "
@@ -126,25 +147,25 @@ def build_parser() -> argparse.ArgumentParser:
         "host",
         help="host time per boundary and decoder forward time with and without boundaries (CPU)",
     )
-    host.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (decode-sized)")
-    host.add_argument("--iters", type=int, default=2000, help="timed calls per boundary measurement")
-    host.add_argument("--forward-iters", type=int, default=200, help="timed decoder forwards per measurement")
-    host.add_argument("--hidden", type=int, nargs="+", default=[64, 1024],
+    host.add_argument("--tokens", type=_positive, nargs="+", default=[1, 8, 32], help="batch sizes (decode-sized)")
+    host.add_argument("--iters", type=_positive, default=2000, help="timed calls per boundary measurement")
+    host.add_argument("--forward-iters", type=_positive, default=200, help="timed decoder forwards per measurement")
+    host.add_argument("--hidden", type=_positive, nargs="+", default=[64, 1024],
                       help="decoder hidden sizes for the forward comparison (4 layers each)")
-    host.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    host.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (default 1)")
     host.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     _add_gpu_benches(bsub)
     return p
 
 
 def _grid_options(p: argparse.ArgumentParser, *, tokens_help: str, hidden: bool = True) -> None:
-    p.add_argument("--tokens", type=int, nargs="+", metavar="T", help=tokens_help)
+    p.add_argument("--tokens", type=_positive, nargs="+", metavar="T", help=tokens_help)
     if hidden:
-        p.add_argument("--hidden", type=int, nargs="+", metavar="H", help="hidden sizes (default: the full grid)")
+        p.add_argument("--hidden", type=_positive, nargs="+", metavar="H", help="hidden sizes (default: the full grid)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="activation dtype (default bfloat16)")
     p.add_argument("--quick", action="store_true", help="a small grid and fewer replays (a minute or two)")
-    p.add_argument("--replays", type=int, default=None, metavar="N",
+    p.add_argument("--replays", type=_positive, default=None, metavar="N",
                    help="timed replays per measurement (default 50, 15 with --quick)")
     p.add_argument("--out", metavar="DIR", default="benchmarks/results",
                    help="where the dated JSON and SVG go (default benchmarks/results)")
@@ -187,7 +208,7 @@ def _add_gpu_benches(bsub: Any) -> None:
     fin.add_argument("--world", type=int, choices=(1, 2), default=None,
                      help="GPUs (ranks): 2 sums over NCCL / symmetric memory, 1 has no all-reduce "
                      "(default 2 when 2 GPUs are visible, else 1)")
-    fin.add_argument("--topk", type=int, default=8, metavar="K", help="experts per token (default 8)")
+    fin.add_argument("--topk", type=_positive, default=8, metavar="K", help="experts per token (default 8)")
     fin.add_argument("--no-compile", action="store_true",
                      help="leave torch.compile out (the compiled peer and the separate-kernel choice)")
 
@@ -201,10 +222,10 @@ def _add_gpu_benches(bsub: Any) -> None:
     _grid_options(dec, tokens_help="batch sizes, one token per sequence (default 1 8 32 128)", hidden=False)
     dec.add_argument("--tp", type=int, nargs="+", choices=(1, 2, 4, 8), default=None,
                      help="tensor-parallel sizes (default: 1 and, with 2 GPUs visible, 2)")
-    dec.add_argument("--layers", type=int, default=None, help="decoder layers (default 8, 4 with --quick)")
-    dec.add_argument("--hidden", type=int, default=4096,
+    dec.add_argument("--layers", type=_positive, default=None, help="decoder layers (default 8, 4 with --quick)")
+    dec.add_argument("--hidden", type=_positive, default=4096,
                      help="model width (default 4096; heads of 128, 4 query heads per kv head, FFN 3x)")
-    dec.add_argument("--vocab", type=int, default=32768, help="vocabulary size (default 32768)")
+    dec.add_argument("--vocab", type=_positive, default=32768, help="vocabulary size (default 32768)")
 
     mhc = bsub.add_parser(
         "mhc", help="MHC residual kernels (layer-boundary-mhc): Triton vs the torch reference and the byte roofline",
@@ -214,7 +235,7 @@ def _add_gpu_benches(bsub: Any) -> None:
         "reference. Needs the plugin installed (exit 2 otherwise).",
     )
     _grid_options(mhc, tokens_help="token counts (default 1 16 128 1024 8192 32768)")
-    mhc.add_argument("--streams", type=int, default=4, metavar="N", help="residual streams n (default 4)")
+    mhc.add_argument("--streams", type=_positive, default=4, metavar="N", help="residual streams n (default 4)")
     mhc.add_argument("--ops", nargs="+", choices=("update+read", "read", "update"), default=None,
                      help="which ops (default all three)")
     mhc.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -229,11 +250,32 @@ def _add_gpu_benches(bsub: Any) -> None:
                      "SLICE_COLS=128,128,128 FINISH_TOKENS=4")
 
 
+def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Output paths are checked before any work: a results folder is created, a file's folder must
+    exist (a missing one used to surface as a traceback after the whole run)."""
+    import os
+
+    for flag, path in (("--save-logits", getattr(args, "save_logits", None)), ("--json", getattr(args, "json", None))):
+        if isinstance(path, str):
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                parser.error(f"{flag} {path!r}: the folder {folder!r} does not exist")
+    out = getattr(args, "out", None)
+    if isinstance(out, str):
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--out {out!r} cannot be created ({e.strerror})")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_outputs(parser, args)
     if args.command == "run":
         from .run import run_command
 
+        args.default_ids = args.input_ids is None
         if args.input_ids is None:
             args.input_ids = _input_ids(DEFAULT_PATTERN_INPUT_IDS if args.pattern else DEFAULT_INPUT_IDS)
 

@@ -124,6 +124,11 @@ def _run_ranks(spec: RunSpec, backend: str, repeats: int) -> list[dict[str, Any]
     return spawn(_rank_job, spec.world_size, args=(spec, repeats), backend=backend)
 
 
+# Exceptions a rank raises for what the user asked (the message says what to change), printed
+# without their traceback.
+_USER_ERRORS = frozenset({"ValueError", "DeclarationError", "CheckpointMismatch", "FileNotFoundError"})
+
+
 def run_command(args: argparse.Namespace) -> int:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -148,6 +153,10 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         # Reads a --model folder's config.json: its model_type picks the decoder.
         cfg = _config(spec)
+        if args.model:
+            from ..models.loader import safetensors_files
+
+            safetensors_files(args.model)  # the weights are there (each rank loads them)
     except (ValueError, FileNotFoundError) as e:
         print(f"layer-boundary run: {e}", file=sys.stderr)
         return 2
@@ -163,8 +172,9 @@ def run_command(args: argparse.Namespace) -> int:
     vocab = cfg.vocab_size
     bad = sorted({i for s in spec.sequences for i in s if i >= vocab})
     if bad:
-        print(f"layer-boundary run: --input-ids {bad} are outside the vocabulary of {vocab} tokens",
-              file=sys.stderr)
+        which = ("the default token ids" if getattr(args, "default_ids", False) else "--input-ids")
+        print(f"layer-boundary run: {which} {bad} are outside the vocabulary of {vocab} tokens; pass "
+              f"--input-ids below {vocab}", file=sys.stderr)
         return 2
     try:
         results = _run_ranks(spec, backend, repeats=5)
@@ -175,6 +185,11 @@ def run_command(args: argparse.Namespace) -> int:
         last = e.remote.strip().splitlines()[-1] if e.remote.strip() else str(e)
         if "PluginError" in last:
             print(f"layer-boundary run: {last.split(': ', 1)[-1]}", file=sys.stderr)
+            return 2
+        if last.split(": ", 1)[0].rsplit(".", 1)[-1] in _USER_ERRORS:
+            # A layout or checkpoint the model refuses (heads --tp does not divide, more pipeline
+            # stages than layers, ...): its message, not a rank's traceback.
+            print(f"layer-boundary run: rank {e.rank}: {last}", file=sys.stderr)
             return 2
         print(f"layer-boundary run: {e}", file=sys.stderr)
         return 1
