@@ -178,3 +178,10 @@ def test_a_manifest_field_given_as_a_string_is_refused_with_the_fix(field):
     kw[field] = "norm_kernels" if field == "provides" else "torch"
     with pytest.raises(ValueError, match=f"{field} must be a tuple of names, got '.*' \\(for one name: \\('"):
         PluginManifest(**kw)
+
+
+def test_a_residual_that_is_neither_a_name_nor_a_scheme_is_refused():
+    from layer_boundary.models import small_random_config
+
+    with pytest.raises(TypeError, match="residual must be a scheme's name .* got 42"):
+        Qwen3ForCausalLM(small_random_config(), context=BoundaryContext(), residual=42)

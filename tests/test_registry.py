@@ -221,3 +221,15 @@ def test_record_json_has_the_cli_fields(plugin_site: PluginSite):
         "provides": ["fusion_providers", "norm_kernels", "residual_semantics"], "status": "active",
         "reason": "", "entry_point": "lbt_alpha_manifest:MANIFEST",
     }
+
+
+def test_a_missing_scheme_says_why_it_is_missing(plugin_site: PluginSite):
+    reg = PluginRegistry([])
+    reg.register(InProcess("x", semantics=[thing("zigzag")]), name="engine")
+    with pytest.raises(PluginError, match="case-sensitive: residual='zigzag'"):
+        reg.semantics("ZigZag")
+    plugin_site.add("gamma")  # its scheme is gamma-residual; the plugin itself is denied here
+    with pytest.raises(PluginError, match="plugin 'gamma' is installed but disabled"):
+        discover(deny=["gamma"]).semantics("gamma")
+    with pytest.raises(PluginError, match="pip install"):
+        discover().semantics("nowhere")

@@ -435,6 +435,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = config
         self.topology = topology
         self.context = context
+        if not isinstance(residual, str) and not callable(getattr(residual, "stage", None)):
+            raise TypeError(f"residual must be a scheme's name (for example 'plain' or 'mhc') or a "
+                            f"ResidualSemantics object, got {residual!r}")
         self.residual = context.semantics(residual) if isinstance(residual, str) else residual
         if topology.pp.size > 1 and getattr(self.residual, "name", None) != "plain":
             raise ValueError(

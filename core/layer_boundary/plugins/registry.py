@@ -169,10 +169,15 @@ class PluginRegistry:
             )
         if found is None:
             known = ["plain", *sorted(self.residual_semantics)]
-            raise PluginError(
-                f"no active plugin provides residual semantics {name!r} (available: {known}); "
-                "install the plugin that provides it (for MHC: pip install layer-boundary[mhc])"
-            )
+            near = [k for k in known if k.lower() == str(name).lower()]
+            rec = next((r for r in self.records if r.name == name), None)
+            if near:
+                fix = f"names are case-sensitive: residual={near[0]!r}"
+            elif rec is not None:
+                fix = f"plugin {name!r} is installed but {rec.status.value}: {rec.reason}"
+            else:
+                fix = "install the plugin that provides it (for MHC: pip install layer-boundary[mhc])"
+            raise PluginError(f"no active plugin provides residual semantics {name!r} (available: {known}); {fix}")
         return found[1]
 
     def by_status(self) -> Mapping[str, list[str]]:
