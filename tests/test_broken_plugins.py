@@ -12,25 +12,9 @@ from helpers import make_norm
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
 from layer_boundary.forward import ForwardBatch
 from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
-from layer_boundary.plugins import PluginError, PluginRegistry, PluginStatus, discover, hookimpl
+from layer_boundary.plugins import PluginError, PluginRegistry, PluginStatus, discover
 from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
-
-
-class Hooks:
-    def __init__(self, *, norms=(), fusions=(), semantics=()) -> None:
-        self._n, self._f, self._s = list(norms), list(fusions), list(semantics)
-
-    @hookimpl
-    def layer_boundary_norm_kernels(self):
-        return self._n
-
-    @hookimpl
-    def layer_boundary_fusion_providers(self):
-        return self._f
-
-    @hookimpl
-    def layer_boundary_residual_semantics(self):
-        return self._s
+from test_registry import InProcess
 
 
 class NoMethods:
@@ -67,15 +51,15 @@ class RaisingFusion:
     ffn_input = attention_input
 
 
-def _registry(hooks: Hooks, name: str = "vendor") -> PluginRegistry:
+def _registry(hooks: InProcess, name: str = "vendor") -> PluginRegistry:
     reg = PluginRegistry([])
     reg.register(hooks, name=name)
     return reg
 
 
 def test_a_provider_without_its_interface_fails_its_plugin():
-    for hooks, missing in ((Hooks(norms=[NoMethods()]), "refuse(), kernels()"),
-                           (Hooks(semantics=[NoMethods()]), "stage(), exit()")):
+    for hooks, missing in ((InProcess('v', norms=[NoMethods()]), "refuse(), kernels()"),
+                           (InProcess('v', semantics=[NoMethods()]), "stage(), exit()")):
         reg = PluginRegistry([])
         with pytest.raises(PluginError, match=f"lacks {missing.replace('(', '[(]').replace(')', '[)]')}"):
             reg.register(hooks, name="vendor")
@@ -96,8 +80,8 @@ def _logits(model, n: int = 5):
 
 
 def test_providers_that_raise_while_the_model_is_built_are_skipped_with_the_reason():
-    ctx = BoundaryContext(registry=_registry(Hooks(norms=[RaisingNorm(), BrokenKernels()],
-                                                   fusions=[RaisingFusion()])))
+    ctx = BoundaryContext(registry=_registry(InProcess('v', norms=[RaisingNorm(), BrokenKernels()],
+                                                       fusions=[RaisingFusion()])))
     model = _qwen3(ctx)  # builds: the core kernels serve every read
     ctx.freeze()
     report = "\n".join(ctx.report.lines())
@@ -109,7 +93,7 @@ def test_providers_that_raise_while_the_model_is_built_are_skipped_with_the_reas
 
 def test_the_report_is_the_same_whether_a_stage_was_peeked_at_first():
     # A stage's kernels may be looked up once for its neighbour (record=False) and then for itself.
-    ctx = BoundaryContext(registry=_registry(Hooks(norms=[BrokenKernels()])))
+    ctx = BoundaryContext(registry=_registry(InProcess('v', norms=[BrokenKernels()])))
     make_stages((declare_attn(), make_norm(64, torch.float32)), (declare_ffn(), make_norm(64, torch.float32)),
                 context=ctx)
     rows = [s for s in ctx.report.selections if s.what == "norm kernels"]

@@ -32,25 +32,23 @@ def _input_ids(text: str) -> list[list[int]]:
     return seqs
 
 
-def _positive(text: str) -> int:
-    """An integer of at least 1 (sizes, counts, iterations)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
-    return v
+def _bounded(lo: int, hi: Optional[int], why: str) -> Any:
+    """An argparse type: an integer in ``[lo, hi]`` (``hi`` None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{v} {why}")
+        return v
+
+    return parse
 
 
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= v < 2**63:
-        raise argparse.ArgumentTypeError(f"{v} is not a seed torch takes (0 to 2**63 - 1)")
-    return v
+_positive = _bounded(1, None, "must be at least 1")  # sizes, counts, iterations
+_seed = _bounded(0, 2**63 - 1, "is not a seed torch takes (0 to 2**63 - 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
