@@ -92,7 +92,7 @@ def test_bfloat16_run(capsys):
     assert "bfloat16" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("ids", ["1,x,3", "", "-1"])
+@pytest.mark.parametrize("ids", ["1,x,3", "", "-1", "1,,2", "1,2,"])
 def test_bad_input_ids_are_refused(ids, capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", "--input-ids", ids])

@@ -16,8 +16,11 @@ def _input_ids(text: str) -> list[list[int]]:
     """``1,2,3`` is one sequence; ``1,2;3,4,5`` two, spread over the DP groups as requests."""
     seqs = []
     for part in text.split(";"):
+        items = part.split(",")
+        if part.strip() and any(t.strip() == "" for t in items):
+            raise argparse.ArgumentTypeError(f"--input-ids {text!r} has an empty item between commas")
         try:
-            ids = [int(t) for t in part.split(",") if t.strip() != ""]
+            ids = [int(t) for t in items if t.strip() != ""]
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"--input-ids {text!r}: give comma-separated integers, for example 1,2,3 "

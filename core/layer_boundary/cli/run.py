@@ -73,6 +73,14 @@ def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
 
 def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, Any]:
     """One rank: build, run ``repeats`` forwards, return its rows' logits (rank 0 also the report)."""
+    if rank != 0:
+        # Every rank discovers the same plugins and builds the same stages: rank 0 alone says what
+        # it warns about, once (errors still come from every rank).
+        import logging
+        import warnings
+
+        logging.getLogger("layer_boundary").setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
     topo = (Topology.from_sizes(tp=spec.tp, dp=spec.dp, cp=spec.cp, pp=spec.pp) if world > 1
             else Topology.single())
     device = spec.device
