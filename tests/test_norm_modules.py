@@ -139,3 +139,10 @@ def test_transformers_gemma_rmsnorm_reads_with_its_offset():
     got, desc = _prepared(norm, x)
     assert "read=gemma_rmsnorm" in desc
     torch.testing.assert_close(got, norm(x), rtol=1e-6, atol=1e-6)
+
+
+def test_an_input_of_the_wrong_width_names_the_stage_and_the_width():
+    # torch's own error was a broadcast of two sizes, with no stage named.
+    with pytest.raises(ValueError, match=r"attn #1: hidden_states has 8 columns, but the stage's norm is for "
+                                         r"hidden size 16"):
+        _prepared(RMSNorm(H), torch.randn(4, 8))
