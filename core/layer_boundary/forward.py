@@ -11,6 +11,7 @@ restore the previous values, so nesting and exceptions leave it as it was.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
@@ -69,8 +70,13 @@ class ForwardBatch:
     cp_split: Any = None  # a layer_boundary.cp.CpSplit
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+        try:  # numpy and torch integers too; a bool is not a count
+            count = operator.index(self.num_tokens) if not isinstance(self.num_tokens, bool) else -1
+        except TypeError:
+            count = -1
+        if count < 0:
             raise ValueError(f"ForwardBatch.num_tokens={self.num_tokens!r} must be a non-negative int")
+        self.num_tokens = count
         if self.seq_lens is not None:
             self.seq_lens = tuple(int(s) for s in self.seq_lens)
             if sum(self.seq_lens) != self.num_tokens or any(s < 0 for s in self.seq_lens):
