@@ -534,3 +534,28 @@ class TestMhcConformance(ResidualSemanticsConformance):
             return _rms(merged, stack.norms[-1].weight, stack.norms[-1].eps).to(x.dtype)
 
         return run
+
+
+def test_the_torch_functions_refuse_shapes_that_do_not_fit():
+    # Found by a new-user trial: torch's "mat1 and mat2" errors, silent broadcasts of another
+    # token's row, and integer streams read as zeros.
+    from layer_boundary_mhc import MhcHead, MhcStageParams, mhc_read_ref, mhc_update_ref
+
+    n, c, t = 4, 32, 3
+    p = MhcStageParams(n, c)
+    w = torch.ones(c)
+    with pytest.raises(ValueError, match=r"streams \[T, 3, 32\] do not fit parameters made for n = 4"):
+        mhc_read_ref(torch.randn(t, 3, c), p, w, 1e-6)
+    with pytest.raises(ValueError, match="floating-point"):
+        mhc_read_ref(torch.ones(t, n, c, dtype=torch.int64), p, w, 1e-6)
+    x, y = torch.randn(t, n, c), torch.randn(t, c)
+    hp, hr = torch.rand(t, n), torch.rand(t, n, n)
+    with pytest.raises(ValueError, match=r"h_post has shape \(3, 1\), expected \(3, 4\)"):
+        mhc_update_ref(x, y, hp[:, :1], hr)
+    with pytest.raises(ValueError, match=r"y has shape \(1, 32\), expected \(3, 32\)"):
+        mhc_update_ref(x, y[:1], hp, hr)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="int of at least 1"):
+            MhcStageParams(bad, c)
+        with pytest.raises(ValueError, match="int of at least 1"):
+            MhcHead(bad)

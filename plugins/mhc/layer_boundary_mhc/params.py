@@ -50,6 +50,11 @@ def _pre_bias(n: int) -> float:
     return PRE_SATURATED if n == 1 else -math.log(n - 1)  # sigmoid(-log(n-1)) = 1/n
 
 
+def _count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"MHC needs {name} to be an int of at least 1, got {value!r}")
+
+
 class MhcStageParams(nn.Module):
     """``phi``, ``alpha`` and the static biases of one stage (see the module docstring)."""
 
@@ -58,8 +63,8 @@ class MhcStageParams(nn.Module):
         eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        if n < 1 or hidden_size < 1:
-            raise ValueError(f"MHC needs n >= 1 streams and hidden_size >= 1, got n={n}, hidden_size={hidden_size}")
+        _count("n", n)
+        _count("hidden_size", hidden_size)
         self.n = n
         self.hidden_size = hidden_size
         self.eps = float(eps)  # of the parameter-free RMSNorm of the flat streams
@@ -107,6 +112,7 @@ class MhcHead(nn.Module):
 
     def __init__(self, n: int, *, dtype: Optional[torch.dtype] = None, device: Any = None) -> None:
         super().__init__()
+        _count("n", n)
         self.n = n
         self.weight = nn.Parameter(torch.full((n,), 1.0 / n, dtype=param_dtype(dtype), device=device))
 

@@ -42,11 +42,39 @@ def _into(dest: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
     return dest
 
 
+def _check_streams(x: torch.Tensor, params: MhcStageParams) -> None:
+    """Streams ``[T, n, C]`` of a floating dtype, with the n and C the parameters were made for."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
+        raise ValueError(f"MHC streams must be a floating-point [T, n, C] tensor, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+                         f"{' ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
+    if (x.shape[1], x.shape[2]) != (params.n, params.hidden_size):
+        raise ValueError(f"MHC streams [T, {x.shape[1]}, {x.shape[2]}] do not fit parameters made for n = "
+                         f"{params.n} streams of hidden size {params.hidden_size}")
+
+
+def _check_update(x: Optional[torch.Tensor], y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> None:
+    """y ``[T, C]``, H_post ``[T, n]`` and H_res ``[T, n, n]`` of the streams' T, n and C (no
+    broadcasting: a row of another token is a bug, not a shorthand)."""
+    t, n = h_post.shape[0] if h_post.dim() == 2 else -1, h_post.shape[-1]
+    c = y.shape[-1]
+    if x is not None:
+        if x.dim() != 3:
+            raise ValueError(f"MHC streams must be [T, n, C], got {tuple(x.shape)}")
+        t, n, c = x.shape
+    want = {"y": (t, c), "h_post": (t, n), "h_res": (t, n, n)}
+    for name, v in (("y", y), ("h_post", h_post), ("h_res", h_res)):
+        if tuple(v.shape) != want[name]:
+            raise ValueError(f"MHC update: {name} has shape {tuple(v.shape)}, expected {want[name]} "
+                             f"(T = {t} tokens, n = {n} streams, C = {c})")
+
+
 def mhc_combine_ref(
     x: torch.Tensor, params: MhcStageParams, iters: int = SINKHORN_ITERS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sum_j H_pre[j] x_j [T, C], H_post, H_res)`` of streams ``x``; the combination is left in
     the accumulation dtype, for the stage's norm to round once."""
+    _check_streams(x, params)
     h_pre, h_post, h_res = mhc_coefficients(x, params, iters)
     mixed = (h_pre.unsqueeze(1) @ x.to(acc_dtype(x.dtype))).squeeze(1)
     return mixed, h_post, h_res
@@ -80,6 +108,7 @@ def mhc_update_ref(
 ) -> torch.Tensor:
     """``H_res x + H_post^T y`` accumulated in the coefficients' dtype, rounded once to the
     streams' dtype; ``x=None`` (no streams yet) gives ``H_post^T y`` in ``y``'s dtype."""
+    _check_update(x, y, h_post, h_res)
     acc = h_res.dtype
     new = h_post.unsqueeze(-1) * y.to(acc).unsqueeze(1)  # [T, n, C]
     if x is None:
