@@ -60,7 +60,7 @@ def _cute():
     return cute_module("cute_split")
 
 
-@pytest.mark.parametrize("n,c,update", [(4, 4096, True), (3, 2048, False), (2, 1024, True)])
+@pytest.mark.parametrize("n,c,update", [(4, 4096, True), (3, 2048, False), (2, 1024, True), (4, 3072, True)])
 def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     mod = _cute()
@@ -88,8 +88,9 @@ def _gpu_ready():
     _cute()
 
 
-# 8192: 512 blocks over 7 sets; 1100: a ragged last block; 97: fewer blocks than sets; 16: one block.
-CASES = [(8192, 4, 4096), (1100, 4, 4096), (600, 3, 2048), (97, 2, 1024), (16, 4, 4096)]
+# 8192: 512 blocks over 7 sets; 1100: a ragged last block; 97: as many blocks as sets (7); 40: fewer
+# (3); 5: part of one block; H = 3072: 12 units a finisher lane, in 3 batches of 4.
+CASES = [(8192, 4, 4096), (1100, 4, 4096), (600, 3, 2048), (97, 2, 1024), (40, 4, 3072), (5, 4, 4096)]
 
 
 @pytest.mark.gpu

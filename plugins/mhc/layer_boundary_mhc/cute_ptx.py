@@ -309,9 +309,9 @@ def ldg_f32_cg(addr, live):
 
 def spin_until(addr, target):
     """Until the u32 at ``addr`` (read with acquire semantics at GPU scope) reaches ``target``,
-    sleeping briefly between reads. After 2^28 reads (about 20 s) the kernel traps: a count that
-    never arrives is a bug to report as an error, not a hang (a real wait is microseconds)."""
-    asm(None, [addr, target], "{ .reg .pred p; .reg .u32 v; .reg .u32 k; mov.u32 k, 0; LB_SPIN_${:uid}: "
-        "ld.acquire.gpu.global.u32 v, [$0]; setp.ge.u32 p, v, $1; @p bra LB_DONE_${:uid}; "
-        "add.u32 k, k, 1; setp.gt.u32 p, k, 268435456; @p trap; nanosleep.u32 64; bra LB_SPIN_${:uid}; "
-        "LB_DONE_${:uid}: }", "l,r")
+    sleeping briefly between reads. 20 s into the wait (``%globaltimer``) the kernel traps: a count
+    that never arrives is a bug to report as an error, not a hang (a real wait is microseconds)."""
+    asm(None, [addr, target], "{ .reg .pred p; .reg .u32 v; .reg .u64 t0, t1; mov.u64 t0, %globaltimer; "
+        "LB_SPIN_${:uid}: ld.acquire.gpu.global.u32 v, [$0]; setp.ge.u32 p, v, $1; @p bra LB_DONE_${:uid}; "
+        "nanosleep.u32 64; mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.gt.u64 p, t1, 20000000000; "
+        "@p trap; bra LB_SPIN_${:uid}; LB_DONE_${:uid}: }", "l,r")

@@ -26,10 +26,12 @@ different SMs of one launch (no clusters):
 A finisher spins only on blocks whose stream CTAs never wait, so the launch completes whenever its
 stream CTAs get SMs. The grid is sized so that every CTA is resident on an idle GPU (one CTA an SM:
 shared memory), and CTAs are dispatched in index order, stream CTAs first. A count that has not come
-after about 20 s traps (``cute_ptx.spin_until``): a bug then fails the launch instead of hanging it.
+20 s into the wait traps (``cute_ptx.spin_until``): a bug then fails the launch instead of hanging it.
 """
 
 from __future__ import annotations
+
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -122,6 +124,7 @@ class MhcSplit(MhcPersistent):
                 P.red_release_add(cnt_a + Int64(blk) * 4, Int32(1))
             if cutlass.const_expr(s.update):
                 self._coef_issue(tid, blk + sets, tokens, hp_a, hr_a, coef)
+        P.cp_async_wait_all()  # the last iteration's copies (zeros past the last block) land before exit
 
     @cute.jit
     def _finisher(self, fid, nfin, src, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a, tokens, sit,
@@ -132,7 +135,7 @@ class MhcSplit(MhcPersistent):
         consts_s = w_s + s.wfull_bytes
         stash = consts_s + s.consts_bytes + warp * (s.c * 4)
         per = s.units_row // 32  # units a lane
-        batch = min(FINISH_BATCH, per)
+        batch = math.gcd(per, FINISH_BATCH)  # batches that tile a lane's units (12 at H = 3072: 3 of 4)
         w_a = Int64(w32.toint())
         chunks = s.wfull_bytes // 16
         for k in cutlass.range_constexpr((chunks + s.threads - 1) // s.threads):
