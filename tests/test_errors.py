@@ -472,3 +472,19 @@ def test_forward_batch_token_counts_take_any_integer_and_no_bool():
     for bad in (True, 2.0, -1, "3"):
         with pytest.raises(ValueError, match="must be a non-negative int"):
             ForwardBatch(num_tokens=bad)
+
+
+def test_a_second_final_norm_says_the_stack_already_ended():
+    from layer_boundary import ForwardBatch, Topology, declare_attn, make_stages
+    from layer_boundary.errors import BoundaryError
+    from layer_boundary.norms import RMSNorm
+    from layer_boundary.residual import batch as rb
+
+    (stage,) = make_stages((declare_attn(), RMSNorm(16)), topology=Topology.single(), terminal=True)
+    fb = ForwardBatch.for_tokens(3)
+    rb.start(fb)
+    out = stage.finish(stage.prepare(torch.randn(3, 16), fb), fb)
+    rb.norm(out, fb, RMSNorm(16))
+    with pytest.raises(BoundaryError, match="start the layer stack before entering a stage") as e:
+        rb.norm(out, fb, RMSNorm(16))
+    assert any("already ended" in n for n in e.value.__notes__)

@@ -210,5 +210,9 @@ def started_stream(forward_batch: Any) -> ResidualStream:
     """The batch's live stream, or the spec's error when the stack was not started."""
     stream = getattr(forward_batch, "residual_stream", None)
     if stream is None or stream.released:
-        raise BoundaryError(START_FIRST)
+        err = BoundaryError(START_FIRST)
+        if stream is not None:
+            err.add_note("this batch's layer stack already ended (its final norm ran); a new forward starts "
+                         "with residual_batch.start(forward_batch)")
+        raise err
     return stream
