@@ -462,14 +462,15 @@ def test_exit_restores_flags_set_before_it():
 
 
 def test_forward_batch_token_counts_take_any_integer_and_no_bool():
-    # An engine's counts are often numpy or torch integers; True used to pass as 1, np.int64(5) failed.
+    # An engine's counts are often numpy integers; True used to pass as 1, np.int64(5) failed; a tensor
+    # would make the batch wait for the device.
     from layer_boundary.forward import ForwardBatch
 
     np = pytest.importorskip("numpy")
 
     fb = ForwardBatch(num_tokens=np.int64(5))
     assert fb.num_tokens == 5 and type(fb.num_tokens) is int
-    for bad in (True, 2.0, -1, "3"):
+    for bad in (True, 2.0, -1, "3", torch.tensor(3)):
         with pytest.raises(ValueError, match="must be a non-negative int"):
             ForwardBatch(num_tokens=bad)
 

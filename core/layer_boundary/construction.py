@@ -308,7 +308,7 @@ def _bind_candidates(plan: StagePlan, context: Any) -> None:
             continue
         offered, failed = guarded(provider, hook, plan)
         if failed is not None:
-            cands.append(Candidate(getattr(provider, "name", "?"), origin, failed))
+            cands.append(Candidate(provider.name, origin, failed))
             continue
         for cand in offered or ():
             why, failed = guarded(cand, "refuse", plan) if hasattr(cand, "refuse") else (None, None)

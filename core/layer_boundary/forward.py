@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import operator
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
@@ -70,8 +71,12 @@ class ForwardBatch:
     cp_split: Any = None  # a layer_boundary.cp.CpSplit
 
     def __post_init__(self) -> None:
-        try:  # numpy and torch integers too; a bool is not a count
-            count = operator.index(self.num_tokens) if not isinstance(self.num_tokens, bool) else -1
+        # numpy integers too; not a bool, nor a tensor (reading one would wait for the device). A
+        # tensor exists only once torch is imported, and this module does not import it.
+        torch = sys.modules.get("torch")
+        tensor = torch is not None and isinstance(self.num_tokens, torch.Tensor)
+        try:
+            count = -1 if tensor or isinstance(self.num_tokens, bool) else operator.index(self.num_tokens)
         except TypeError:
             count = -1
         if count < 0:

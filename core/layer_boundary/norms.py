@@ -68,17 +68,16 @@ def norm_params(norm: nn.Module) -> tuple[torch.Tensor, float, float] | None:
     """``(weight, eps, weight_offset)`` of an RMSNorm-like module, or ``None`` if it is not one."""
     weight = getattr(norm, "weight", None)
     eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
-    if type(norm) is nn.RMSNorm and eps is None and isinstance(weight, torch.Tensor):
+    torch_rms = type(norm) is nn.RMSNorm
+    if torch_rms and eps is None and isinstance(weight, torch.Tensor):
         eps = torch.finfo(weight.dtype).eps  # torch's default: the input dtype's (the weight's here)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, (int, float)):
         return None
     if isinstance(norm, (nn.LayerNorm, nn.GroupNorm)) or hasattr(norm, "running_mean"):
         return None
-    declared = getattr(norm, "weight_offset", None)
+    declared = 0.0 if torch_rms else getattr(norm, "weight_offset", None)
     if isinstance(declared, (int, float)) and float(declared) in (0.0, 1.0):
         return weight, float(eps), float(declared)
-    if type(norm) is nn.RMSNorm:
-        return weight, float(eps), 0.0
     if norm not in _PROBED:
         _PROBED[norm] = _probe_offset(norm, weight.shape[0], float(eps))
     offset = _PROBED[norm]

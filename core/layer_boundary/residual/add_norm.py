@@ -101,7 +101,8 @@ class RMSNormRead:
     makes_update = False
     fuses_with = frozenset({PlainAdd.name})
 
-    def __init__(self, norm: nn.Module, offset: float, kernels: NormKernels, quant: Optional[str] = None) -> None:
+    def __init__(self, norm: nn.Module, offset: float, kernels: NormKernels, quant: Optional[str] = None,
+                 eps: Optional[float] = None) -> None:
         check_quant(quant)
         self.norm = norm
         self.offset = offset
@@ -111,7 +112,7 @@ class RMSNormRead:
         # eps is configuration, fixed at construction; the weight is looked up at each call in
         # the module's parameter table (a loader may replace the Parameter object), which skips
         # nn.Module.__getattr__ on the hot path.
-        self._eps = norm_params(norm)[1]  # ``eps`` or ``variance_epsilon``; nn.RMSNorm's default
+        self._eps = norm_params(norm)[1] if eps is None else eps  # as norm_params read it
         self._params = norm._parameters if "weight" in norm._parameters else None
 
     @property
@@ -215,7 +216,7 @@ class AddNormReadSpec:
                     f"{type(norm).__name__}; use quant=None for a norm called as a black box"
                 )
             return ModuleRead(norm)
-        weight, _, offset = params
+        weight, eps, offset = params
         kernels = self.kernels
         if kernels is None:
             if select is None:
@@ -224,7 +225,7 @@ class AddNormReadSpec:
                 from ..providers import NormRequest
 
                 kernels = select(NormRequest(weight.device.type, weight.dtype, weight.shape[0], offset, self.quant))
-        return RMSNormRead(norm, offset, kernels, self.quant)
+        return RMSNormRead(norm, offset, kernels, self.quant, eps)
 
     def __repr__(self) -> str:
         q = f", quant={self.quant!r}" if self.quant else ""

@@ -153,10 +153,15 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
     return shape
 
 
+def _large_shape(n: int, hidden: int, update: bool, iters: int) -> Any:
+    """The shape of calls from ``PERSISTENT_TOKENS`` tokens: the persistent or the split variant."""
+    return (split_shape if PERSISTENT_SPLIT else persistent_shape)(n, hidden, update, iters)
+
+
 def _variant(t: int, n: int, hidden: int, update: bool, iters: int) -> Any:
     """The shape a call of ``t`` tokens runs."""
     if PERSISTENT_TOKENS and t >= PERSISTENT_TOKENS:
-        shape = (split_shape if PERSISTENT_SPLIT else persistent_shape)(n, hidden, update, iters)
+        shape = _large_shape(n, hidden, update, iters)
         if not shape.problem:
             return shape
     return cluster_shape(n, hidden, update, iters, sinkhorn=t < SINKHORN_AFTER_TOKENS)
@@ -265,11 +270,8 @@ def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None
     for update in (False, True):
         for sinkhorn in (True, False):
             _compiled(cluster_shape(n, hidden, update, iters, sinkhorn))
-        persistent = None
-        if PERSISTENT_TOKENS:
-            persistent = (split_shape if PERSISTENT_SPLIT else persistent_shape)(n, hidden, update, iters)
-        if persistent is not None and not persistent.problem:
-            _compiled(persistent)
+        if PERSISTENT_TOKENS and not _large_shape(n, hidden, update, iters).problem:
+            _compiled(_large_shape(n, hidden, update, iters))
     if torch.cuda.is_available():
         _sinkhorn_after(torch.zeros(1, n, n, device="cuda"), 1, n, iters)
         if PERSISTENT_TOKENS and not PERSISTENT_SPLIT:
