@@ -23,10 +23,15 @@ def test_split_shape_plan_and_refusals():
     s = SplitShape(4, 4096, True, 20)
     p = PersistentShape(4, 4096, True, 20)
     assert s.split and s.persistent and not p.split and (s.bt, s.hs, s.gpw, s.problem) == (16, 256, 1, "")
-    # stream role: phi, slots, coefficient rows, per-warp partials; finisher role: 8 stashes of one
-    # token's s (FP32) and the whole norm weight. No exchange buffers.
-    assert s.smem == s.phi_bytes + s.slot_bytes + s.coef_bytes + s.wp_bytes + 1024 < p.smem <= SMEM_LIMIT
-    assert s.stash_bytes + s.wfull_bytes + s.consts_bytes < s.smem
+    # stream role: phi, slots, coefficient rows, per-warp partials (no exchange buffers); finisher
+    # role: a ring of 7 x' rows of 32 KiB with their H_pre and barriers, which sets the size here.
+    assert s.phi_bytes + s.slot_bytes + s.coef_bytes + s.wp_bytes + 1024 < p.smem
+    assert s.fslots == 7 and s.smem == 7 * (4 * 4096 * 2 + 32) + 256 + 1024 <= SMEM_LIMIT
+    assert SplitShape(2, 1024, True, 20).fslots == 8  # at most 8 rows in flight
+    # a producer step's tokens: all producers' steps fit the ring (no step waits on a later one)
+    assert (s.pdepth, SplitShape(4, 4096, True, 20, producers=4).pdepth) == (2, 1)
+    assert SplitShape(4, 4096, True, 20, producers=7).pdepth == 1
+    assert "8" in SplitShape(4, 4096, True, 20, warps=4).problem and SplitShape(4, 4096, True, 20, producers=8).problem
     assert SplitShape(3, 2048, False, 20).problem == "" and SplitShape(2, 1024, True, 20).problem == ""
     assert "phi's slice alone" in SplitShape(4, 7168, True, 20).problem
     assert "2 to 4" in SplitShape(5, 4096, True, 20).problem
@@ -35,10 +40,10 @@ def test_split_shape_plan_and_refusals():
 
 def test_split_grid_leaves_the_finishers_their_sms(monkeypatch):
     monkeypatch.setitem(cluster_ops._SMS, 0, 132)
-    assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (7, 20)  # H200
+    assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (6, 36)  # H200
     assert cluster_ops._split_grid(torch.device("cuda", 0), 3) == (3, 84)  # fewer blocks than sets
     monkeypatch.setitem(cluster_ops._SMS, 0, 114)
-    assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (6, 18)
+    assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (4, 50)
     monkeypatch.setitem(cluster_ops._SMS, 0, 20)
     assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (1, 4)
 
@@ -70,13 +75,18 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     # the persistent variant's stream pass: per group of a warp, stream and k-step, 3 parts x NT
     # n-tiles and 2 for the sums of squares
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == shape.gpw * n * 2 * (3 * shape.nt + 2)
-    # no cluster: no cluster barrier, no distributed shared memory, no mbarrier
-    assert "barrier.cluster" not in ptx and "shared::cluster" not in ptx and "mbarrier" not in ptx
-    # a block counted ready after a GPU-scope fence; finishers wait with an acquire read
-    assert "fence.acq_rel.gpu" in ptx and "red.release.gpu.global.add.u32" in ptx
+    # no cluster barrier, no distributed shared memory access (the bulk copies name this CTA's own
+    # shared memory in the shared::cluster window)
+    assert "barrier.cluster" not in ptx and "mapa" not in ptx and "st.async" not in ptx
+    # a block counted ready by one release behind a CTA barrier, no per-thread fence; producers
+    # wait with an acquire read, then order it before their copy-engine reads of x'
+    assert "red.release.gpu.global.add.u32" in ptx and "fence.acq_rel.gpu" not in ptx
     assert "ld.acquire.gpu.global.u32" in ptx and "trap;" in ptx  # a count that never comes: an error, not a hang
-    # finishers read x' and the partials from L2 and store the input 16 bytes at a time
-    assert "ld.global.cg.v4.b32" in ptx and "ld.global.cg.f32" in ptx
+    assert "fence.proxy.async.global" in ptx
+    # x' rows by the copy engine into the ring (one copy a stream), counted on the row's barrier;
+    # the partials from L2
+    assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == n * shape.pdepth
+    assert f", {c * 2}, " in ptx and "ld.global.cg.f32" in ptx
 
 
 # -- GPU ---------------------------------------------------------------------------------------------
@@ -88,8 +98,9 @@ def _gpu_ready():
     _cute()
 
 
-# 8192: 512 blocks over 7 sets; 1100: a ragged last block; 97: as many blocks as sets (7); 40: fewer
-# (3); 5: part of one block; H = 3072: 12 units a finisher lane, in 3 batches of 4.
+# 8192: 512 blocks over 6 sets; 1100: a ragged last block; 97: 7 blocks, one more than sets; 40: fewer
+# (3); 5: part of one block (fewer tokens than finisher CTAs); H = 3072: 3 units a consumer thread;
+# H = 1024: one unit, and n = 2 rows of 4 KiB (8 in the ring).
 CASES = [(8192, 4, 4096), (1100, 4, 4096), (600, 3, 2048), (97, 2, 1024), (40, 4, 3072), (5, 4, 4096)]
 
 

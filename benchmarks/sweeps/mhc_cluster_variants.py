@@ -20,7 +20,8 @@ from layer_boundary_mhc import accuracy, cluster_ops, triton_ops
 
 N = 4
 SETTINGS = ("CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS",
-            "PERSISTENT_TOKENS", "PERSISTENT_WARPS", "PERSISTENT_SPLIT")
+            "PERSISTENT_TOKENS", "PERSISTENT_WARPS", "PERSISTENT_SPLIT", "SPLIT_FINISHERS",
+            "SPLIT_PRODUCERS")
 
 
 def _time(fn) -> float:
@@ -50,8 +51,8 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
         line += f"  triton 2-launch {two:7.1f} ({100 * roof / two:4.1f} %)"
     if not ok:
         line += "  " + "; ".join(str(d) for d in devs if not d.ok)
-    if phases and not shape.split:  # the split variant has no profiled form
-        line += "\n" + (_sections(i, shape) if persistent else _phases(i, shape))
+    if phases:
+        line += "\n" + (_split_sections(i) if shape.split else _sections(i, shape) if persistent else _phases(i, shape))
     return line
 
 
@@ -72,6 +73,30 @@ def _sections(i, shape) -> str:
     per = (raw / raw[:, 8:9]).median(dim=0).values.tolist()
     parts = ", ".join(f"{name} {per[k]:.0f}" for k, name in prof.SECTIONS.items())
     return f"      cycles an iteration (median over {len(raw)} CTAs, {int(raw[:, 8].max())} iterations at most): {parts}"
+
+
+def _split_sections(i) -> str:
+    """One profiled call of the split variant: per role, the median over its CTAs of thread 0's cycles
+    a block (stream CTAs) or a token (finisher warp 0), and of the whole kernel."""
+    sms = torch.cuda.get_device_properties(i.x.device).multi_processor_count
+    cluster_ops.PROFILE = torch.zeros(sms * 16, dtype=torch.int64, device="cuda")
+    try:
+        prof = cluster_ops.split_shape(N, i.x.shape[2], True)
+        cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
+        torch.cuda.synchronize()
+        raw = cluster_ops.PROFILE.view(-1, 16).double().cpu()
+    finally:
+        cluster_ops.PROFILE = None
+    lines = []
+    for role, flag in (("stream", 0), ("finisher", 1)):
+        rows = raw[(raw[:, 10] == flag) & (raw[:, 8] > 0)]
+        if not len(rows):
+            continue
+        per = (rows / rows[:, 8:9]).median(dim=0).values.tolist()
+        parts = ", ".join(f"{name} {per[k]:.0f}" for k, name in prof.SECTIONS[role].items())
+        lines.append(f"      {role} ({len(rows)} CTAs, {int(rows[:, 8].median())} each): {parts}; "
+                     f"kernel {rows[:, 9].median() / 1.98e3:.0f} µs at 1.98 GHz")
+    return "\n".join(lines)
 
 
 def _phases(i, shape) -> str:

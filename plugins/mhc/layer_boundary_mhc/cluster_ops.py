@@ -24,7 +24,7 @@ from .coefficients import SINKHORN_ITERS
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
            "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
-           "PERSISTENT_WARPS", "PERSISTENT_SPLIT", "SPLIT_FINISHERS", "persistent_shape", "split_shape"]
+           "PERSISTENT_WARPS", "PERSISTENT_SPLIT", "SPLIT_FINISHERS", "SPLIT_PRODUCERS", "persistent_shape", "split_shape"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -64,11 +64,16 @@ PERSISTENT_TOKENS = 0
 PERSISTENT_WARPS = 8
 # 1: those calls run the split variant instead (``cute_split``: the persistent variant's stream pass
 # on sets of 16 CTAs, and the exchanges, the coefficients and the combination on finisher CTAs on
-# the other SMs). Compiled and checked here (sm_90a); not yet run on a GPU, so off.
+# the other SMs). Faster than the Triton two launches from 1024 tokens (H200, n = 4, H = 4096, same
+# run: T = 1024 48.8 against 53.0 µs, 2048 75.4 / 88.0, 8192 239.4 / 307.5, 32768 931.9 / 1184.5;
+# benchmarks/results/2026-11-30-h200-session11.md), exact on its own GPU tests, but off until the
+# whole MHC GPU suite has run with it as the default (the launch-form tests decide forms by size).
 PERSISTENT_SPLIT = 0
 # The split variant's finisher CTAs: at least this many SMs are left to them (an H200's 132 SMs:
-# 7 sets of 16 stream CTAs and 20 finishers).
-SPLIT_FINISHERS = 16
+# 6 sets of 16 stream CTAs and 36 finishers; 7 sets left 20, too few to finish 8192 tokens as fast
+# as they were streamed: 342.5 against 238.0 µs), and their producer warps (1: 505.6 µs).
+SPLIT_FINISHERS = 36
+SPLIT_PRODUCERS = 2
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
@@ -144,12 +149,13 @@ def persistent_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_IT
 def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
     """The split variant's shape (``cluster_shape.SplitShape``; its ``problem`` says why it does not
     fit)."""
-    key = ("split", n, hidden, update, iters, PERSISTENT_WARPS)
+    key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import SplitShape
 
-        shape = _SHAPES[key] = SplitShape(n, hidden, update, iters, warps=PERSISTENT_WARPS)
+        shape = _SHAPES[key] = SplitShape(n, hidden, update, iters, warps=PERSISTENT_WARPS,
+                                              profile=PROFILE is not None, producers=SPLIT_PRODUCERS)
     return shape
 
 

@@ -185,32 +185,47 @@ class PersistentShape:
         return ""
 
 
+PRODUCE_DEPTH = 2
+
+
 class SplitShape(PersistentShape):
     """Compile-time shape of the split variant (``cute_split``): the persistent variant's stream
     pass on ``sets`` sets of 16 CTAs (no clusters), and finisher CTAs on the SMs the sets leave. A
     stream CTA writes each block's partials to global memory and counts the block ready. A finisher
-    warp takes whole tokens once their block is ready: it sums the 16 CTAs' partials in rank order,
-    computes the coefficients, and combines and normalizes the token's x' (from L2) in one warp.
+    CTA takes whole tokens once their block is ready: a producer warp sums the 16 CTAs' partials in
+    rank order and computes the coefficients while the copy engine brings the token's x' row (from
+    L2) into a ring in shared memory; consumer warps combine and normalize it.
     The exchanges between CTAs then leave the stream CTAs' path, and the combination leaves their
     SMs, whose L1 the stream pass needs (PERFORMANCE.md, eleventh pass). Sizes that depend on the
     GPU (sets, finishers) are launch arguments, not compile-time."""
 
     split = True
 
-    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8) -> None:
-        super().__init__(n, hidden, update, iters, warps=warps)
-        # A finisher warp's stash of s (FP32, one token) and the whole FP32 norm weight; the stream
-        # role's plan (phi, slots, coefficient rows, per-warp partials) without the exchange buffers.
-        self.units_row = hidden // 8  # 16-byte units of a row; a lane takes every 32nd
-        self.stash_bytes = warps * hidden * 4
-        self.wfull_bytes = hidden * 4
-        stream = self.phi_bytes + self.slot_bytes + self.coef_bytes + self.wp_bytes
-        finish = self.stash_bytes + self.wfull_bytes + self.consts_bytes
-        self.smem = max(stream, finish) + 1024
-        self.problem = self._problem() or self._split_problem()
-        self.key = _frozen_key(self)
+    # Profiled (cluster_ops.PROFILE): per role, thread 0's cycles in each section, summed over its
+    # blocks (stream CTAs) or tokens (finisher CTAs, warp 0), then the count and the whole kernel.
+    SECTIONS = {"stream": {0: "top wait", 1: "stream pass", 2: "partials", 4: "coefficient issue"},
+                "finisher": {0: "producer wait", 1: "producer work", 12: "consumer wait", 13: "consumer work"}}
 
-    def _split_problem(self) -> str:
-        if self.units_row % 32:
-            return f"hidden size {self.c} is not a multiple of 256 (a finisher lane takes every 32nd 8-column unit)"
-        return ""
+    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
+                 producers: int = 2) -> None:
+        super().__init__(n, hidden, update, iters, warps=warps, profile=profile)
+        self.producers = producers
+        # The stream role's plan (phi, slots, coefficient rows, per-warp partials, then a second
+        # buffer of coefficient rows) without the
+        # exchange buffers; the finisher role's ring of x' rows (n x C bf16 each, as many as fit, at
+        # most 8), each with its H_pre and two barriers, and the consumers' sums of squares.
+        self.units_row = hidden // 8  # 16-byte units of a row
+        self.fslot = n * hidden * 2
+        stream = self.phi_bytes + self.slot_bytes + 2 * self.coef_bytes + self.wp_bytes
+        self.fslots = min(8, max(2, (SMEM_LIMIT - 1024 - 256) // (self.fslot + 32)))
+        finish = self.fslots * (self.fslot + 32) + 256
+        # Tokens a step of a producer warp (their ready waits, partials' loads and coefficients
+        # overlap), at most the ring's rows over the producers: a step waits for the rows of the
+        # steps before it, never for one that waits on it (3 producers of 4 tokens on 7 rows hung). Polling
+        # all of a step's counts at once, at depth 3, was slower: 407.2 against 342.5 µs (H200, T = 8192).
+        self.pdepth = max(1, min(PRODUCE_DEPTH, self.fslots // producers))
+        self.smem = max(stream, finish) + 1024
+        self.problem = self._problem() or ("" if warps == 8 and 1 <= producers <= 7 else
+                                           f"{warps} warps a CTA, {producers} of them producers (the split "
+                                           "variant runs 8, 1 to 7 of them producers)")
+        self.key = _frozen_key(self)

@@ -290,11 +290,6 @@ def mma_bf16_sq(a, c):
 
 # --- flags between CTAs of one grid (the split variant: no cluster) --------------------------
 
-def fence_gpu():
-    """This thread's earlier writes (x' and partials) ordered before a later release (GPU scope)."""
-    asm(None, [], "fence.acq_rel.gpu;", "")
-
-
 def red_release_add(addr, v):
     """Add ``v`` to the u32 at ``addr`` with release semantics at GPU scope: a block's ready count."""
     asm(None, [addr, v], "red.release.gpu.global.add.u32 [$0], $1;", "l,r")
@@ -315,3 +310,23 @@ def spin_until(addr, target):
         "LB_SPIN_${:uid}: ld.acquire.gpu.global.u32 v, [$0]; setp.ge.u32 p, v, $1; @p bra LB_DONE_${:uid}; "
         "nanosleep.u32 64; mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.gt.u64 p, t1, 20000000000; "
         "@p trap; bra LB_SPIN_${:uid}; LB_DONE_${:uid}: }", "l,r")
+
+
+def fence_proxy_async_global():
+    """Global memory this thread has observed (another CTA's x', acquired) ordered before its later
+    async-proxy reads of it (bulk copies)."""
+    asm(None, [], "fence.proxy.async.global;", "")
+
+
+def bulk_g2s(dst, src, nbytes: int, mbar):
+    """``nbytes`` (a multiple of 16) from global ``src`` to this CTA's shared ``dst`` by the copy engine,
+    counted on barrier ``mbar``'s transaction (16-byte aligned both ends)."""
+    asm(None, [dst, src, mbar],
+        f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {nbytes}, [$2];", "r,l,r")
+
+
+def mbar_arrive(addr):
+    """One arrival on barrier ``addr`` (release at CTA scope: this thread's earlier shared-memory
+    writes and reads come before the phase completes)."""
+    asm(None, [addr], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r")
+

@@ -9,16 +9,19 @@ different SMs of one launch (no clusters):
 
 - **Stream CTAs** (``sets`` sets of 16; CTA ``16 g + r`` owns columns ``[r C/16, (r + 1) C/16)`` of
   the blocks ``g, g + sets, ...``). Each runs the persistent variant's stream pass unchanged (phi's
-  slice resident, x and y a block ahead by cp.async, x' stored). It then writes the block's summed
-  partials to global memory (``[block][CTA][token][K + 1]``) and counts the block ready (a release
-  add). It never waits for another CTA, so it never waits for a finisher.
-- **Finisher CTAs** (the SMs the sets leave: 20 on an H200). Warp ``w`` takes tokens ``w, w + W, ...``
-  (W finisher warps in all). For each, once its block's count reaches 16 (an acquire read), it:
-  - sums the 16 CTAs' partials in rank order, the persistent variant's order, so H_post and H_res's
-    logits are its bits;
-  - computes the coefficients;
-  - combines the token's x' (from L2: stored a few blocks ago) into s and its sum of squares;
-  - normalizes s from a per-warp stash in shared memory.
+  slice resident, x and y a block ahead by cp.async, coefficient rows two blocks ahead, x' stored).
+  It then writes the block's summed partials to global memory (``[block][CTA][token][K + 1]``) and,
+  after the next block's top barrier, counts it ready (thread 0's release add). It never waits for
+  another CTA, so it never waits for a finisher.
+- **Finisher CTAs** (the SMs the sets leave: 36 on an H200), tokens ``f, f + F, ...`` each, through
+  a ring of x' rows in shared memory (``fslots`` rows of n x C bf16, an mbarrier pair a row):
+  - producer warps (``producers``, ``pdepth`` tokens a step): once a token's block count reaches 16
+    (an acquire read), lane 0 starts one bulk copy a stream of the token's x' (from L2: stored a
+    few blocks ago) into its row; the warp sums the 16 CTAs' partials in rank order, the persistent
+    variant's order (so H_post and H_res's logits are its bits), computes the coefficients, and
+    leaves H_pre beside the row;
+  - consumer warps (the rest): each thread combines its 8-column units of the row, the warps' sums
+    of squares meet in shared memory, and each thread normalizes and stores its units.
 
   The input's bits may differ from the other kernels' by the order of that sum, within the
   tolerance table.
@@ -31,8 +34,6 @@ shared memory), and CTAs are dispatched in index order, stream CTAs first. A cou
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cuda.bindings import driver as cuda
@@ -43,9 +44,8 @@ from .cluster_shape import SplitShape
 from .cute_persistent import MhcPersistent
 from .cute_steps import compile_kernel
 
-# 8-column units a finisher lane loads before it combines them (4 words of each stream a unit):
-# two L2 round trips a token at H = 4096, 128 registers of loads in flight.
-FINISH_BATCH = 8
+# Tokens a step of a consumer warp: their loads and arithmetic interleave, one barrier for all.
+CONSUME_DEPTH = 2
 
 
 class MhcSplit(MhcPersistent):
@@ -57,15 +57,15 @@ class MhcSplit(MhcPersistent):
                  sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32, eps: Float32,
                  norm_eps: Float32, stream: cuda.CUstream):
         s = self.s
-        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, part, cnt, tokens, blocks,
+        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, part, cnt, tokens, blocks,
                     sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
             grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
-               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, part: cute.Pointer,
-               cnt: cute.Pointer, tokens: Int32, blocks: Int32, sets: Int32,
+               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
+               part: cute.Pointer, cnt: cute.Pointer, tokens: Int32, blocks: Int32, sets: Int32,
                sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32,
                eps: Float32, norm_eps: Float32):
         s = self.s
@@ -73,20 +73,33 @@ class MhcSplit(MhcPersistent):
         nblk, _, _ = cute.arch.grid_dim()
         tid, _, warp, lane, g, q, base = self._start()
         part_a, cnt_a = Int64(part.toint()), Int64(cnt.toint())
+        prof_a = Int64(prof.toint()) + Int64(bid) * 128  # profiled: 16 values a CTA (SplitShape.SECTIONS)
+        cyc = cute.make_rmem_tensor((8,), Int64)
+        cyc.fill(0)
+        t_all = self._clock()
+        done = Int32(0)
         if bid < sets * 16:
-            self._streamer(bid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt, sot, son,
-                           tid, warp, lane, g, q, base)
+            done = self._streamer(bid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt,
+                                  sot, son, tid, warp, lane, g, q, base, cyc)
         else:
             if cutlass.const_expr(s.update):
                 src = (Int64(xo.toint()), sot, son)
             else:
                 src = (Int64(x.toint()), sxt, sxn)
-            self._finisher(bid - sets * 16, nblk - sets * 16, src, alpha, bpre, bpost, bres, w32, out, hpo, hro,
-                           part_a, cnt_a, tokens, sit, eps, norm_eps, tid, warp, lane, base)
+            done = self._finisher(bid - sets * 16, nblk - sets * 16, src, alpha, bpre, bpost, bres, w32, out, hpo,
+                                  hro, part_a, cnt_a, tokens, sit, eps, norm_eps, tid, warp, lane, base, cyc)
+        if cutlass.const_expr(s.profile):
+            if tid == 0:
+                for k in cutlass.range_constexpr(4):
+                    P.stg_v2_u64(prof_a + 16 * k, cyc[2 * k], cyc[2 * k + 1])
+                P.stg_v2_u64(prof_a + 64, Int64(done), self._clock() - t_all)
+                P.stg_v2_u64(prof_a + 80, Int64(bid >= sets * 16), Int64(0))
+            if tid == 32 * s.producers and bid >= sets * 16:  # a consumer's sections
+                P.stg_v2_u64(prof_a + 96, cyc[2], cyc[3])
 
     @cute.jit
     def _streamer(self, sid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt, sot, son,
-                  tid, warp, lane, g, q, phi_s):
+                  tid, warp, lane, g, q, phi_s, cyc):
         """Stream CTA ``sid``: the persistent variant's stream pass over its blocks, each block's
         partials to global memory and the block counted ready."""
         s = self.s
@@ -104,102 +117,193 @@ class MhcSplit(MhcPersistent):
         fill = self._fill_plan(lane, warp, col0, x_a, y_a, sxt, sxn, syt)
         xol = xo_a + (Int64(g) * sot + Int64(col0 + 8 * q)) * 2
         self._gather_phi(tid, rank, phf_a, phi_s)
+        # Coefficient rows two blocks ahead, in two buffers (the second after the partials): issued
+        # one block ahead, right before the top wait, their round trip to memory was that wait.
+        coef_alt = wp + s.wp_bytes - coef
         self._first_block(tid, first, tokens, hp_a, hr_a, coef, fill, slot, warp, lane)
+        if cutlass.const_expr(s.update):
+            self._coef_issue(tid, first + sets, tokens, hp_a, hr_a, coef + coef_alt)
         acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
         sq = cute.make_rmem_tensor((8,), Float32)
         row = s.bt * (kpad + 1)  # a CTA's partials of one block
         for it in cutlass.range(nloc, unroll=1):
             blk = first + it * sets
-            P.cp_async_wait_all()
+            t0 = self._clock()
+            if cutlass.const_expr(s.update):
+                P.cp_async_wait(1)  # all but the coefficient rows of block blk + sets
+            else:
+                P.cp_async_wait_all()
             P.bar_sync(1, s.threads)
-            self._stream(slot, fill, blk, Int32(blk + sets < blocks), sets, tokens, phi_s, coef, xol, sot, son,
+            t0 = self._lap(cyc, 0, t0)
+            cb = coef + (it % 2) * coef_alt
+            # The previous block counted ready now, behind the barrier every thread passed after its
+            # x' and partials of it: thread 0's release covers them (cumulative), and their stores
+            # have long drained. A fence and count right after the block stalled every warp on its
+            # own stores: 483.7 against 365.0 µs (H200, T = 8192, the first finisher form).
+            if tid == 0 and it > 0:
+                P.red_release_add(cnt_a + Int64(blk - sets) * 4, Int32(1))
+            self._stream(slot, fill, blk, Int32(blk + sets < blocks), sets, tokens, phi_s, cb, xol, sot, son,
                          warp, g, q, acc, sq)
+            t0 = self._lap(cyc, 1, t0)
             self._partials(acc, sq, wp, Int32(0), Int32(0), rank, tid, warp, g, q, False,
                            sink=part_a + (Int64(blk) * 16 + Int64(rank)) * row * 4)
-            # Every thread's x' and partials before the count: its own fence, then the barrier that
-            # the count's release follows.
-            P.fence_gpu()
-            P.bar_sync(1, s.threads)
-            if tid == 0:
-                P.red_release_add(cnt_a + Int64(blk) * 4, Int32(1))
+            t0 = self._lap(cyc, 2, t0)
             if cutlass.const_expr(s.update):
-                self._coef_issue(tid, blk + sets, tokens, hp_a, hr_a, coef)
+                self._coef_issue(tid, blk + 2 * sets, tokens, hp_a, hr_a, cb)
+            self._lap(cyc, 4, t0)
+        P.bar_sync(1, s.threads)
+        if tid == 0 and nloc > 0:
+            P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * 4, Int32(1))
         P.cp_async_wait_all()  # the last iteration's copies (zeros past the last block) land before exit
+        return nloc
 
     @cute.jit
     def _finisher(self, fid, nfin, src, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a, tokens, sit,
-                  eps, norm_eps, tid, warp, lane, w_s):
-        """Finisher CTA ``fid`` of ``nfin``: its warps' tokens, each once its block is ready."""
+                  eps, norm_eps, tid, warp, lane, base, cyc):
+        """Finisher CTA ``fid`` of ``nfin``: tokens ``fid, fid + nfin, ...`` (the CTA's token i) through
+        a ring of ``fslots`` rows in shared memory. Producer warps (``producers``; token i on warp i
+        % producers, ``pdepth`` tokens a step so that their round trips overlap): once a token's
+        block is ready, lane 0 starts the copy engine on its x' row and the warp computes its
+        coefficients meanwhile. Consumer warps (the rest, ``CONSUME_DEPTH`` tokens a step) take the
+        ring in order: each thread combines its 8-column units of the row, the warps' sums of
+        squares meet in shared memory, and each thread normalizes and stores its units."""
         s = self.s
-        n, kpad = s.n, s.kpad
-        consts_s = w_s + s.wfull_bytes
-        stash = consts_s + s.consts_bytes + warp * (s.c * 4)
-        per = s.units_row // 32  # units a lane
-        batch = math.gcd(per, FINISH_BATCH)  # batches that tile a lane's units (12 at H = 3072: 3 of 4)
-        w_a = Int64(w32.toint())
-        chunks = s.wfull_bytes // 16
-        for k in cutlass.range_constexpr((chunks + s.threads - 1) // s.threads):
-            idx = tid + k * s.threads
-            P.cp_async16_if(w_s + idx * 16, w_a + Int64(idx * 16), Int32(16), Int32(idx < chunks))
-        P.cp_async_commit()
-        if warp == 0:
-            cs = self._coef_consts(lane, alpha, bpre, bpost, bres)
-            for k in cutlass.range_constexpr(6):
-                P.sts_f32(consts_s + (k * 32 + lane) * 4, cs[k])
-        P.cp_async_wait_all()
+        ring = base
+        hpre_s = ring + s.fslots * s.fslot
+        full = hpre_s + s.fslots * 16  # a row's bytes landed and its H_pre written: 2 arrivals + bytes
+        empty = full + s.fslots * 8  # every consumer warp done reading a row
+        red = empty + s.fslots * 8  # [step parity][token of the step][consumer warp] sums of squares
+        if tid == 0:
+            for k in cutlass.range_constexpr(s.fslots):
+                P.mbar_init(full + k * 8, 2)
+                P.mbar_init(empty + k * 8, s.warps - s.producers)
+            P.fence_mbar_init()
         P.bar_sync(1, s.threads)
-        consts = [P.lds_f32(consts_s + (k * 32 + lane) * 4) for k in range(6)]
-        base, st, sn = src
-        gw = fid * s.warps + warp
-        stride = nfin * s.warps
-        mine = (tokens - gw + stride - 1) // stride
-        out_a = Int64(out.toint())
-        col = cutlass.min(lane, kpad)
-        for i in cutlass.range(mine, unroll=1):
-            t = gw + i * stride
-            blk = t // s.bt
-            P.spin_until(cnt_a + Int64(blk) * 4, Int32(16))
-            row = base + Int64(t) * st * 2
-            # The first batch of x' in flight while the coefficients are computed.
-            words = self._xp_batch(row, sn, lane, 0, batch)
-            # The 16 CTAs' partials of token t, summed in rank order (the persistent variant's).
-            at = part_a + (Int64(blk) * 16 * s.bt + Int64(t - blk * s.bt)) * (kpad + 1) * 4 + Int64(col) * 4
-            tot = P.ldg_f32_cg(at, Int32(1))
-            for cr in cutlass.range_constexpr(1, 16):
-                tot = tot + P.ldg_f32_cg(at + cr * s.bt * (kpad + 1) * 4, Int32(1))
-            h_pre, _ = self._coefficients(tot, Int64(t), Int32(1), lane, None, None, None, None, hpo, hro, eps,
-                                          consts)
-            coefs = [[P.shfl_idx(h_pre, Int32(j)) for j in range(n)]]
-            ssq = Float32(0.0)
-            for b in cutlass.range_constexpr(per // batch):
-                if cutlass.const_expr(b > 0):
-                    words = self._xp_batch(row, sn, lane, b, batch)
-                hs_ = self._mix_words(coefs, [words])[0]
-                for k in cutlass.range_constexpr(batch):
-                    for h in cutlass.range_constexpr(2):
-                        P.sts_v4_f32(stash + (((b * batch + k) * 2 + h) * 32 + lane) * 16, *hs_[k][4 * h:4 * h + 4])
-                    part_sq = Float32(0.0)
-                    for v in hs_[k]:
-                        part_sq = P.fma(v, v, part_sq)
-                    ssq = ssq + part_sq
-            for m_ in (16, 8, 4, 2, 1):
-                ssq = ssq + P.shfl_xor(ssq, m_)
-            r2 = P.rsqrt(ssq / Float32(s.c) + norm_eps)
-            for u in cutlass.range_constexpr(per):
-                h = (P.lds_v4_f32(stash + ((u * 2) * 32 + lane) * 16)
-                     + P.lds_v4_f32(stash + ((u * 2 + 1) * 32 + lane) * 16))
-                unit = lane + 32 * u
-                wv = P.lds_v4_f32(w_s + unit * 32) + P.lds_v4_f32(w_s + unit * 32 + 16)
-                o = [P.pack((h[2 * k] * r2) * wv[2 * k], (h[2 * k + 1] * r2) * wv[2 * k + 1]) for k in range(4)]
-                P.stg_v4(out_a + (Int64(t) * sit + Int64(8 * unit)) * 2, o[0], o[1], o[2], o[3], Int32(1))
-
+        mine = (tokens - fid + nfin - 1) // nfin
+        if warp < s.producers:
+            self._produce(fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, eps, warp, lane,
+                          ring, hpre_s, full, empty, cyc)
+        else:
+            self._consume(fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
+                          cyc)
+        return mine
 
     @cute.jit
-    def _xp_batch(self, row, sn, lane, b: int, batch: int) -> list:
-        """x' of one token (``row``: its address) at this lane's units ``b * batch ..`` of the batch:
-        ``[unit][stream] -> 4 words`` (8 bf16 columns), from L2."""
-        return [[P.ldg_v4_cg(row + (Int64(j) * sn + Int64(8 * (lane + 32 * (b * batch + k)))) * 2, Int32(1))
-                 for j in range(self.s.n)] for k in range(batch)]
+    def _produce(self, fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, eps, warp, lane,
+                 ring, hpre_s, full, empty, cyc):
+        s = self.s
+        n, kpad, depth, npro = s.n, s.kpad, s.pdepth, s.producers
+        row_a, st, sn = src
+        consts = self._coef_consts(lane, alpha, bpre, bpost, bres)
+        col = cutlass.min(lane, kpad)
+        count = cutlass.max(mine - warp + npro - 1, 0) // npro  # this warp's tokens
+        for k in cutlass.range((count + depth - 1) // depth, unroll=1):
+            t0 = self._clock()
+            toks = []
+            for d in cutlass.range_constexpr(depth):
+                i = warp + npro * (k * depth + d)
+                live = Int32(i < mine)
+                ic = cutlass.min(i, mine - 1)
+                t = fid + ic * nfin
+                sl = ic % s.fslots
+                toks.append((live, t, t // s.bt, sl))
+                if live != 0:
+                    rnd = i // s.fslots
+                    if rnd > 0:
+                        P.mbar_wait_rt(empty + sl * 8, (rnd - 1) & 1)
+                    P.spin_until(cnt_a + Int64(t // s.bt) * 4, Int32(16))
+                    if lane == 0:
+                        P.fence_proxy_async_global()
+                        P.mbar_expect_tx(full + sl * 8, n * s.c * 2)
+                        for j in cutlass.range_constexpr(n):
+                            P.bulk_g2s(ring + sl * s.fslot + j * s.c * 2,
+                                       row_a + (Int64(t) * st + Int64(j) * sn) * 2, s.c * 2, full + sl * 8)
+            t0 = self._lap(cyc, 0, t0)
+            # Each token's 16 CTAs' partials, summed in rank order (the persistent variant's), every
+            # token's loads issued before any sum.
+            vals = []
+            for d in cutlass.range_constexpr(depth):
+                live, t, blk, _ = toks[d]
+                at = part_a + (Int64(blk) * 16 * s.bt + Int64(t - blk * s.bt)) * (kpad + 1) * 4 + Int64(col) * 4
+                vals.append([P.ldg_f32_cg(at + cr * s.bt * (kpad + 1) * 4, live) for cr in range(16)])
+            for d in cutlass.range_constexpr(depth):
+                live, t, _, sl = toks[d]
+                tot = vals[d][0]
+                for cr in cutlass.range_constexpr(1, 16):
+                    tot = tot + vals[d][cr]
+                h_pre, _ = self._coefficients(tot, Int64(t), live, lane, None, None, None, None, hpo, hro, eps,
+                                              consts)
+                if live != 0:
+                    if lane < n:
+                        P.sts_f32(hpre_s + sl * 16 + lane * 4, h_pre)
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        P.mbar_arrive(full + sl * 8)
+            self._lap(cyc, 1, t0)
+
+    @cute.jit
+    def _consume(self, fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
+                 cyc):
+        s = self.s
+        n, depth = s.n, CONSUME_DEPTH
+        ncon = s.warps - s.producers
+        ct = tid - 32 * s.producers
+        cw = warp - s.producers
+        nu = (s.units_row + 32 * ncon - 1) // (32 * ncon)  # 8-column units a consumer thread
+        units = [cutlass.min(ct + 32 * ncon * u, s.units_row - 1) for u in range(nu)]
+        live_u = [Int32(ct + 32 * ncon * u < s.units_row) for u in range(nu)]
+        w_a = Int64(w32.toint())
+        wv = [P.ldg_v4_f32(w_a + Int64(units[u]) * 32) + P.ldg_v4_f32(w_a + Int64(units[u]) * 32 + 16)
+              for u in range(nu)]
+        out_a = Int64(out.toint())
+        for k in cutlass.range((mine + depth - 1) // depth, unroll=1):
+            t0 = self._clock()
+            toks = []
+            for d in cutlass.range_constexpr(depth):
+                i = k * depth + d
+                live = Int32(i < mine)
+                sl = cutlass.min(i, mine - 1) % s.fslots
+                toks.append((live, fid + i * nfin, sl))
+                if live != 0:
+                    P.mbar_wait_rt(full + sl * 8, (i // s.fslots) & 1)
+            t0 = self._lap(cyc, 2, t0)
+            coefs = [[P.lds_f32(hpre_s + sl * 16 + 4 * j) for j in range(n)] for _, _, sl in toks]
+            words = [[[P.lds_v4(ring + sl * s.fslot + j * s.c * 2 + units[u] * 16) for j in range(n)]
+                      for u in range(nu)] for _, _, sl in toks]
+            hs_ = self._mix_words(coefs, words)  # [token][unit] -> 8 values
+            cute.arch.sync_warp()
+            for d in cutlass.range_constexpr(depth):
+                live, _, sl = toks[d]
+                if live != 0:
+                    if lane == 0:
+                        P.mbar_arrive(empty + sl * 8)
+            rb = red + (k % 2) * depth * 32
+            for d in cutlass.range_constexpr(depth):
+                ssq = Float32(0.0)
+                for u in cutlass.range_constexpr(nu):
+                    part_sq = Float32(0.0)
+                    for v in hs_[d][u]:
+                        part_sq = P.fma(v, v, part_sq)
+                    if cutlass.const_expr(s.units_row % (32 * ncon)):
+                        part_sq = P.sel(live_u[u], part_sq, Float32(0.0))
+                    ssq = ssq + part_sq
+                for m_ in (16, 8, 4, 2, 1):
+                    ssq = ssq + P.shfl_xor(ssq, m_)
+                if lane == 0:
+                    P.sts_f32(rb + (d * 8 + cw) * 4, ssq)
+            P.bar_sync(2, 32 * ncon)
+            for d in cutlass.range_constexpr(depth):
+                live, t, _ = toks[d]
+                ssq = P.lds_f32(rb + d * 32)
+                for c in cutlass.range_constexpr(1, ncon):
+                    ssq = ssq + P.lds_f32(rb + (d * 8 + c) * 4)
+                r2 = P.rsqrt(ssq / Float32(s.c) + norm_eps)
+                for u in cutlass.range_constexpr(nu):
+                    h, w_ = hs_[d][u], wv[u]
+                    o = [P.pack((h[2 * e] * r2) * w_[2 * e], (h[2 * e + 1] * r2) * w_[2 * e + 1]) for e in range(4)]
+                    P.stg_v4(out_a + (Int64(t) * sit + Int64(8 * units[u])) * 2, o[0], o[1], o[2], o[3],
+                             live_u[u] * live)
+            self._lap(cyc, 3, t0)
 
 
 def compile_split(shape: SplitShape, ptx_dir: str = ""):
