@@ -75,6 +75,7 @@ def test_calls_take_the_persistent_variant_from_its_token_count(monkeypatch):
     from layer_boundary_mhc import cluster_ops
 
     monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)  # (gpu_session.sh s sets it for the whole suite)
     assert cluster_ops._variant(512, 4, 4096, True, 20).persistent
     assert not cluster_ops._variant(511, 4, 4096, True, 20).persistent
     # where phi's slice does not fit, the cluster kernel (Sinkhorn after it) serves large calls
@@ -146,6 +147,7 @@ def checked_run(t, n, c, op, monkeypatch, what, **settings):
         return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
 
     monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 1)
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)  # the variant the settings name, not the default
     for name, value in settings.items():
         monkeypatch.setattr(cluster_ops, name, value)
     assert cluster_ops._variant(t, n, c, op != "read", 20).persistent

@@ -51,12 +51,43 @@ def test_split_grid_leaves_the_finishers_their_sms(monkeypatch):
 def test_calls_take_the_split_variant_when_asked(monkeypatch):
     monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
     monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 1)
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)  # (gpu_session.sh s sets it for the whole suite)
     assert cluster_ops._variant(8192, 4, 4096, True, 20).split
     assert not cluster_ops._variant(511, 4, 4096, True, 20).persistent
     wide = cluster_ops._variant(8192, 4, 7168, True, 20)  # phi's slice does not fit: the cluster kernel
     assert not wide.persistent and not wide.split
     monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 0)
     assert not cluster_ops._variant(8192, 4, 4096, True, 20).split
+
+
+def test_split_tokens_send_large_update_reads_to_the_split_variant(monkeypatch):
+    """SPLIT_TOKENS: update+reads from that many tokens run the split variant where it fits, also on
+    an open launch form (``takes``, device checks and compiler stood in for); reads, sizes between
+    the small range and SPLIT_TOKENS, and shapes it does not fit stay with the Triton kernels."""
+    from test_mhc_cluster import _FakeCudaStreams
+
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)
+    assert not cluster_ops._variant(8192, 4, 4096, True, 20).split
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 1024)
+    assert cluster_ops._variant(1024, 4, 4096, True, 20).split
+    assert not cluster_ops._variant(1023, 4, 4096, True, 20).split
+    assert not cluster_ops._variant(8192, 4, 4096, False, 20).split  # reads: not measured against Triton
+    assert not cluster_ops._variant(8192, 4, 7168, True, 20).split  # phi's slice does not fit
+    compiled = []
+    monkeypatch.setattr(cluster_ops, "cluster_problem", lambda x, *a, **k: "")
+    monkeypatch.setattr(cluster_ops, "_compiled", lambda shape: compiled.append(type(shape).__name__))
+    monkeypatch.setattr(cluster_ops, "_ELIGIBLE", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    y = object()
+    monkeypatch.setattr(cluster_ops, "_rows_ok", lambda v: v is y or v.data_ptr() % 16 == 0)
+
+    def takes(t, c=4096, update=True):
+        return cluster_ops.takes(_FakeCudaStreams(t, c=c), y if update else None, None, _FakeCudaStreams(t, c=c), 20)
+
+    hi = cluster_ops.UPDATE_READ_TOKENS[1]
+    assert [takes(t) for t in (hi, hi + 1, 1023, 1024, 32768)] == [True, False, False, True, True]
+    assert not takes(8192, update=False) and not takes(8192, c=7168)
+    assert compiled == ["ClusterShape", "SplitShape"]  # each decided once
 
 
 def _cute():
@@ -116,10 +147,40 @@ def test_gpu_split_matches_reference_and_the_persistent_variant(t, n, c, op, mon
     # The stream pass and the coefficients' sums are the persistent variant's: x', H_post and H_res
     # bit for bit (the input sums its squares in another order).
     monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 0)
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)
     ref = run()
+    assert not cluster_ops._variant(t, n, c, op != "read", 20).split
     same = got[-2:] if op == "read" else (got[0],) + tuple(got[-2:])
     want = ref[-2:] if op == "read" else (ref[0],) + tuple(ref[-2:])
     assert all(torch.equal(a, b) for a, b in zip(same, want)), "differs from the persistent variant"
+
+
+@pytest.mark.gpu
+def test_gpu_open_launch_form_takes_the_split_variant_from_split_tokens(monkeypatch):
+    """With SPLIT_TOKENS set, cooperative=None sends update+reads from that size to the split
+    variant, bit for bit, and leaves the size below it, reads and H = 7168 to the Triton kernels."""
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import triton_ops
+
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 1024)
+    monkeypatch.setattr(cluster_ops, "_ELIGIBLE", {})
+    for t, c, form in ((1024, 4096, "split"), (3000, 4096, "split"), (1023, 4096, False), (2048, 7168, False)):
+        n = 4
+        params = _params(n, c)
+        x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, seed=t)
+        auto = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6)
+        if form == "split":
+            want = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+        else:
+            want = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, cooperative=form)
+        assert all(torch.equal(a, b) for a, b in zip(auto, want)), f"T={t} C={c}: not the {form} result"
+    x, _, w, _, _ = _inputs(2048, 4, 4096, torch.bfloat16)
+    params = _params(4, 4096)
+    auto = triton_ops.mhc_read_triton(x, params, w, 1e-6)
+    want = triton_ops.mhc_read_triton(x, params, w, 1e-6, cooperative=False)
+    assert all(torch.equal(a, b) for a, b in zip(auto, want)), "read T=2048: not the Triton result"
 
 
 @pytest.mark.gpu

@@ -24,7 +24,8 @@ from .coefficients import SINKHORN_ITERS
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
            "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
-           "PERSISTENT_WARPS", "PERSISTENT_SPLIT", "SPLIT_FINISHERS", "SPLIT_PRODUCERS", "persistent_shape", "split_shape"]
+           "PERSISTENT_WARPS", "PERSISTENT_SPLIT", "SPLIT_FINISHERS", "SPLIT_PRODUCERS", "SPLIT_TOKENS",
+           "persistent_shape", "split_shape"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
 # an SM, then to clusters of 8, where it does not fit): CLUSTER CTAs a block of BLOCK_TOKENS
@@ -69,6 +70,11 @@ PERSISTENT_WARPS = 8
 # benchmarks/results/2026-11-30-h200-session11.md), exact on its own GPU tests, but off until the
 # whole MHC GPU suite has run with it as the default (the launch-form tests decide forms by size).
 PERSISTENT_SPLIT = 0
+# Update+read calls of at least SPLIT_TOKENS tokens (0: none) take the split variant where its shape
+# fits (n = 2 to 4, H up to 4096), also when the caller leaves the launch form open (``takes``);
+# elsewhere the Triton kernels keep them. 1024 once the MHC GPU suite has passed with it
+# (``benchmarks/gpu_session.sh s``): from there it measured faster than the Triton two launches.
+SPLIT_TOKENS = 0
 # The split variant's finisher CTAs: at least this many SMs are left to them (an H200's 132 SMs:
 # 6 sets of 16 stream CTAs and 36 finishers; 7 sets left 20, too few to finish 8192 tokens as fast
 # as they were streamed: 342.5 against 238.0 µs), and their producer warps (1: 505.6 µs).
@@ -166,6 +172,10 @@ def _large_shape(n: int, hidden: int, update: bool, iters: int) -> Any:
 
 def _variant(t: int, n: int, hidden: int, update: bool, iters: int) -> Any:
     """The shape a call of ``t`` tokens runs."""
+    if SPLIT_TOKENS and update and t >= SPLIT_TOKENS:
+        shape = split_shape(n, hidden, update, iters)
+        if not shape.problem:
+            return shape
     if PERSISTENT_TOKENS and t >= PERSISTENT_TOKENS:
         shape = _large_shape(n, hidden, update, iters)
         if not shape.problem:
@@ -272,12 +282,15 @@ def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None
     """Compile the read and update+read variants for (n, hidden) now (before CUDA-graph capture),
     with the Sinkhorn in the kernel and after it, and (on the current CUDA device) the Triton
     Sinkhorn that follows the latter; with ``PERSISTENT_TOKENS`` set, also the persistent variant
-    where it fits, and the device's resident-cluster count it launches with."""
+    where it fits, and the device's resident-cluster count it launches with; with ``SPLIT_TOKENS``
+    set, the split variant of the update+read where it fits."""
     for update in (False, True):
         for sinkhorn in (True, False):
             _compiled(cluster_shape(n, hidden, update, iters, sinkhorn))
         if PERSISTENT_TOKENS and not _large_shape(n, hidden, update, iters).problem:
             _compiled(_large_shape(n, hidden, update, iters))
+    if SPLIT_TOKENS and not split_shape(n, hidden, True, iters).problem:
+        _compiled(split_shape(n, hidden, True, iters))
     if torch.cuda.is_available():
         _sinkhorn_after(torch.zeros(1, n, n, device="cuda"), 1, n, iters)
         if PERSISTENT_TOKENS and not PERSISTENT_SPLIT:
@@ -386,7 +399,8 @@ def _eligible(x: torch.Tensor, update: bool, iters: int, shape: Any) -> bool:
 def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torch.Tensor], out: torch.Tensor,
           iters: int) -> bool:
     """Whether an automatic launch-form choice sends this call to the cluster kernel: a token count
-    in ``UPDATE_READ_TOKENS`` / ``READ_TOKENS``, aligned rows, and a (device, n, C, update) that
+    in ``UPDATE_READ_TOKENS`` / ``READ_TOKENS`` (or an update+read of ``SPLIT_TOKENS`` or more whose
+    split variant fits), aligned rows, and a (device, n, C, update) that
     ``cluster_problem`` accepts and whose variant compiles, decided on its first call. A first call
     inside a CUDA-graph capture cannot compile: it warns once and runs the Triton kernels, and the
     shape is decided again outside the capture. Past the first call: attribute reads and a
@@ -394,9 +408,13 @@ def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torc
     t = x.shape[0]
     update = y is not None
     lo, hi = UPDATE_READ_TOKENS if update else READ_TOKENS
-    if not lo <= t <= hi or x.dtype != torch.bfloat16 or not x.is_cuda:
+    small = lo <= t <= hi
+    large = bool(SPLIT_TOKENS) and update and t >= SPLIT_TOKENS
+    if not (small or large) or x.dtype != torch.bfloat16 or not x.is_cuda:
         return False
     shape = _variant(t, x.shape[1], x.shape[2], update, iters)  # the variant launch() will run
+    if not small and not shape.split:  # past the small sizes only the split variant beats Triton
+        return False
     key = (x.device.index, _key(shape))
     ok = _ELIGIBLE.get(key)
     if ok is None:

@@ -57,8 +57,8 @@ class MhcSplit(MhcPersistent):
                  sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32, eps: Float32,
                  norm_eps: Float32, stream: cuda.CUstream):
         s = self.s
-        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, part, cnt, tokens, blocks,
-                    sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
+        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, part, cnt, tokens,
+                    blocks, sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
             grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
