@@ -109,6 +109,9 @@ def test_json_report_carries_date_device_versions_and_rows(tmp_path):
     doc = json.loads(open(json_path).read())
     assert doc["bench"] == "norm" and doc["date"] == env["date"] and doc["copy"] == {"gbps": 3.0}
     assert [r["method"] for r in doc["rows"]] == ["a", "b"]
+    # a second run the same day keeps the first one's files
+    again = report.result_paths(str(tmp_path / "out"), "norm", env)
+    assert again == (json_path[:-5] + "-2.json", json_path[:-5] + "-2.svg")
 
 
 def test_device_slug_names_the_gpu_and_count():

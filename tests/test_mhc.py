@@ -559,3 +559,27 @@ def test_the_torch_functions_refuse_shapes_that_do_not_fit():
             MhcStageParams(bad, c)
         with pytest.raises(ValueError, match="int of at least 1"):
             MhcHead(bad)
+
+
+def test_sinkhorn_and_destinations_refuse_what_does_not_fit():
+    # Found by a new-user trial: non-square logits normalized anyway, 0 or negative iterations taken
+    # as none, and an out= tensor of another shape filled by broadcasting.
+    from layer_boundary_mhc import MhcStageParams, mhc_read_ref, mhc_update_ref
+    from layer_boundary_mhc.coefficients import sinkhorn
+
+    with pytest.raises(ValueError, match=r"square \[\.\.\., n, n\] logits, got shape \(2, 3, 4\)"):
+        sinkhorn(torch.zeros(2, 3, 4))
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="int of at least 1"):
+            sinkhorn(torch.zeros(2, 4, 4), bad)
+    assert torch.allclose(sinkhorn(torch.zeros(4, 4), 1), torch.full((4, 4), 0.25))
+    n, c, t = 4, 32, 3
+    p = MhcStageParams(n, c)
+    x, y = torch.randn(t, n, c), torch.randn(t, c)
+    hp, hr = torch.rand(t, n), torch.rand(t, n, n)
+    with pytest.raises(ValueError, match=r"out has shape \(2, 3, 4, 32\); expected \(3, 4, 32\)"):
+        mhc_update_ref(x, y, hp, hr, out=torch.empty(2, t, n, c))
+    with pytest.raises(ValueError, match=r"h_res has shape \(3, 16\); expected \(3, 4, 4\)"):
+        mhc_read_ref(x, p, torch.ones(c), 1e-6, h_res=torch.empty(t, n * n))
+    got = torch.empty(t, c)
+    assert mhc_read_ref(x, p, torch.ones(c), 1e-6, out=got)[0] is got

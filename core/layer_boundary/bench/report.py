@@ -88,9 +88,14 @@ def device_slug(env: dict[str, Any]) -> str:
 
 
 def result_paths(out_dir: str, bench: str, env: dict[str, Any]) -> tuple[str, str]:
-    """``(json, svg)`` paths ``<out_dir>/YYYY-MM-DD-<bench>-<device-slug>.{json,svg}``."""
+    """``(json, svg)`` paths ``<out_dir>/YYYY-MM-DD-<bench>-<device-slug>.{json,svg}``; a later run
+    of the same bench on the same day and device gets ``-2``, ``-3``, ... rather than replacing it."""
     stem = os.path.join(out_dir, f"{env['date']}-{bench}-{device_slug(env)}")
-    return stem + ".json", stem + ".svg"
+    free, k = stem, 1
+    while os.path.exists(free + ".json") or os.path.exists(free + ".svg"):
+        k += 1
+        free = f"{stem}-{k}"
+    return free + ".json", free + ".svg"
 
 
 def write_json(path: str, bench: str, env: dict[str, Any], rows: Sequence[dict[str, Any]],

@@ -18,7 +18,7 @@ import torch
 
 from .params import MhcStageParams
 
-__all__ = ["acc_dtype", "sinkhorn", "mhc_coefficients", "SINKHORN_ITERS"]
+__all__ = ["acc_dtype", "sinkhorn", "check_iters", "mhc_coefficients", "SINKHORN_ITERS"]
 
 SINKHORN_ITERS = 20
 
@@ -26,6 +26,13 @@ SINKHORN_ITERS = 20
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """FP32 for 16-bit and FP32 data; FP64 data keeps FP64."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def check_iters(iters: int) -> None:
+    """Sinkhorn iterations: an int of at least 1 (a float, a bool or 0 is a caller's slip)."""
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"Sinkhorn iterations must be an int of at least 1, got {iters!r} (the default is "
+                         f"{SINKHORN_ITERS})")
 
 
 def sinkhorn(logits: torch.Tensor, iters: int = SINKHORN_ITERS) -> torch.Tensor:
@@ -40,6 +47,9 @@ def sinkhorn(logits: torch.Tensor, iters: int = SINKHORN_ITERS) -> torch.Tensor:
     float, so logits further apart than ``exp`` can represent (about 87 in FP32) saturate instead
     of leaving an all-zero column to divide by.
     """
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"Sinkhorn takes square [..., n, n] logits, got shape {tuple(logits.shape)}")
+    check_iters(iters)
     floor = torch.finfo(logits.dtype).tiny
     m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True)).clamp_min(floor)
     for _ in range(iters):

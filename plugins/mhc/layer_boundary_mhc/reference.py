@@ -35,9 +35,11 @@ from .params import MhcStageParams
 __all__ = ["mhc_combine_ref", "mhc_read_ref", "mhc_update_ref", "mhc_update_read_ref"]
 
 
-def _into(dest: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+def _into(dest: Optional[torch.Tensor], value: torch.Tensor, what: str) -> torch.Tensor:
     if dest is None:
         return value
+    if tuple(dest.shape) != tuple(value.shape):  # copy_ would broadcast into a larger tensor
+        raise ValueError(f"{what} has shape {tuple(dest.shape)}; expected {tuple(value.shape)}")
     dest.copy_(value)
     return dest
 
@@ -95,7 +97,7 @@ def mhc_read_ref(
     """``(input, H_post, H_res)`` of streams ``x [T, n, C]`` (see the module docstring)."""
     mixed, hp, hr = mhc_combine_ref(x, params, iters)
     inp = rmsnorm_ref(mixed, norm_weight, norm_eps, weight_offset=norm_offset).to(x.dtype)
-    return _into(out, inp), _into(h_post, hp), _into(h_res, hr)
+    return _into(out, inp, "out"), _into(h_post, hp, "h_post"), _into(h_res, hr, "h_res")
 
 
 def mhc_update_ref(
@@ -112,8 +114,8 @@ def mhc_update_ref(
     acc = h_res.dtype
     new = h_post.unsqueeze(-1) * y.to(acc).unsqueeze(1)  # [T, n, C]
     if x is None:
-        return _into(out, new.to(y.dtype))
-    return _into(out, torch.baddbmm(new, h_res, x.to(acc)).to(x.dtype))
+        return _into(out, new.to(y.dtype), "out")
+    return _into(out, torch.baddbmm(new, h_res, x.to(acc)).to(x.dtype), "out")
 
 
 def mhc_update_read_ref(

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from .accuracy import TOLERANCE  # re-exported: the kernels' tolerances live with their comparison
-from .coefficients import SINKHORN_ITERS
+from .coefficients import SINKHORN_ITERS, check_iters
 from .projection import bf16_parts
 from . import triton_mhc
 from .triton_mhc import (
@@ -319,6 +319,7 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
     """Checks, destinations and the launch of every public callable here and in ``cluster_ops``
     (``cluster``: the cluster kernel, refused with its reason where it cannot run)."""
     t, n, c = _check_streams(x)
+    check_iters(iters)
     phi, alpha, b_pre, b_post, b_res = _checked_params(params, x)
     _check_shape(norm_weight, (c,), "the norm weight")
     if y is not None:
