@@ -56,19 +56,23 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
     return line
 
 
+def _profiled(i, values: int):
+    """One call with ``cluster_ops.PROFILE`` (``values`` int64 values) set: ``[CTA, 16]``, on the CPU."""
+    cluster_ops.PROFILE = torch.zeros(values, dtype=torch.int64, device="cuda")
+    try:
+        cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
+        torch.cuda.synchronize()
+        return cluster_ops.PROFILE.view(-1, 16).double().cpu()
+    finally:
+        cluster_ops.PROFILE = None
+
+
 def _sections(i, shape) -> str:
     """One profiled call of the persistent variant: per section of an iteration, the median over
     CTAs of stream warp 0's (and the coefficient warp's) cycles an iteration."""
-    t = i.x.shape[0]
     clusters = cluster_ops._resident_clusters(i.x.device)
-    cluster_ops.PROFILE = torch.zeros(clusters * shape.cl * 16, dtype=torch.int64, device="cuda")
-    try:
-        prof = cluster_ops.persistent_shape(N, i.x.shape[2], True)
-        cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
-        torch.cuda.synchronize()
-        raw = cluster_ops.PROFILE.view(-1, 16).double().cpu()
-    finally:
-        cluster_ops.PROFILE = None
+    prof = cluster_ops.persistent_shape(N, i.x.shape[2], True)
+    raw = _profiled(i, clusters * shape.cl * 16)
     raw = raw[raw[:, 8] > 0]
     per = (raw / raw[:, 8:9]).median(dim=0).values.tolist()
     parts = ", ".join(f"{name} {per[k]:.0f}" for k, name in prof.SECTIONS.items())
@@ -78,15 +82,8 @@ def _sections(i, shape) -> str:
 def _split_sections(i) -> str:
     """One profiled call of the split variant: per role, the median over its CTAs of thread 0's cycles
     a block (stream CTAs) or a token (finisher warp 0), and of the whole kernel."""
-    sms = torch.cuda.get_device_properties(i.x.device).multi_processor_count
-    cluster_ops.PROFILE = torch.zeros(sms * 16, dtype=torch.int64, device="cuda")
-    try:
-        prof = cluster_ops.split_shape(N, i.x.shape[2], True)
-        cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
-        torch.cuda.synchronize()
-        raw = cluster_ops.PROFILE.view(-1, 16).double().cpu()
-    finally:
-        cluster_ops.PROFILE = None
+    prof = cluster_ops.split_shape(N, i.x.shape[2], True)
+    raw = _profiled(i, torch.cuda.get_device_properties(i.x.device).multi_processor_count * 16)
     lines = []
     for role, flag in (("stream", 0), ("finisher", 1)):
         rows = raw[(raw[:, 10] == flag) & (raw[:, 8] > 0)]
