@@ -113,6 +113,9 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     # wait with an acquire read, then order it before their copy-engine reads of x'
     assert "red.release.gpu.global.add.u32" in ptx and "fence.acq_rel.gpu" not in ptx
     assert "ld.acquire.gpu.global.u32" in ptx and "trap;" in ptx  # a count that never comes: an error, not a hang
+    # every wait bounded the same way: a producer step's ready spins and ring waits, a consumer
+    # step's ring waits
+    assert ptx.count("trap;") == 2 * shape.pdepth + mod.CONSUME_DEPTH
     assert "fence.proxy.async.global" in ptx
     # x' rows by the copy engine into the ring (one copy a stream), counted on the row's barrier;
     # the partials from L2

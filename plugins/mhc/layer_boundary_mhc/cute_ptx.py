@@ -259,6 +259,15 @@ def mbar_wait_rt(addr, parity):
         "@!p bra LB_WAIT_${:uid}; }", "r,r")
 
 
+def mbar_wait_bounded(addr, parity):
+    """As ``mbar_wait_rt``, trapping 20 s into the wait (``%globaltimer``), as ``spin_until``: a ring
+    whose rows never arrive (a scheduling bug between warps) fails the launch instead of hanging it."""
+    asm(None, [addr, parity], "{ .reg .pred p; .reg .u64 t0, t1; mov.u64 t0, %globaltimer; LB_WAIT_${:uid}: "
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1; @p bra LB_DONE_${:uid}; "
+        "mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.gt.u64 p, t1, 20000000000; @p trap; "
+        "bra LB_WAIT_${:uid}; LB_DONE_${:uid}: }", "r,r")
+
+
 def cp_async4_if(dst, src, nbytes, ok):
     # 4 bytes (nbytes 0: a zero), through L1: the coefficients of a block, 4-byte aligned rows.
     asm(None, [dst, src, nbytes, ok],

@@ -28,8 +28,10 @@ different SMs of one launch (no clusters):
 
 A finisher spins only on blocks whose stream CTAs never wait, so the launch completes whenever its
 stream CTAs get SMs. The grid is sized so that every CTA is resident on an idle GPU (one CTA an SM:
-shared memory), and CTAs are dispatched in index order, stream CTAs first. A count that has not come
-20 s into the wait traps (``cute_ptx.spin_until``): a bug then fails the launch instead of hanging it.
+shared memory), and CTAs are dispatched in index order, stream CTAs first. A count or a ring row
+that has not come 20 s into its wait traps (``cute_ptx.spin_until``, ``mbar_wait_bounded``): a bug
+then fails the launch instead of hanging it. (A producer step deeper than the ring allows hung once,
+on a ring wait without that bound: ``SplitShape.pdepth``.)
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ class MhcSplit(MhcPersistent):
                 if live != 0:
                     rnd = i // s.fslots
                     if rnd > 0:
-                        P.mbar_wait_rt(empty + sl * 8, (rnd - 1) & 1)
+                        P.mbar_wait_bounded(empty + sl * 8, (rnd - 1) & 1)
                     P.spin_until(cnt_a + Int64(t // s.bt) * 4, Int32(16))
                     if lane == 0:
                         P.fence_proxy_async_global()
@@ -265,7 +267,7 @@ class MhcSplit(MhcPersistent):
                 sl = cutlass.min(i, mine - 1) % s.fslots
                 toks.append((live, fid + i * nfin, sl))
                 if live != 0:
-                    P.mbar_wait_rt(full + sl * 8, (i // s.fslots) & 1)
+                    P.mbar_wait_bounded(full + sl * 8, (i // s.fslots) & 1)
             t0 = self._lap(cyc, 2, t0)
             coefs = [[P.lds_f32(hpre_s + sl * 16 + 4 * j) for j in range(n)] for _, _, sl in toks]
             words = [[[P.lds_v4(ring + sl * s.fslot + j * s.c * 2 + units[u] * 16) for j in range(n)]
