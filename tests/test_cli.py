@@ -180,3 +180,62 @@ def test_bench_host_runs(capsys):
     assert main(["bench", "host", "--tokens", "1", "--iters", "20", "--forward-iters", "2", "--hidden", "64"]) == 0
     text = capsys.readouterr().out
     assert "per boundary" in text and "ratio" in text
+
+
+# -- found by a new-user trial (stop 21) ------------------------------------------------------------
+
+def _tiny_checkpoint(path, **overrides):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=16, **overrides)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_a_layout_this_machine_cannot_start_is_refused_before_any_rank(capsys, monkeypatch):
+    # --tp 1000 started 1000 processes on 2 CPUs before a rank could refuse the head count.
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert main(["run", "--tp", "1000", "--input-ids", "1,2"]) == 2
+    assert "1000 ranks, one process each; this machine has 2 CPUs (at most 16" in capsys.readouterr().err
+
+
+def test_a_sequence_longer_than_the_positions_is_refused(tmp_path, capsys):
+    # It was an IndexError from the rotary table, in every rank.
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    assert main(["run", "--model", str(ckpt), "--input-ids", ",".join(["1"] * 17)]) == 2
+    assert "17 tokens is longer than the model's max_position_embeddings=16" in capsys.readouterr().err
+
+
+def test_checkpoint_problems_are_one_line_on_one_rank_too(tmp_path, capsys):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    weights = load_file(str(ckpt / "model.safetensors"))
+    # a tied config over a stored head that differs: transformers keeps the head, we used to drop it
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    assert main(["run", "--model", str(ckpt), "--input-ids", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "lm_head.weight differs from model.embed_tokens.weight" in err and "Traceback" not in err
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    # a NaN weight: it was reported as two forwards that differ
+    save_file({**weights, "model.norm.weight": torch.full_like(weights["model.norm.weight"], float("nan"))},
+              str(ckpt / "model.safetensors"))
+    assert main(["run", "--model", str(ckpt), "--input-ids", "1,2"]) == 2
+    assert "the logits hold NaN or inf values" in capsys.readouterr().err
+    # a damaged file: named, before the ranks start
+    (ckpt / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert main(["run", "--model", str(ckpt), "--input-ids", "1,2"]) == 2
+    assert "model.safetensors' does not read as safetensors" in capsys.readouterr().err
+
+
+def test_an_output_file_that_is_a_folder_is_refused_before_the_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--save-logits", str(tmp_path)])
+    assert e.value.code == 2 and "is a folder" in capsys.readouterr().err

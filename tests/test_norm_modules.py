@@ -146,3 +146,19 @@ def test_an_input_of_the_wrong_width_names_the_stage_and_the_width():
     with pytest.raises(ValueError, match=r"attn #1: hidden_states has 8 columns, but the stage's norm is for "
                                          r"hidden size 16"):
         _prepared(RMSNorm(H), torch.randn(4, 8))
+
+
+def test_layer_norm_and_other_modules_are_black_boxes_with_a_warning_once(monkeypatch):
+    # Found by a new-user trial: nn.LayerNorm (and a module that is no norm) took the black-box path
+    # without the warning the docs promise; nn.Identity (no norm at all) stays silent.
+    from layer_boundary import norms
+
+    monkeypatch.setattr(norms, "_WARNED", set())
+    with pytest.warns(UserWarning, match="LayerNorm normalizes by its mean and variance"):
+        assert norm_params(nn.LayerNorm(H)) is None
+    with pytest.warns(UserWarning, match="Linear has no 1-D weight"):
+        assert norm_params(nn.Linear(H, H)) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert norm_params(nn.LayerNorm(H)) is None  # once per class
+        assert norm_params(nn.Identity()) is None

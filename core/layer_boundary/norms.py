@@ -72,9 +72,9 @@ def norm_params(norm: nn.Module) -> tuple[torch.Tensor, float, float] | None:
     if torch_rms and eps is None and isinstance(weight, torch.Tensor):
         eps = torch.finfo(weight.dtype).eps  # torch's default: the input dtype's (the weight's here)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, (int, float)):
-        return None
+        return _black_box(norm, "has no 1-D weight and float eps of an RMSNorm")
     if isinstance(norm, (nn.LayerNorm, nn.GroupNorm)) or hasattr(norm, "running_mean"):
-        return None
+        return _black_box(norm, "normalizes by its mean and variance, not by the root mean square")
     declared = 0.0 if torch_rms else getattr(norm, "weight_offset", None)
     if isinstance(declared, (int, float)) and float(declared) in (0.0, 1.0):
         return weight, float(eps), float(declared)
@@ -104,8 +104,14 @@ def _probe_offset(norm: nn.Module, hidden: int, eps: float) -> float | None:
         why = "its forward is neither x / rms(x) * weight nor x / rms(x) * (1 + weight)"
     except Exception as e:  # a forward that needs more arguments, a weight it does not own, ...
         why = f"probing its forward failed ({type(e).__name__}: {e})"
-    if type(norm) not in _WARNED:
+    return _black_box(norm, f"has a weight and an eps, but {why}", stacklevel=4)
+
+
+def _black_box(norm: nn.Module, why: str, stacklevel: int = 3) -> None:
+    """``None`` (the stage calls ``norm`` as it is), warned once per class: that stage has no fused
+    add+norm read, a slower path the engine should know of. ``nn.Identity`` (no norm) is silent."""
+    if type(norm) not in _WARNED and not isinstance(norm, nn.Identity):
         _WARNED.add(type(norm))
-        warnings.warn(f"norm module {type(norm).__name__} has a weight and an eps, but {why}: stages call it "
-                      "as a black box (no fused add+norm read)", stacklevel=3)
+        warnings.warn(f"norm module {type(norm).__name__} {why}: stages call it as a black box (no fused "
+                      "add+norm read)", stacklevel=stacklevel)
     return None

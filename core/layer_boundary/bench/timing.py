@@ -194,7 +194,7 @@ def cuda_unavailable(what: str, gpus: int = 1) -> Optional[str]:
     if not torch.cuda.is_available():
         return (f"layer-boundary bench {what} needs a CUDA GPU, but torch {torch.__version__} sees none "
                 "on this machine; run it on a GPU machine (only `layer-boundary bench norm --device "
-                "cpu` and `bench host` run without one)")
+                "cpu`, `bench mhc --device cpu` and `bench host` run without one)")
     have = torch.cuda.device_count()
     if have < gpus:
         return (f"layer-boundary bench {what} needs {gpus} CUDA GPUs of one host, but {have} "

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "starts from the MoE's prepared input (branch_input) and merges its output "
                      "(branch_output, merge_branch); ordinary token rows only (no input-scattered, "
                      "CP or sequence-parallel variant), --pp and --defer-moe-finalize allowed")
-    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                     help="compute dtype of the whole model (default float32, whatever dtype a --model "
+                          "checkpoint was saved in: its weights are cast)")
     run.add_argument(
         "--input-ids", type=_input_ids, default=None, metavar="IDS",
         help=f"comma-separated token ids; several sequences separated by ';' (default: {DEFAULT_INPUT_IDS}; "
@@ -261,6 +263,8 @@ def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
                 parser.error(f"{flag} {path!r}: the folder {folder!r} does not exist")
+            if os.path.isdir(path):
+                parser.error(f"{flag} {path!r} is a folder; give a file path in it")
     out = getattr(args, "out", None)
     if isinstance(out, str):
         try:

@@ -71,6 +71,24 @@ def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
                    tbo=getattr(args, "tbo", False), longcat=getattr(args, "longcat", False))
 
 
+def _check_lengths(spec: RunSpec, cfg: Any) -> None:
+    """Every sequence within the model's positions (its rotary table has that many rows)."""
+    limit = getattr(cfg, "max_position_embeddings", None)
+    longest = max(len(s) for s in spec.sequences)
+    if limit is not None and longest > limit:
+        raise ValueError(f"a sequence of {longest} tokens is longer than the model's "
+                         f"max_position_embeddings={limit}; pass shorter --input-ids sequences")
+
+
+def _check_world(spec: RunSpec, backend: str) -> None:
+    """A layout this machine can start: one process a rank (gloo: at most 4 a CPU, 16 at least)."""
+    cpus = os.cpu_count() or 1
+    limit = max(16, 4 * cpus)
+    if backend == "gloo" and spec.world_size > limit and not under_torchrun():
+        raise ValueError(f"--tp {spec.tp} x --pp {spec.pp} is {spec.world_size} ranks, one process each; this "
+                         f"machine has {cpus} CPUs (at most {limit} ranks here): choose a smaller layout")
+
+
 def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, Any]:
     """One rank: build, run ``repeats`` forwards, return its rows' logits (rank 0 also the report)."""
     if rank != 0:
@@ -86,6 +104,9 @@ def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, A
     device = spec.device
     model = build_model(spec, topo, device)
     idx, logits, first = rank_forward(model, spec, device)
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError("the logits hold NaN or inf values: check the checkpoint's weights "
+                         "(a NaN or inf weight) and --dtype")
     times = []
     for _ in range(repeats):
         idx2, again, t = rank_forward(model, spec, device)
@@ -162,9 +183,11 @@ def run_command(args: argparse.Namespace) -> int:
         # Reads a --model folder's config.json: its model_type picks the decoder.
         cfg = _config(spec)
         if args.model:
-            from ..models.loader import safetensors_files
+            from ..models.loader import check_safetensors
 
-            safetensors_files(args.model)  # the weights are there (each rank loads them)
+            check_safetensors(args.model)  # the weights are there and read (each rank loads them)
+        _check_lengths(spec, cfg)
+        _check_world(spec, backend)
     except (ValueError, FileNotFoundError) as e:
         print(f"layer-boundary run: {e}", file=sys.stderr)
         return 2
@@ -201,6 +224,11 @@ def run_command(args: argparse.Namespace) -> int:
             return 2
         print(f"layer-boundary run: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # the one rank ran in this process: the same one-line report as spawned ranks
+        if type(e).__name__ not in _USER_ERRORS:
+            raise
+        print(f"layer-boundary run: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return 0  # rank 0 reports (and checks, and saves) for the whole run
     return _report(args, spec, results, backend)

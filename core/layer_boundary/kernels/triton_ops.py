@@ -23,6 +23,8 @@ synchronizes, so either can be captured in a CUDA graph (after a first call has 
 
 from __future__ import annotations
 
+import os
+
 from typing import Optional
 
 import torch
@@ -98,6 +100,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"norm weight of shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
+    if not (x.is_cuda and weight.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
+        # Stages selected for CUDA (BoundaryContext(device="cuda")) and fed host tensors: say so
+        # here rather than in Triton's driver lookup (the interpreter runs host tensors).
+        raise ValueError(
+            f"the Triton norm kernels run on CUDA tensors, got input on {x.device} and norm weight on "
+            f"{weight.device}; these stages were selected for CUDA (BoundaryContext(device='cuda')): "
+            "move the model and its inputs there, or build it with device='cpu'"
+        )
 
 
 def _check_dest(dest: torch.Tensor, shape: torch.Size, what: str) -> None:

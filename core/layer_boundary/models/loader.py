@@ -24,7 +24,8 @@ from torch import nn
 
 from .layers import default_weight_loader
 
-__all__ = ["safetensors_files", "iter_safetensors", "load_tensors", "load_checkpoint", "CheckpointMismatch"]
+__all__ = ["safetensors_files", "iter_safetensors", "check_safetensors", "load_tensors", "load_checkpoint",
+           "CheckpointMismatch"]
 
 _INDEX = "model.safetensors.index.json"
 _LISTED = 8  # names shown per category in a mismatch message
@@ -61,11 +62,41 @@ def safetensors_files(folder: str | os.PathLike[str]) -> list[str]:
 
 
 def iter_safetensors(folder: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of the folder, one file open at a time."""
+    """Yield ``(name, tensor)`` for every tensor of the folder, one file open at a time. A file that
+    does not read (corrupt, truncated) is a :class:`CheckpointMismatch` naming it."""
     for path in safetensors_files(folder):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        with _unreadable(path):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    with _unreadable(path, name):
+                        tensor = f.get_tensor(name)
+                    yield name, tensor
+
+
+def check_safetensors(folder: str | os.PathLike[str]) -> None:
+    """Every safetensors file of the folder opens and lists its tensors (headers only): what a
+    launcher checks once before its ranks each load the weights."""
+    for path in safetensors_files(folder):
+        with _unreadable(path):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                f.keys()
+
+
+class _unreadable:
+    """Re-raise a safetensors read failure as a CheckpointMismatch that names the file (and tensor)."""
+
+    def __init__(self, path: str, name: str = "") -> None:
+        self.path, self.name = path, name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
+        if err is None or not (type(err).__name__ == "SafetensorError" or isinstance(err, OSError)):
+            return False
+        what = f"tensor {self.name!r} of " if self.name else ""
+        raise CheckpointMismatch(f"{what}{self.path!r} does not read as safetensors ({type(err).__name__}: "
+                                 f"{err}); the file is damaged or incomplete: download or save it again") from err
 
 
 def load_tensors(
@@ -98,7 +129,10 @@ def load_tensors(
     # A pipeline stage holds only some of the checkpoint's modules, under local names: the model
     # maps each name to its own (None: another stage's tensor).
     local_name: Callable[[str], Any] = getattr(model, "local_checkpoint_name", lambda name: name)
+    tied: dict[str, torch.Tensor] = {}  # a tied config's embedding and its (ignored) stored head
     for name, full in tensors:
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tied[name] = full
         if ignored(name):
             continue
         local = local_name(name)
@@ -128,6 +162,7 @@ def load_tensors(
             raise CheckpointMismatch(f"{source}: tensor {name!r} cannot be loaded: {e}") from e
         loaded.add(key)
 
+    _check_tied_head(model, tied, source)
     missing = sorted(_checkpoint_name(p, s, mapping) for p, s in expected - loaded)
     if missing or unexpected or duplicated:
         parts = []
@@ -141,6 +176,22 @@ def load_tensors(
             f"{source} does not match {type(model).__name__}: " + "; ".join(parts) + ". "
             "Check that config.json belongs to these safetensors files and that the checkpoint is the "
             "architecture this model implements"
+        )
+
+
+def _check_tied_head(model: nn.Module, tied: dict[str, torch.Tensor], source: str) -> None:
+    """A config that ties the embeddings while the checkpoint stores a different LM head: the model
+    would drop that head (transformers, in this case, keeps it untied), so the logits would differ."""
+    config = getattr(model, "config", None)
+    head, embed = tied.get("lm_head.weight"), tied.get("model.embed_tokens.weight")
+    if not getattr(config, "tie_word_embeddings", False) or head is None or embed is None:
+        return
+    if head.shape != embed.shape or not torch.equal(head, embed):
+        raise CheckpointMismatch(
+            f"{source}: config.json ties the embeddings (tie_word_embeddings: true) but the checkpoint's "
+            "lm_head.weight differs from model.embed_tokens.weight; transformers then keeps the stored "
+            "head untied. Set tie_word_embeddings to false in config.json to load it that way, or drop "
+            "lm_head.weight from the checkpoint to tie them"
         )
 
 
