@@ -378,3 +378,12 @@ def test_update_at_producer_is_applied_at_the_exit():
     torch.testing.assert_close(h, x / 2 + inp * 2, rtol=1e-12, atol=1e-12)
     f.prepare(h, fb)
     torch.testing.assert_close(fb.residual_stream.residual, x / 2 + inp * 2, rtol=1e-12, atol=1e-12)
+
+
+def test_terminal_is_a_bool():
+    # Found by a new-user trial: terminal="yes" was taken as true.
+    from layer_boundary import DeclarationError, declare_attn, make_stages
+    from layer_boundary.norms import RMSNorm
+
+    with pytest.raises(DeclarationError, match="terminal='yes'"):
+        make_stages((declare_attn(), RMSNorm(8)), terminal="yes")

@@ -162,3 +162,15 @@ def test_layer_norm_and_other_modules_are_black_boxes_with_a_warning_once(monkey
         warnings.simplefilter("error")
         assert norm_params(nn.LayerNorm(H)) is None  # once per class
         assert norm_params(nn.Identity()) is None
+
+
+def test_the_library_norms_refuse_sizes_and_eps_that_cannot_be():
+    from layer_boundary.norms import GemmaRMSNorm, RMSNorm
+
+    for cls in (RMSNorm, GemmaRMSNorm):
+        for bad in (0, -3, 2.5, True):
+            with pytest.raises(ValueError, match="hidden_size=.* an int of at least 1"):
+                cls(bad)
+        with pytest.raises(ValueError, match=r"eps=-1\): a number of at least 0"):
+            cls(8, eps=-1)
+    assert RMSNorm(8, eps=0).eps == 0.0

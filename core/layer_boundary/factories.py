@@ -227,6 +227,8 @@ def make_stages(
             "give either previous= (a producer before the first stage) or prepared_from= (a "
             "branch whose input another stage already read), not both"
         )
+    if not isinstance(terminal, bool):
+        raise DeclarationError(f"make_stages(terminal={terminal!r}): True (the end of the layer stack) or False")
     if terminal and following is not None:
         raise DeclarationError("a terminal stage has no following consumer; drop following=")
     split = [_split_item(i, item) for i, item in enumerate(items)]

@@ -32,6 +32,10 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"{type(self).__name__}(hidden_size={hidden_size!r}): an int of at least 1")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"{type(self).__name__}(eps={eps!r}): a number of at least 0 (1e-6 is usual)")
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = float(eps)
 
