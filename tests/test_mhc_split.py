@@ -50,13 +50,12 @@ def test_split_grid_leaves_the_finishers_their_sms(monkeypatch):
 
 def test_calls_take_the_split_variant_when_asked(monkeypatch):
     monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 1)
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)  # (gpu_session.sh s sets it for the whole suite)
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 512)  # before the persistent variant
     assert cluster_ops._variant(8192, 4, 4096, True, 20).split
     assert not cluster_ops._variant(511, 4, 4096, True, 20).persistent
     wide = cluster_ops._variant(8192, 4, 7168, True, 20)  # phi's slice does not fit: the cluster kernel
     assert not wide.persistent and not wide.split
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 0)
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)
     assert not cluster_ops._variant(8192, 4, 4096, True, 20).split
 
 
@@ -71,7 +70,7 @@ def test_split_tokens_send_large_update_reads_to_the_split_variant(monkeypatch):
     monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 1024)
     assert cluster_ops._variant(1024, 4, 4096, True, 20).split
     assert not cluster_ops._variant(1023, 4, 4096, True, 20).split
-    assert not cluster_ops._variant(8192, 4, 4096, False, 20).split  # reads: not measured against Triton
+    assert cluster_ops._variant(8192, 4, 4096, False, 20).split  # a read asked of the cluster path runs it too
     assert not cluster_ops._variant(8192, 4, 7168, True, 20).split  # phi's slice does not fit
     compiled = []
     monkeypatch.setattr(cluster_ops, "cluster_problem", lambda x, *a, **k: "")
@@ -145,11 +144,10 @@ def test_gpu_split_matches_reference_and_the_persistent_variant(t, n, c, op, mon
     _gpu_ready()
     from test_mhc_persistent import checked_run
 
-    got, run = checked_run(t, n, c, op, monkeypatch, "split", PERSISTENT_SPLIT=1)
+    got, run = checked_run(t, n, c, op, monkeypatch, "split", SPLIT_TOKENS=1)
     assert cluster_ops._variant(t, n, c, op != "read", 20).split
     # The stream pass and the coefficients' sums are the persistent variant's: x', H_post and H_res
     # bit for bit (the input sums its squares in another order).
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 0)
     monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)
     ref = run()
     assert not cluster_ops._variant(t, n, c, op != "read", 20).split
@@ -193,8 +191,7 @@ def test_gpu_split_under_cuda_graph_capture(monkeypatch):
     _gpu_ready()
     from mhc_gpu import _inputs, _params
 
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_SPLIT", 1)
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 512)
     t, n, c = 4096, 4, 4096
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)

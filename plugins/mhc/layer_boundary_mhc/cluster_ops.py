@@ -24,7 +24,7 @@ from .coefficients import SINKHORN_ITERS
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES",
            "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS", "UPDATE_READ_TOKENS", "READ_TOKENS", "PERSISTENT_TOKENS",
-           "PERSISTENT_WARPS", "PERSISTENT_SPLIT", "SPLIT_FINISHERS", "SPLIT_PRODUCERS", "SPLIT_TOKENS",
+           "PERSISTENT_WARPS", "SPLIT_FINISHERS", "SPLIT_PRODUCERS", "SPLIT_TOKENS",
            "persistent_shape", "split_shape"]
 
 # The preferred variant (``cluster_shape`` falls back to 64-, 32- and 16-token blocks with one CTA
@@ -63,17 +63,15 @@ SINKHORN_TOKENS = 64
 # against 309.4 µs, T = 32768 1203.3 against 1194.5).
 PERSISTENT_TOKENS = 0
 PERSISTENT_WARPS = 8
-# 1: those calls run the split variant instead (``cute_split``: the persistent variant's stream pass
-# on sets of 16 CTAs, and the exchanges, the coefficients and the combination on finisher CTAs on
-# the other SMs). Faster than the Triton two launches from 1024 tokens (H200, n = 4, H = 4096, same
-# run: T = 1024 48.8 against 53.0 µs, 2048 75.4 / 88.0, 8192 239.4 / 307.5, 32768 931.9 / 1184.5;
-# benchmarks/results/2026-11-30-h200-session11.md), exact on its own GPU tests, but off until the
-# whole MHC GPU suite has run with it as the default (the launch-form tests decide forms by size).
-PERSISTENT_SPLIT = 0
-# Update+read calls of at least SPLIT_TOKENS tokens (0: none) take the split variant where its shape
-# fits (n = 2 to 4, H up to 4096), also when the caller leaves the launch form open (``takes``);
-# elsewhere the Triton kernels keep them. 1024 once the MHC GPU suite has passed with it
-# (``benchmarks/gpu_session.sh s``): from there it measured faster than the Triton two launches.
+# Calls of at least SPLIT_TOKENS tokens (0: none; before PERSISTENT_TOKENS) run the split variant
+# where its shape fits (n = 2 to 4, H up to 4096): ``cute_split``, the persistent variant's stream
+# pass on sets of 16 CTAs, and the exchanges, the coefficients and the combination on finisher CTAs
+# on the other SMs. Open launch forms (``takes``) hand it the update+reads, where it was measured:
+# faster than the Triton two launches from 1024 tokens (H200, n = 4, H = 4096, same run: T = 1024
+# 48.8 against 53.0 µs, 2048 75.4 / 88.0, 8192 239.4 / 307.5, 32768 931.9 / 1184.5;
+# benchmarks/results/2026-11-30-h200-session11.md). Exact on its own GPU tests; 1024 once the whole
+# MHC GPU suite has passed with it (``benchmarks/gpu_session.sh s``: the launch-form tests decide
+# forms by size).
 SPLIT_TOKENS = 0
 # The split variant's finisher CTAs: at least this many SMs are left to them (an H200's 132 SMs:
 # 6 sets of 16 stream CTAs and 36 finishers; 7 sets left 20, too few to finish 8192 tokens as fast
@@ -165,21 +163,13 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
     return shape
 
 
-def _large_shape(n: int, hidden: int, update: bool, iters: int) -> Any:
-    """The shape of calls from ``PERSISTENT_TOKENS`` tokens: the persistent or the split variant."""
-    return (split_shape if PERSISTENT_SPLIT else persistent_shape)(n, hidden, update, iters)
-
-
 def _variant(t: int, n: int, hidden: int, update: bool, iters: int) -> Any:
     """The shape a call of ``t`` tokens runs."""
-    if SPLIT_TOKENS and update and t >= SPLIT_TOKENS:
-        shape = split_shape(n, hidden, update, iters)
-        if not shape.problem:
-            return shape
-    if PERSISTENT_TOKENS and t >= PERSISTENT_TOKENS:
-        shape = _large_shape(n, hidden, update, iters)
-        if not shape.problem:
-            return shape
+    for first, variant in ((SPLIT_TOKENS, split_shape), (PERSISTENT_TOKENS, persistent_shape)):
+        if first and t >= first:
+            shape = variant(n, hidden, update, iters)
+            if not shape.problem:
+                return shape
     return cluster_shape(n, hidden, update, iters, sinkhorn=t < SINKHORN_AFTER_TOKENS)
 
 
@@ -283,17 +273,16 @@ def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None
     with the Sinkhorn in the kernel and after it, and (on the current CUDA device) the Triton
     Sinkhorn that follows the latter; with ``PERSISTENT_TOKENS`` set, also the persistent variant
     where it fits, and the device's resident-cluster count it launches with; with ``SPLIT_TOKENS``
-    set, the split variant of the update+read where it fits."""
+    set, the split variant where it fits."""
     for update in (False, True):
         for sinkhorn in (True, False):
             _compiled(cluster_shape(n, hidden, update, iters, sinkhorn))
-        if PERSISTENT_TOKENS and not _large_shape(n, hidden, update, iters).problem:
-            _compiled(_large_shape(n, hidden, update, iters))
-    if SPLIT_TOKENS and not split_shape(n, hidden, True, iters).problem:
-        _compiled(split_shape(n, hidden, True, iters))
+        for first, variant in ((SPLIT_TOKENS, split_shape), (PERSISTENT_TOKENS, persistent_shape)):
+            if first and not variant(n, hidden, update, iters).problem:
+                _compiled(variant(n, hidden, update, iters))
     if torch.cuda.is_available():
         _sinkhorn_after(torch.zeros(1, n, n, device="cuda"), 1, n, iters)
-        if PERSISTENT_TOKENS and not PERSISTENT_SPLIT:
+        if PERSISTENT_TOKENS:
             _resident_clusters(torch.device("cuda"))
 
 
