@@ -142,11 +142,18 @@ def _run_ranks(spec: RunSpec, backend: str, repeats: int) -> list[dict[str, Any]
             raise SystemExit(f"layer-boundary run: torchrun started {world} ranks but --tp {spec.tp} x "
                              f"--pp {spec.pp} is {spec.world_size}")
         rank = int(os.environ["RANK"])
-        if not dist.is_initialized():
+        ours = not dist.is_initialized()
+        if ours:
             dist.init_process_group(backend)
-        mine = _rank_job(rank, world, spec, repeats)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine)
+        try:
+            mine = _rank_job(rank, world, spec, repeats)
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, mine)
+        finally:
+            if ours:
+                # A rank that exits with its gloo group alive can abort in the group's threads
+                # ("terminate called without an active exception") while rank 0 still reports.
+                dist.destroy_process_group()
         return everyone
     if spec.world_size == 1:
         return [_rank_job(0, 1, spec, repeats)]
