@@ -24,10 +24,12 @@ def test_split_shape_plan_and_refusals():
     p = PersistentShape(4, 4096, True, 20)
     assert s.split and s.persistent and not p.split and (s.bt, s.hs, s.gpw, s.problem) == (16, 256, 1, "")
     # stream role: phi, slots, coefficient rows, per-warp partials (no exchange buffers); finisher
-    # role: a ring of 7 x' rows of 32 KiB with their H_pre and barriers, which sets the size here.
+    # role: a ring of 7 x' rows of 32 KiB with their barriers, H_pre for 16 tokens (twice the ring:
+    # computed before a token has a row), which sets the size here.
     assert s.phi_bytes + s.slot_bytes + s.coef_bytes + s.wp_bytes + 1024 < p.smem
-    assert s.fslots == 7 and s.smem == 7 * (4 * 4096 * 2 + 32) + 256 + 1024 <= SMEM_LIMIT
-    assert SplitShape(2, 1024, True, 20).fslots == 8  # at most 8 rows in flight
+    assert s.fslots == 7 and s.hrows >= 2 * s.fslots
+    assert s.smem == 7 * (4 * 4096 * 2 + 16) + 16 * 16 + 256 + 1024 <= SMEM_LIMIT
+    assert SplitShape(2, 1024, True, 20).fslots == 8 <= SplitShape(2, 1024, True, 20).hrows // 2  # at most 8 rows
     # a producer step's tokens: all producers' steps fit the ring (no step waits on a later one)
     assert (s.pdepth, SplitShape(4, 4096, True, 20, producers=4).pdepth) == (2, 1)
     assert SplitShape(4, 4096, True, 20, producers=7).pdepth == 1

@@ -91,8 +91,12 @@ def _split_sections(i) -> str:
             continue
         per = (rows / rows[:, 8:9]).median(dim=0).values.tolist()
         parts = ", ".join(f"{name} {per[k]:.0f}" for k, name in prof.SECTIONS[role].items())
+        us = rows[:, 9] / 1.98e3
         lines.append(f"      {role} ({len(rows)} CTAs, {int(rows[:, 8].median())} each): {parts}; "
-                     f"kernel {rows[:, 9].median() / 1.98e3:.0f} µs at 1.98 GHz")
+                     f"kernel {us.median():.0f} µs at 1.98 GHz (CTAs {us.min():.0f}-{us.max():.0f})")
+        if role == "stream":  # the slowest CTA of each set of 16 (a block is ready when its set's 16 are)
+            sets = us[: len(us) // 16 * 16].view(-1, 16).max(dim=1).values
+            lines.append("      slowest CTA of each set: " + ", ".join(f"{v:.0f}" for v in sets.tolist()) + " µs")
     return "\n".join(lines)
 
 

@@ -55,7 +55,11 @@ PUSH = 1
 # T = 8192: 448.5 -> 382.8 µs with the cp.async plan). Below, one wave, the second launch costs
 # more than it frees (update+read T = 128: 17.8 µs in the kernel, 20.4 after).
 SINKHORN_AFTER_TOKENS = 512
+# Its tokens a program and warps: 64 on 2 warps took 3.5 µs at T = 8192 and 5.7 at 32768, against
+# 6.8 and 15.7 on 4 warps (H200; 32 on 1 and 128 on 4 were as fast;
+# benchmarks/results/2026-11-30-h200-session12/call-overheads.log).
 SINKHORN_TOKENS = 64
+SINKHORN_WARPS = 2
 # Calls of at least PERSISTENT_TOKENS tokens (0: none) run the persistent variant
 # (``cute_persistent``: phi resident, clusters that take 16-token blocks in turn, as many as fit the
 # GPU at once) where its shape fits (n = 4: H up to 4096), PERSISTENT_WARPS warps a CTA. Off: it ties
@@ -349,7 +353,8 @@ def _sinkhorn_after(h_res: torch.Tensor, t: int, n: int, iters: int) -> None:
     from .finish import sinkhorn_kernel
 
     sinkhorn_kernel[(triton.cdiv(t, SINKHORN_TOKENS),)](h_res, t, N=n, NP=triton.next_power_of_2(n),
-                                                       TB=SINKHORN_TOKENS, ITERS=int(iters), num_warps=4)
+                                                       TB=SINKHORN_TOKENS, ITERS=int(iters),
+                                                       num_warps=SINKHORN_WARPS)
 
 
 # Token counts whose update+read (UPDATE_READ_TOKENS) or read (READ_TOKENS) the Triton path hands

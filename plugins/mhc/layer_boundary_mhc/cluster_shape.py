@@ -204,7 +204,8 @@ class SplitShape(PersistentShape):
     # Profiled (cluster_ops.PROFILE): per role, thread 0's cycles in each section, summed over its
     # blocks (stream CTAs) or tokens (finisher CTAs, warp 0), then the count and the whole kernel.
     SECTIONS = {"stream": {0: "top wait", 1: "stream pass", 2: "partials", 4: "coefficient issue"},
-                "finisher": {0: "producer wait", 1: "producer work", 12: "consumer wait", 13: "consumer work"}}
+                "finisher": {0: "producer ready wait", 1: "producer work", 4: "producer ring wait",
+                             12: "consumer wait", 13: "consumer work"}}
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
                  producers: int = 2) -> None:
@@ -213,12 +214,14 @@ class SplitShape(PersistentShape):
         # The stream role's plan (phi, slots, coefficient rows, per-warp partials, then a second
         # buffer of coefficient rows) without the
         # exchange buffers; the finisher role's ring of x' rows (n x C bf16 each, as many as fit, at
-        # most 8), each with its H_pre and two barriers, and the consumers' sums of squares.
+        # most 8) with two barriers each, H_pre for twice as many tokens (computed before a token
+        # has a row), and the consumers' sums of squares.
         self.units_row = hidden // 8  # 16-byte units of a row
         self.fslot = n * hidden * 2
+        self.hrows = 16
         stream = self.phi_bytes + self.slot_bytes + 2 * self.coef_bytes + self.wp_bytes
-        self.fslots = min(8, max(2, (SMEM_LIMIT - 1024 - 256) // (self.fslot + 32)))
-        finish = self.fslots * (self.fslot + 32) + 256
+        self.fslots = min(8, max(2, (SMEM_LIMIT - 1024 - 256 - 16 * self.hrows) // (self.fslot + 16)))
+        finish = self.fslots * (self.fslot + 16) + 16 * self.hrows + 256
         # Tokens a step of a producer warp (their ready waits, partials' loads and coefficients
         # overlap), at most the ring's rows over the producers: a step waits for the rows of the
         # steps before it, never for one that waits on it (3 producers of 4 tokens on 7 rows hung). Polling

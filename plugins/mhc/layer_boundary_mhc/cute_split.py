@@ -16,10 +16,10 @@ different SMs of one launch (no clusters):
 - **Finisher CTAs** (the SMs the sets leave: 36 on an H200), tokens ``f, f + F, ...`` each, through
   a ring of x' rows in shared memory (``fslots`` rows of n x C bf16, an mbarrier pair a row):
   - producer warps (``producers``, ``pdepth`` tokens a step): once a token's block count reaches 16
-    (an acquire read), lane 0 starts one bulk copy a stream of the token's x' (from L2: stored a
-    few blocks ago) into its row; the warp sums the 16 CTAs' partials in rank order, the persistent
-    variant's order (so H_post and H_res's logits are its bits), computes the coefficients, and
-    leaves H_pre beside the row;
+    (an acquire read), the warp sums the 16 CTAs' partials in rank order, the persistent variant's
+    order (so H_post and H_res's logits are its bits), computes the coefficients and leaves H_pre
+    in its own small ring; then, as soon as the token's row is free, lane 0 starts one bulk copy a
+    stream of its x' (from L2: stored a few blocks ago) into the row;
   - consumer warps (the rest): each thread combines its 8-column units of the row, the warps' sums
     of squares meet in shared memory, and each thread normalizes and stores its units.
 
@@ -165,19 +165,19 @@ class MhcSplit(MhcPersistent):
         """Finisher CTA ``fid`` of ``nfin``: tokens ``fid, fid + nfin, ...`` (the CTA's token i) through
         a ring of ``fslots`` rows in shared memory. Producer warps (``producers``; token i on warp i
         % producers, ``pdepth`` tokens a step so that their round trips overlap): once a token's
-        block is ready, lane 0 starts the copy engine on its x' row and the warp computes its
-        coefficients meanwhile. Consumer warps (the rest, ``CONSUME_DEPTH`` tokens a step) take the
+        block is ready, the warp computes its coefficients, then starts the copy engine on its x'
+        row as soon as the row is free. Consumer warps (the rest, ``CONSUME_DEPTH`` tokens a step) take the
         ring in order: each thread combines its 8-column units of the row, the warps' sums of
         squares meet in shared memory, and each thread normalizes and stores its units."""
         s = self.s
         ring = base
-        hpre_s = ring + s.fslots * s.fslot
-        full = hpre_s + s.fslots * 16  # a row's bytes landed and its H_pre written: 2 arrivals + bytes
+        hpre_s = ring + s.fslots * s.fslot  # H_pre a token, hrows of them (token i's at i % hrows)
+        full = hpre_s + s.hrows * 16  # a row's bytes landed, its H_pre written before: 1 arrival + bytes
         empty = full + s.fslots * 8  # every consumer warp done reading a row
         red = empty + s.fslots * 8  # [step parity][token of the step][consumer warp] sums of squares
         if tid == 0:
             for k in cutlass.range_constexpr(s.fslots):
-                P.mbar_init(full + k * 8, 2)
+                P.mbar_init(full + k * 8, 1)
                 P.mbar_init(empty + k * 8, s.warps - s.producers)
             P.fence_mbar_init()
         P.bar_sync(1, s.threads)
@@ -205,43 +205,50 @@ class MhcSplit(MhcPersistent):
             for d in cutlass.range_constexpr(depth):
                 i = warp + npro * (k * depth + d)
                 live = Int32(i < mine)
-                ic = cutlass.min(i, mine - 1)
-                t = fid + ic * nfin
-                sl = ic % s.fslots
-                toks.append((live, t, t // s.bt, sl))
+                t = fid + cutlass.min(i, mine - 1) * nfin
+                toks.append((live, i, t, t // s.bt))
                 if live != 0:
-                    rnd = i // s.fslots
-                    if rnd > 0:
-                        P.mbar_wait_bounded(empty + sl * 8, (rnd - 1) & 1)
                     P.spin_until(cnt_a + Int64(t // s.bt) * 4, Int32(16))
-                    if lane == 0:
-                        P.fence_proxy_async_global()
-                        P.mbar_expect_tx(full + sl * 8, n * s.c * 2)
-                        for j in cutlass.range_constexpr(n):
-                            P.bulk_g2s(ring + sl * s.fslot + j * s.c * 2,
-                                       row_a + (Int64(t) * st + Int64(j) * sn) * 2, s.c * 2, full + sl * 8)
             t0 = self._lap(cyc, 0, t0)
             # Each token's 16 CTAs' partials, summed in rank order (the persistent variant's), every
             # token's loads issued before any sum.
             vals = []
             for d in cutlass.range_constexpr(depth):
-                live, t, blk, _ = toks[d]
+                live, _, t, blk = toks[d]
                 at = part_a + (Int64(blk) * 16 * s.bt + Int64(t - blk * s.bt)) * (kpad + 1) * 4 + Int64(col) * 4
                 vals.append([P.ldg_f32_cg(at + cr * s.bt * (kpad + 1) * 4, live) for cr in range(16)])
             for d in cutlass.range_constexpr(depth):
-                live, t, _, sl = toks[d]
+                live, i, t, _ = toks[d]
                 tot = vals[d][0]
                 for cr in cutlass.range_constexpr(1, 16):
                     tot = tot + vals[d][cr]
                 h_pre, _ = self._coefficients(tot, Int64(t), live, lane, None, None, None, None, hpo, hro, eps,
                                               consts)
+                if live != 0 and lane < n:
+                    P.sts_f32(hpre_s + (i % s.hrows) * 16 + lane * 4, h_pre)
+            cute.arch.sync_warp()
+            t0 = self._lap(cyc, 1, t0)
+            # Only now a ring row each: the coefficients above (a round trip for the partials and
+            # the Sinkhorn chain) no longer sit between a row's release and its refill, which is
+            # then the copy alone. H_pre has its own rows (hrows, twice the ring's), free by then:
+            # the row of token i - hrows was read before the rows this warp took last step were
+            # released.
+            for d in cutlass.range_constexpr(depth):
+                live, i, t, _ = toks[d]
                 if live != 0:
-                    if lane < n:
-                        P.sts_f32(hpre_s + sl * 16 + lane * 4, h_pre)
-                    cute.arch.sync_warp()
+                    sl = i % s.fslots
+                    rnd = i // s.fslots
+                    if rnd > 0:
+                        P.mbar_wait_bounded(empty + sl * 8, (rnd - 1) & 1)
                     if lane == 0:
-                        P.mbar_arrive(full + sl * 8)
-            self._lap(cyc, 1, t0)
+                        # The arrival (with the row's bytes to come) also publishes H_pre, written
+                        # by the warp's lanes before the sync above.
+                        P.fence_proxy_async_global()
+                        P.mbar_expect_tx(full + sl * 8, n * s.c * 2)
+                        for j in cutlass.range_constexpr(n):
+                            P.bulk_g2s(ring + sl * s.fslot + j * s.c * 2,
+                                       row_a + (Int64(t) * st + Int64(j) * sn) * 2, s.c * 2, full + sl * 8)
+            self._lap(cyc, 4, t0)
 
     @cute.jit
     def _consume(self, fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
@@ -265,17 +272,17 @@ class MhcSplit(MhcPersistent):
                 i = k * depth + d
                 live = Int32(i < mine)
                 sl = cutlass.min(i, mine - 1) % s.fslots
-                toks.append((live, fid + i * nfin, sl))
+                toks.append((live, fid + i * nfin, sl, i % s.hrows))
                 if live != 0:
                     P.mbar_wait_bounded(full + sl * 8, (i // s.fslots) & 1)
             t0 = self._lap(cyc, 2, t0)
-            coefs = [[P.lds_f32(hpre_s + sl * 16 + 4 * j) for j in range(n)] for _, _, sl in toks]
+            coefs = [[P.lds_f32(hpre_s + hr_ * 16 + 4 * j) for j in range(n)] for _, _, _, hr_ in toks]
             words = [[[P.lds_v4(ring + sl * s.fslot + j * s.c * 2 + units[u] * 16) for j in range(n)]
-                      for u in range(nu)] for _, _, sl in toks]
+                      for u in range(nu)] for _, _, sl, _ in toks]
             hs_ = self._mix_words(coefs, words)  # [token][unit] -> 8 values
             cute.arch.sync_warp()
             for d in cutlass.range_constexpr(depth):
-                live, _, sl = toks[d]
+                live, _, sl, _ = toks[d]
                 if live != 0:
                     if lane == 0:
                         P.mbar_arrive(empty + sl * 8)
@@ -295,7 +302,7 @@ class MhcSplit(MhcPersistent):
                     P.sts_f32(rb + (d * 8 + cw) * 4, ssq)
             P.bar_sync(2, 32 * ncon)
             for d in cutlass.range_constexpr(depth):
-                live, t, _ = toks[d]
+                live, t, _, _ = toks[d]
                 ssq = P.lds_f32(rb + d * 32)
                 for c in cutlass.range_constexpr(1, ncon):
                     ssq = ssq + P.lds_f32(rb + (d * 8 + c) * 4)
