@@ -38,9 +38,9 @@
 #   r  (carry .cute1b and .cute2, right after u; two GPUs): every GPU-marked test: the multi-GPU
 #      files on both GPUs, then the rest split over the two (without FlashInfer unless installed);
 #      R_MHC_ONLY=1: only the Triton MHC files, one a GPU (they take longer than one call holds)
-#   s  (carry .cute1b and .cute2, right after u; two GPUs): the MHC GPU files with the split variant
-#      as the default for update+reads from 1024 tokens (benchmarks/sweeps/split_default.py), what
-#      must pass before cluster_ops.SPLIT_TOKENS becomes 1024
+#   s  (carry .cute1b and .cute2, right after u; two GPUs): every MHC GPU file (the CuTe DSL variants
+#      and the Triton kernels; update+reads from cluster_ops.SPLIT_TOKENS = 1024 tokens run the split
+#      variant), in one call: about 6 minutes
 #   w  every GPU visible (4 or 8: the 4- and 8-GPU issue): the NCCL parallel matrix at 2, 4 and 8
 #      ranks, bench allreduce --world N and bench decode --tp 1 2 N (dated records)
 # Logs and results go to $OUT (the device tool brings them back).
@@ -300,10 +300,9 @@ r)
 s)
   cute_install
   versions | tee "$OUT/versions-s.txt"
-  export PYTHONPATH=$PWD/benchmarks/sweeps:$PYTHONPATH
-  CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu -rfs -p split_default tests/test_mhc_launch_forms.py tests/test_mhc.py \
+  CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu -rfs tests/test_mhc_launch_forms.py tests/test_mhc.py \
     tests/test_mhc_split.py > "$OUT/s-gpu1.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=0 pt 540 -m gpu -rfs -p split_default tests/test_mhc_kernels.py tests/test_mhc_cluster.py \
+  CUDA_VISIBLE_DEVICES=0 pt 540 -m gpu -rfs tests/test_mhc_kernels.py tests/test_mhc_cluster.py \
     tests/test_mhc_persistent.py > "$OUT/s-gpu0.log" 2>&1
   wait; for f in s-gpu0 s-gpu1; do grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -20; tail -6 "$OUT/$f.log"; done
   ;;

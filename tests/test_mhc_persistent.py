@@ -75,7 +75,7 @@ def test_calls_take_the_persistent_variant_from_its_token_count(monkeypatch):
     from layer_boundary_mhc import cluster_ops
 
     monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)  # (gpu_session.sh s sets it for the whole suite)
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)  # the split variant comes first by default
     assert cluster_ops._variant(512, 4, 4096, True, 20).persistent
     assert not cluster_ops._variant(511, 4, 4096, True, 20).persistent
     # where phi's slice does not fit, the cluster kernel (Sinkhorn after it) serves large calls

@@ -71,12 +71,11 @@ PERSISTENT_WARPS = 8
 # where its shape fits (n = 2 to 4, H up to 4096): ``cute_split``, the persistent variant's stream
 # pass on sets of 16 CTAs, and the exchanges, the coefficients and the combination on finisher CTAs
 # on the other SMs. Open launch forms (``takes``) hand it the update+reads, where it was measured:
-# faster than the Triton two launches from 1024 tokens (H200, n = 4, H = 4096, same run: T = 1024
-# 48.8 against 53.0 µs, 2048 75.4 / 88.0, 8192 239.4 / 307.5, 32768 931.9 / 1184.5;
-# benchmarks/results/2026-11-30-h200-session11.md). Exact on its own GPU tests; 1024 once the whole
-# MHC GPU suite has passed with it (``benchmarks/gpu_session.sh s``: the launch-form tests decide
-# forms by size).
-SPLIT_TOKENS = 0
+# faster than the Triton two launches from 1024 tokens (H200, n = 4, H = 4096, bench mhc, same run:
+# T = 1024 46.0 against 53.2 µs, 8192 237 / 309 (67.3 % of the roofline), 32768 926 / 1189;
+# benchmarks/results/2026-11-30-h200-session12.md). The whole MHC GPU suite passed with it at 1024
+# (``benchmarks/gpu_session.sh s``: 105 tests on 2x H200).
+SPLIT_TOKENS = 1024
 # The split variant's finisher CTAs: at least this many SMs are left to them (an H200's 132 SMs:
 # 6 sets of 16 stream CTAs and 36 finishers; 7 sets left 20, too few to finish 8192 tokens as fast
 # as they were streamed: 342.5 against 238.0 µs), and their producer warps (1: 505.6 µs).
