@@ -78,7 +78,8 @@ PERSISTENT_WARPS = 8
 SPLIT_TOKENS = 1024
 # The split variant's finisher CTAs: at least this many SMs are left to them (an H200's 132 SMs:
 # 6 sets of 16 stream CTAs and 36 finishers; 7 sets left 20, too few to finish 8192 tokens as fast
-# as they were streamed: 342.5 against 238.0 µs), and their producer warps (1: 505.6 µs).
+# as they were streamed: 337.8 against 236.2 µs, the stream side alone 200), and their producer
+# warps (1: 319.3 µs; session 12's record).
 SPLIT_FINISHERS = 36
 SPLIT_PRODUCERS = 2
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled

@@ -166,8 +166,8 @@ class MhcSplit(MhcPersistent):
         a ring of ``fslots`` rows in shared memory. Producer warps (``producers``; token i on warp i
         % producers, ``pdepth`` tokens a step so that their round trips overlap): once a token's
         block is ready, the warp computes its coefficients, then starts the copy engine on its x'
-        row as soon as the row is free. Consumer warps (the rest, ``CONSUME_DEPTH`` tokens a step) take the
-        ring in order: each thread combines its 8-column units of the row, the warps' sums of
+        row as soon as the row is free. Consumer warps (the rest, ``CONSUME_DEPTH`` tokens a step)
+        take the ring in order: each thread combines its 8-column units of the row, the warps' sums of
         squares meet in shared memory, and each thread normalizes and stores its units."""
         s = self.s
         ring = base
@@ -228,9 +228,8 @@ class MhcSplit(MhcPersistent):
                     P.sts_f32(hpre_s + (i % s.hrows) * 16 + lane * 4, h_pre)
             cute.arch.sync_warp()
             t0 = self._lap(cyc, 1, t0)
-            # Only now a ring row each: the coefficients above (a round trip for the partials and
-            # the Sinkhorn chain) no longer sit between a row's release and its refill, which is
-            # then the copy alone. H_pre has its own rows (hrows, twice the ring's), free by then:
+            # Only now a ring row each: the coefficients above (a round trip for the partials) no
+            # longer sit between a row's release and its refill, which is then the copy alone. H_pre has its own rows (hrows, twice the ring's), free by then:
             # the row of token i - hrows was read before the rows this warp took last step were
             # released.
             for d in cutlass.range_constexpr(depth):
