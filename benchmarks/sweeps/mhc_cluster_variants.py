@@ -56,13 +56,15 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
     return line
 
 
-def _profiled(i, values: int):
-    """One call with ``cluster_ops.PROFILE`` (``values`` int64 values) set: ``[CTA, 16]``, on the CPU."""
+def _profiled(i, values: int, ctas: int = 0):
+    """One call with ``cluster_ops.PROFILE`` (``values`` int64 values) set: ``[CTA, 16]`` (the first
+    ``ctas`` CTAs' and the rest as given, if ``ctas``), on the CPU."""
     cluster_ops.PROFILE = torch.zeros(values, dtype=torch.int64, device="cuda")
     try:
         cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
         torch.cuda.synchronize()
-        return cluster_ops.PROFILE.view(-1, 16).double().cpu()
+        got = cluster_ops.PROFILE.cpu()
+        return (got[: 16 * ctas].view(-1, 16).double(), got[16 * ctas:]) if ctas else got.view(-1, 16).double()
     finally:
         cluster_ops.PROFILE = None
 
@@ -83,7 +85,11 @@ def _split_sections(i) -> str:
     """One profiled call of the split variant: per role, the median over its CTAs of thread 0's cycles
     a block (stream CTAs) or a token (finisher warp 0), and of the whole kernel."""
     prof = cluster_ops.split_shape(N, i.x.shape[2], True)
-    raw = _profiled(i, torch.cuda.get_device_properties(i.x.device).multi_processor_count * 16)
+    t = i.x.shape[0]
+    blocks = -(-t // prof.bt)
+    sets, fins = cluster_ops._split_grid(i.x.device, blocks)
+    ctas = 16 * sets + fins
+    raw, st = _profiled(i, prof.profile_values(ctas, blocks, t), ctas)
     lines = []
     for role, flag in (("stream", 0), ("finisher", 1)):
         rows = raw[(raw[:, 10] == flag) & (raw[:, 8] > 0)]
@@ -97,7 +103,27 @@ def _split_sections(i) -> str:
         if role == "stream":  # the slowest CTA of each set of 16 (a block is ready when its set's 16 are)
             sets = us[: len(us) // 16 * 16].view(-1, 16).max(dim=1).values
             lines.append("      slowest CTA of each set: " + ", ".join(f"{v:.0f}" for v in sets.tolist()) + " µs")
+    lines.append(_split_stamps(st, blocks, t, prof.bt))
     return "\n".join(lines)
+
+
+def _split_stamps(st, blocks: int, t: int, bt: int) -> str:
+    """When each block was counted ready (its 16 CTAs' last count), when each token's producer saw
+    it, and when each token's input was stored (%globaltimer, µs from the first count)."""
+    ns = st[0::2].double()
+    counts = ns[: 16 * blocks].view(blocks, 16)
+    ready = counts.max(dim=1).values
+    seen, done = ns[16 * blocks: 16 * blocks + t], ns[16 * blocks + t: 16 * blocks + 2 * t]
+    zero = ready.min()
+    blk = torch.arange(t) // bt
+
+    def q(v):
+        v = v / 1e3
+        return f"median {v.median():.2f}, p90 {v.quantile(0.9):.2f}, max {v.max():.2f}"
+
+    return (f"      stamps (µs): last block ready {(ready.max() - zero) / 1e3:.1f}, last input stored "
+            f"{(done.max() - zero) / 1e3:.1f}; a block's 16 counts spread over {q(ready - counts.min(dim=1).values)}; "
+            f"count seen after ready: {q(seen - ready[blk])}; input stored after seen: {q(done - seen)}")
 
 
 def _phases(i, shape) -> str:

@@ -84,7 +84,8 @@ SPLIT_FINISHERS = 36
 SPLIT_PRODUCERS = 2
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
-# clock cycles in its chunk loop's wait, issue and compute sections and the chunk count. Sweeps only.
+# clock cycles in its chunk loop's wait, issue and compute sections and the chunk count (the split
+# variant: ``SplitShape.profile_values`` of them). Sweeps only.
 PROFILE: Optional[torch.Tensor] = None
 
 

@@ -207,6 +207,13 @@ class SplitShape(PersistentShape):
                 "finisher": {0: "producer ready wait", 1: "producer work", 4: "producer ring wait",
                              12: "consumer wait", 13: "consumer work"}}
 
+    @staticmethod
+    def profile_values(ctas: int, blocks: int, tokens: int) -> int:
+        """The int64 values a profiled launch writes: 16 a CTA (``SECTIONS``), then (%globaltimer, SM)
+        stamps of each block's count by each of its 16 CTAs, of each token's count seen by its
+        producer, and of each token's input stored."""
+        return 16 * ctas + 2 * (16 * blocks + 2 * tokens)
+
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
                  producers: int = 2) -> None:
         super().__init__(n, hidden, update, iters, warps=warps, profile=profile)

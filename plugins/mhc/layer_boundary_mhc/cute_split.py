@@ -76,20 +76,26 @@ class MhcSplit(MhcPersistent):
         tid, _, warp, lane, g, q, base = self._start()
         part_a, cnt_a = Int64(part.toint()), Int64(cnt.toint())
         prof_a = Int64(prof.toint()) + Int64(bid) * 128  # profiled: 16 values a CTA (SplitShape.SECTIONS)
+        # Profiled, after the CTAs' values: %globaltimer stamps (16 bytes each) of each block's count
+        # by each of its 16 CTAs, of each token's count seen by its producer, and of each token's
+        # input stored (SplitShape.stamp_values).
+        ready_a = Int64(prof.toint()) + Int64(nblk) * 128
+        seen_a = ready_a + Int64(blocks) * 256
+        stamps = (ready_a, seen_a, seen_a + Int64(tokens) * 16)
         cyc = cute.make_rmem_tensor((8,), Int64)
         cyc.fill(0)
         t_all = self._clock()
         done = Int32(0)
         if bid < sets * 16:
             done = self._streamer(bid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt,
-                                  sot, son, tid, warp, lane, g, q, base, cyc)
+                                  sot, son, tid, warp, lane, g, q, base, cyc, stamps)
         else:
             if cutlass.const_expr(s.update):
                 src = (Int64(xo.toint()), sot, son)
             else:
                 src = (Int64(x.toint()), sxt, sxn)
             done = self._finisher(bid - sets * 16, nblk - sets * 16, src, alpha, bpre, bpost, bres, w32, out, hpo,
-                                  hro, part_a, cnt_a, tokens, sit, eps, norm_eps, tid, warp, lane, base, cyc)
+                                  hro, part_a, cnt_a, tokens, sit, eps, norm_eps, tid, warp, lane, base, cyc, stamps)
         if cutlass.const_expr(s.profile):
             if tid == 0:
                 for k in cutlass.range_constexpr(4):
@@ -101,7 +107,7 @@ class MhcSplit(MhcPersistent):
 
     @cute.jit
     def _streamer(self, sid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt, sot, son,
-                  tid, warp, lane, g, q, phi_s, cyc):
+                  tid, warp, lane, g, q, phi_s, cyc, stamps):
         """Stream CTA ``sid``: the persistent variant's stream pass over its blocks, each block's
         partials to global memory and the block counted ready."""
         s = self.s
@@ -144,6 +150,8 @@ class MhcSplit(MhcPersistent):
             # own stores: 483.7 against 365.0 µs (H200, T = 8192, the first finisher form).
             if tid == 0 and it > 0:
                 P.red_release_add(cnt_a + Int64(blk - sets) * 4, Int32(1))
+                if cutlass.const_expr(s.profile):
+                    P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
             self._stream(slot, fill, blk, Int32(blk + sets < blocks), sets, tokens, phi_s, cb, xol, sot, son,
                          warp, g, q, acc, sq)
             t0 = self._lap(cyc, 1, t0)
@@ -156,12 +164,14 @@ class MhcSplit(MhcPersistent):
         P.bar_sync(1, s.threads)
         if tid == 0 and nloc > 0:
             P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * 4, Int32(1))
+            if cutlass.const_expr(s.profile):
+                P.stamp(stamps[0] + (Int64(first + (nloc - 1) * sets) * 16 + Int64(rank)) * 16)
         P.cp_async_wait_all()  # the last iteration's copies (zeros past the last block) land before exit
         return nloc
 
     @cute.jit
     def _finisher(self, fid, nfin, src, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a, tokens, sit,
-                  eps, norm_eps, tid, warp, lane, base, cyc):
+                  eps, norm_eps, tid, warp, lane, base, cyc, stamps):
         """Finisher CTA ``fid`` of ``nfin``: tokens ``fid, fid + nfin, ...`` (the CTA's token i) through
         a ring of ``fslots`` rows in shared memory. Producer warps (``producers``; token i on warp i
         % producers, ``pdepth`` tokens a step so that their round trips overlap): once a token's
@@ -184,15 +194,15 @@ class MhcSplit(MhcPersistent):
         mine = (tokens - fid + nfin - 1) // nfin
         if warp < s.producers:
             self._produce(fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, eps, warp, lane,
-                          ring, hpre_s, full, empty, cyc)
+                          ring, hpre_s, full, empty, cyc, stamps[1])
         else:
             self._consume(fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
-                          cyc)
+                          cyc, stamps[2])
         return mine
 
     @cute.jit
     def _produce(self, fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, eps, warp, lane,
-                 ring, hpre_s, full, empty, cyc):
+                 ring, hpre_s, full, empty, cyc, seen_a):
         s = self.s
         n, kpad, depth, npro = s.n, s.kpad, s.pdepth, s.producers
         row_a, st, sn = src
@@ -209,6 +219,9 @@ class MhcSplit(MhcPersistent):
                 toks.append((live, i, t, t // s.bt))
                 if live != 0:
                     P.spin_until(cnt_a + Int64(t // s.bt) * 4, Int32(16))
+                    if cutlass.const_expr(s.profile):
+                        if lane == 0:
+                            P.stamp(seen_a + Int64(t) * 16)
             t0 = self._lap(cyc, 0, t0)
             # Each token's 16 CTAs' partials, summed in rank order (the persistent variant's), every
             # token's loads issued before any sum.
@@ -251,7 +264,7 @@ class MhcSplit(MhcPersistent):
 
     @cute.jit
     def _consume(self, fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
-                 cyc):
+                 cyc, done_a):
         s = self.s
         n, depth = s.n, CONSUME_DEPTH
         ncon = s.warps - s.producers
@@ -311,6 +324,9 @@ class MhcSplit(MhcPersistent):
                     o = [P.pack((h[2 * e] * r2) * w_[2 * e], (h[2 * e + 1] * r2) * w_[2 * e + 1]) for e in range(4)]
                     P.stg_v4(out_a + (Int64(t) * sit + Int64(8 * units[u])) * 2, o[0], o[1], o[2], o[3],
                              live_u[u] * live)
+                if cutlass.const_expr(s.profile):
+                    if live != 0 and ct == 0:
+                        P.stamp(done_a + Int64(t) * 16)
             self._lap(cyc, 3, t0)
 
 
