@@ -333,7 +333,12 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
         # ordered, so replays of a captured graph get their own zeroed counts.
         part = torch.empty(blocks * 16 * shape.bt * (shape.kpad + 1), dtype=torch.float32, device=x.device)
         cnt = torch.zeros(blocks, dtype=torch.int32, device=x.device)
-        extra = [ptr(part, part, 4), ptr(cnt, cnt, 4), t, blocks, *_split_grid(x.device, blocks)]
+        grid = _split_grid(x.device, blocks)
+        if PROFILE is not None and PROFILE.numel() < shape.profile_values(16 * grid[0] + grid[1], blocks, t):
+            raise ValueError(f"cluster_ops.PROFILE holds {PROFILE.numel()} values; the profiled split variant "
+                             f"writes SplitShape.profile_values(...) = "
+                             f"{shape.profile_values(16 * grid[0] + grid[1], blocks, t)} for this call")
+        extra = [ptr(part, part, 4), ptr(cnt, cnt, 4), t, blocks, *grid]
     elif shape.persistent:
         extra = [t, blocks, min(blocks, _resident_clusters(x.device))]
     else:
