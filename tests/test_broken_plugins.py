@@ -91,6 +91,48 @@ def test_providers_that_raise_while_the_model_is_built_are_skipped_with_the_reas
     torch.testing.assert_close(_logits(model), _logits(_qwen3(BoundaryContext())), rtol=0, atol=0)
 
 
+class FalseRefusal(BrokenKernels):
+    name = "false-refusal"
+
+    def refuse(self, request):
+        return False  # neither None (serves) nor a reason
+
+
+class JunkKernels(BrokenKernels):
+    name = "junk-kernels"
+
+    def kernels(self, request):
+        return "not kernels"
+
+
+class JunkFusion:
+    name = "junk-fusion"
+
+    def attention_input(self, plan):
+        return [object()]
+
+    def ffn_input(self, plan):
+        return "not a list"
+
+
+def test_providers_that_return_the_wrong_thing_are_skipped_with_the_reason():
+    """A refuse() that answers False, kernels() that are not NormKernels, and consumer candidates
+    that are not candidates: each is refused in the report, and the model builds and runs on the
+    core's kernels (a trial: the last two ended ``layer-boundary run`` with an AttributeError, the
+    first vanished from the report)."""
+    ctx = BoundaryContext(registry=_registry(InProcess('v', norms=[FalseRefusal(), JunkKernels()],
+                                                       fusions=[JunkFusion()])))
+    model = _qwen3(ctx)
+    ctx.freeze()
+    report = "\n".join(ctx.report.lines())
+    assert "false-refusal (vendor): refuse() returned False: expected None (it serves) or a str" in report
+    assert "junk-kernels (vendor): kernels() returned str: expected layer_boundary.residual.add_norm.NormKernels" \
+        in report
+    assert "junk-fusion (vendor): attention_input() returned a object among its candidates" in report
+    assert "junk-fusion (vendor): ffn_input() returned str: expected a list of consumer candidates" in report
+    torch.testing.assert_close(_logits(model), _logits(_qwen3(BoundaryContext())), rtol=0, atol=0)
+
+
 def test_the_report_is_the_same_whether_a_stage_was_peeked_at_first():
     # A stage's kernels may be looked up once for its neighbour (record=False) and then for itself.
     ctx = BoundaryContext(registry=_registry(InProcess('v', norms=[BrokenKernels()])))

@@ -222,12 +222,35 @@ def test_wrong_shape_is_reported(tmp_path):
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
         ({"model_type": "qwen3_moe"}, "model_type='qwen3_moe'"),
+        # values of the wrong type or null: named, never converted or a traceback (a trial)
+        ({"rms_norm_eps": None}, r"rms_norm_eps=None must be a positive number"),
+        ({"rms_norm_eps": "1e-6"}, r"rms_norm_eps='1e-6' must be a positive number"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}}, "rope_theta='abc' must be a positive"),
+        ({"tie_word_embeddings": "false"}, r"tie_word_embeddings='false' must be true or false"),
+        ({"num_key_value_heads": 0}, r"num_key_value_heads=0 must be a positive integer"),
+        ({"head_dim": 0}, r"head_dim=0 must be a positive integer"),
+        ({"layer_types": ["full_attention"]}, "one type for each of the num_hidden_layers"),
     ],
 )
 def test_config_rejects_what_the_model_does_not_implement(change, message):
     base = small_random_config().to_dict()
     with pytest.raises(ValueError, match=message):
         Qwen3Config.from_dict({**base, **change})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1]", "holds a JSON list, not an object of config fields"),
+    ("{'a': 1}", "is not valid JSON in UTF-8"),
+    ("", "is not valid JSON in UTF-8"),
+    (b"\xff\xfe{}", "is not valid JSON in UTF-8"),
+])
+def test_a_config_file_that_is_not_a_json_object_is_named(tmp_path, text, message):
+    from layer_boundary.models.config import load_config
+
+    (tmp_path / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    for read in (load_config, Qwen3Config.from_folder):
+        with pytest.raises(ValueError, match=f"config.json {message}"):
+            read(tmp_path)
 
 
 def test_config_reads_both_rope_theta_layouts():

@@ -294,7 +294,7 @@ def _scattered_paths(decl: Any, topology: Topology, capture_owned: bool, out_sum
 
 def _bind_candidates(plan: StagePlan, context: Any) -> None:
     """Ask each fusion provider for consumer candidates; keep those that accept this stage."""
-    from .providers import guarded
+    from .providers import offered_candidates, refusal
     from .selection import Candidate, Selection
 
     if not plan.fusions:
@@ -306,13 +306,12 @@ def _bind_candidates(plan: StagePlan, context: Any) -> None:
         origin = context.provider_origin(provider)
         if getattr(provider, hook, None) is None:
             continue
-        offered, failed = guarded(provider, hook, plan)
+        offered, failed = offered_candidates(provider, hook, plan)
         if failed is not None:
             cands.append(Candidate(provider.name, origin, failed))
             continue
-        for cand in offered or ():
-            why, failed = guarded(cand, "refuse", plan) if hasattr(cand, "refuse") else (None, None)
-            why = failed or why
+        for cand in offered:
+            why = refusal(cand, plan) if hasattr(cand, "refuse") else None
             if why is None and plan.declaration.previous is None:
                 why = "stack entry: nothing is owed to this input"
             if why is None and not getattr(plan.read, "fuses_with", ()):

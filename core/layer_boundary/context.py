@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .kernels.providers import core_norm_providers
-from .providers import NormRequest, guarded
+from .providers import NormRequest, bound_kernels, refusal
 from .residual.add_norm import NormKernels
 from .selection import Candidate, Selection, SelectionReport
 from .topology import Topology
@@ -128,14 +128,14 @@ class BoundaryContext:
                 if chosen is not None:
                     cands.append(Candidate(prov.name, origin, f"{chosen[1].name} comes first"))
                     continue
-                why, failed = guarded(prov, "refuse", request)
-                if why is None and failed is None:
+                why, failed = refusal(prov, request), None
+                if why is None:
                     # A peek at this stage (record=False, below) may have asked this provider already.
                     peeked = self._peeked.pop(request, None) if record else None
                     if peeked is not None and peeked[0] is prov:
                         kernels = peeked[1]
                     else:
-                        kernels, failed = guarded(prov, "kernels", request)
+                        kernels, failed = bound_kernels(prov, request)
                 if failed is not None or why is not None:
                     cands.append(Candidate(prov.name, origin, failed or why))
                     continue

@@ -24,6 +24,9 @@ __all__ = [
     "StageResidual",
     "ResidualSemantics",
     "guarded",
+    "refusal",
+    "bound_kernels",
+    "offered_candidates",
 ]
 
 log = logging.getLogger("layer_boundary")
@@ -135,6 +138,54 @@ def guarded(provider: Any, method: str, *args: Any) -> tuple[Any, Optional[str]]
     try:
         return getattr(provider, method)(*args), None
     except Exception as e:
-        why = f"{method}() raised {type(e).__name__}: {e}"
-        log.warning("provider %s skipped: %s", getattr(provider, "name", provider), why)
-        return None, why
+        return None, _skipped(provider, f"{method}() raised {type(e).__name__}: {e}")
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _skipped(provider: Any, why: str) -> str:
+    """``why``, warned once a provider and reason (a stack asks a provider once a stage)."""
+    key = (str(getattr(provider, "name", provider)), why)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("provider %s skipped: %s", key[0], why)
+    return why
+
+
+def refusal(provider: Any, *args: Any) -> Optional[str]:
+    """Why ``provider.refuse(*args)`` declines (its str), ``None`` when it serves, or why the
+    provider is skipped: it raised, or returned something else (``False`` would otherwise read
+    as neither serving nor refusing)."""
+    why, failed = guarded(provider, "refuse", *args)
+    if failed is not None or why is None or (isinstance(why, str) and why):
+        return failed or why
+    return _skipped(provider, f"refuse() returned {why!r}: expected None (it serves) or a str saying why not")
+
+
+def bound_kernels(provider: Any, request: NormRequest) -> tuple[Optional[NormKernels], Optional[str]]:
+    """``provider.kernels(request)`` as ``(kernels, None)``, or ``(None, why)`` when it raised or
+    returned something other than ``NormKernels`` (whose two callables every read calls)."""
+    kernels, failed = guarded(provider, "kernels", request)
+    if failed is not None or isinstance(kernels, NormKernels):
+        return kernels, failed
+    return None, _skipped(provider, f"kernels() returned {type(kernels).__name__}: expected "
+                                    "layer_boundary.residual.add_norm.NormKernels")
+
+
+def offered_candidates(provider: Any, hook: str, plan: Any) -> tuple[Sequence[Any], Optional[str]]:
+    """``provider.<hook>(plan)`` (a fusion provider's consumer candidates) as ``(candidates, None)``,
+    or ``((), why)`` when it raised or returned anything but a list or tuple of candidates (a str
+    ``name`` and a call each)."""
+    offered, failed = guarded(provider, hook, plan)
+    if failed is not None or offered is None:
+        return (), failed
+    if not isinstance(offered, (list, tuple)):
+        return (), _skipped(provider, f"{hook}() returned {type(offered).__name__}: expected a list of "
+                                      "consumer candidates")
+    for cand in offered:
+        if not (isinstance(getattr(cand, "name", None), str) and callable(cand)):
+            return (), _skipped(provider, f"{hook}() returned a {type(cand).__name__} among its candidates: "
+                                          "a consumer candidate has a str name and is called "
+                                          "(providers.ConsumerCandidate)")
+    return offered, None

@@ -105,8 +105,7 @@ class Qwen3Config:
             raise FileNotFoundError(
                 f"no config.json in {os.fspath(folder)!r}; pass a Hugging Face checkpoint folder"
             )
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(_read_config(path))
 
     def to_dict(self) -> dict[str, Any]:
         """A transformers-5 style ``config.json`` dict for this config."""
@@ -144,6 +143,10 @@ def _common_fields(d: Mapping[str, Any], default_model_type: str) -> dict[str, A
             "set it to false (Qwen3 checkpoints ship with it off)"
         )
     layer_types = d.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or len(layer_types) != d["num_hidden_layers"]):
+        raise ValueError(f"layer_types must list one type for each of the num_hidden_layers="
+                         f"{d['num_hidden_layers']!r} layers; fix config.json")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ValueError(
             f"layer_types {sorted(set(layer_types))} include a non full-attention layer; "
@@ -151,10 +154,15 @@ def _common_fields(d: Mapping[str, Any], default_model_type: str) -> dict[str, A
         )
     rope_theta = _read_rope_theta(d)
     heads = d["num_attention_heads"]
-    kv_heads = d.get("num_key_value_heads") or heads
+    kv_heads = d.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else kv_heads  # absent or null: one kv head a query head
     # transformers' Qwen3Config defaults head_dim to 128 (not hidden/heads) when config.json
     # omits it; the same checkpoint must give the same model here.
-    head_dim = d.get("head_dim") or 128
+    head_dim = d.get("head_dim")
+    head_dim = 128 if head_dim is None else head_dim
+    # Numbers and flags are passed as given: the config's own checks name a wrong type or value
+    # (a str "1e-6" or a null was once converted or a traceback).
+    eps = d.get("rms_norm_eps", 1e-6)
     return dict(
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
@@ -163,11 +171,11 @@ def _common_fields(d: Mapping[str, Any], default_model_type: str) -> dict[str, A
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(eps) if _is_number(eps) else eps,
+        rope_theta=float(rope_theta) if _is_number(rope_theta) else rope_theta,
+        tie_word_embeddings=_flag(d, "tie_word_embeddings"),
         max_position_embeddings=d.get("max_position_embeddings", 32768),
-        attention_bias=bool(d.get("attention_bias", False)),
+        attention_bias=_flag(d, "attention_bias"),
         model_type=model_type,
     )
 
@@ -242,7 +250,7 @@ class Qwen3MoeConfig(Qwen3Config):
             num_experts=experts,
             num_experts_per_tok=d["num_experts_per_tok"],
             moe_intermediate_size=d["moe_intermediate_size"],
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            norm_topk_prob=_flag(d, "norm_topk_prob"),
             decoder_sparse_step=d.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
         )
@@ -267,8 +275,7 @@ def load_config(folder: str | os.PathLike[str]) -> Union[Qwen3Config, Qwen3MoeCo
         raise FileNotFoundError(
             f"no config.json in {os.fspath(folder)!r}; pass a Hugging Face checkpoint folder"
         )
-    with open(path, encoding="utf-8") as f:
-        d = json.load(f)
+    d = _read_config(path)
     model_type = d.get("model_type")
     cls = SUPPORTED_MODEL_TYPES.get(model_type)  # type: ignore[arg-type]
     if cls is None:
@@ -277,6 +284,31 @@ def load_config(folder: str | os.PathLike[str]) -> Union[Qwen3Config, Qwen3MoeCo
             f"model_type {', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)}"
         )
     return cls.from_dict(d)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    """The JSON object in ``path``, or a ValueError that names the file and what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON in UTF-8 ({e}); fix or replace the file") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object of config fields")
+    return d
+
+
+def _flag(d: Mapping[str, Any], name: str) -> bool:
+    """A true/false field (absent or null: false); a string such as "false" is refused, not read as
+    true."""
+    v = d.get(name)
+    if v is None or isinstance(v, bool):
+        return bool(v)
+    raise ValueError(f"{name}={v!r} must be true or false (a JSON boolean); fix config.json")
 
 
 def _read_rope_theta(d: Mapping[str, Any]) -> float:
