@@ -173,6 +173,37 @@ def test_a_hook_must_return_a_list(plugin_site: PluginSite):
     assert rec.status is PluginStatus.FAILED and "must return a list of providers" in rec.reason
 
 
+def test_hooks_of_unknown_names_or_none_at_all_fail_the_plugin(plugin_site: PluginSite):
+    # A misspelt hook once left its plugin listed active while it provided nothing (a trial).
+    plugin_site.add("typo", hooks_source='''
+        from layer_boundary.plugins import hookimpl
+
+        @hookimpl
+        def layer_boundary_norm_kernel():
+            return []
+        ''')
+    plugin_site.add("bare", hooks_source="def layer_boundary_norm_kernels():\n    return []\n")
+    recs = {r.name: r for r in discover().records}
+    assert recs["typo"].status is PluginStatus.FAILED
+    assert "implements layer_boundary_norm_kernel, not a hook of layer-boundary" in recs["typo"].reason
+    assert recs["bare"].status is PluginStatus.FAILED and "implements none of the hooks" in recs["bare"].reason
+
+
+def test_a_plugin_scheme_named_plain_is_ignored_and_not_listed():
+    class Plain:
+        name = "plain"
+
+        def stage(self, *a, **k):
+            raise AssertionError("never used")
+
+        exit = stage
+
+    reg = _registry(InProcess("v", semantics=[Plain()]))
+    assert "plain" not in reg.residual_semantics
+    with pytest.raises(PluginError, match=r"available: \['plain'\]\)"):
+        reg.semantics("nope")
+
+
 def test_the_plugins_listing_in_strict_mode_still_calls_the_hooks(plugin_site: PluginSite, monkeypatch, capsys):
     # Strict mode fails on the broken plugin, and the listing it still prints must show it failed
     # (it once showed discovery alone: "active").

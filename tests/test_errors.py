@@ -383,6 +383,14 @@ def test_finish_takes_a_tensor():
         a.finish([1.0], fb)
 
 
+def test_the_stack_entry_takes_floating_point_hidden_states():
+    # Token ids given where the embedding output belongs once came back as integers: a norm
+    # rounded to int64 (a trial).
+    a, _ = layer()
+    with pytest.raises(TypeError, match="floating-point hidden states .* got torch.int64; embed the token ids"):
+        a.prepare(torch.tensor([[3, 1, 2, 5, 0, 0, 0, 7]] * T), started())
+
+
 # -- exit scopes and get_forward() -------------------------------------------------------------
 
 

@@ -122,6 +122,9 @@ def run_entry(
             )
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(f"stack entry expects the embedding output tensor, got {type(hidden).__name__}")
+        if not hidden.is_floating_point():  # the residual would be that dtype: norms rounded to it
+            raise TypeError(f"stack entry expects floating-point hidden states (the embedding output), got "
+                            f"{hidden.dtype}; embed the token ids first")
         if capture is not None:
             capture(hidden, owned=False)  # the residual aliases the model's own input
         x, residual, upd = _enter(read, hidden)

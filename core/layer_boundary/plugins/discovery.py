@@ -160,7 +160,12 @@ def find_plugins(options: DiscoveryOptions, group: str = ENTRY_POINT_GROUP) -> l
         rank = {n: i for i, n in enumerate(options.allow)}
         eps.sort(key=lambda ep: rank.get(ep.name, len(rank)))
     records: list[PluginRecord] = []
-    seen: dict[str, PluginRecord] = {}
+    # Every distribution of a name offered twice fails: which one the engine gets must not depend
+    # on the order distributions are listed in (a package sorted first once shadowed the MHC plugin).
+    dists: dict[str, list[str]] = {}
+    for ep in eps:
+        if ep.name not in options.deny:
+            dists.setdefault(ep.name, []).append(_dist_name(ep))
     for ep in eps:
         rec = PluginRecord(
             name=ep.name, distribution=_dist_name(ep), version=_dist_version(ep), api_version=None,
@@ -170,12 +175,11 @@ def find_plugins(options: DiscoveryOptions, group: str = ENTRY_POINT_GROUP) -> l
         if ep.name in options.deny:  # a denied name is never examined, duplicates included
             rec.reason = f"disabled by {ENV_DENY} / deny"
             continue
-        if ep.name in seen:
+        if len(dists[ep.name]) > 1:
             rec.status = PluginStatus.FAILED
-            rec.reason = (f"duplicate plugin name {ep.name!r}: also registered by "
-                          f"{seen[ep.name].distribution}; uninstall one of the two")
+            rec.reason = (f"duplicate plugin name {ep.name!r}: registered by {' and '.join(dists[ep.name])}; "
+                          "uninstall all but one")
             continue
-        seen[ep.name] = rec
         if options.allow is not None and ep.name not in options.allow:
             rec.reason = f"not in the allowlist ({ENV_ALLOW} / allow)"
             continue

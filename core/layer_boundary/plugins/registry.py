@@ -72,6 +72,26 @@ class PluginRegistry:
         except (Exception, SystemExit) as e:  # a plugin's sys.exit() is its failure, not the engine's exit
             rec.status, rec.reason = PluginStatus.FAILED, f"its hooks do not match the specification: {e}"
             return
+        # pluggy accepts hook implementations of names it has no spec for (pending ones): a typo then
+        # left the plugin active while it provided nothing.
+        implemented = {c.name: c.has_spec() for c in self.pm.get_hookcallers(rec.hooks) or []}
+        unknown = sorted(name for name, known in implemented.items() if not known)
+        if unknown:
+            self.pm.unregister(rec.hooks)
+            rec.status, rec.reason = PluginStatus.FAILED, (
+                f"implements {', '.join(unknown)}, not a hook of layer-boundary (the hooks: "
+                f"{', '.join(h for h, _ in _HOOKS)})")
+            return
+        if rec.provides and not implemented:
+            self.pm.unregister(rec.hooks)
+            rec.status, rec.reason = PluginStatus.FAILED, (
+                f"declares it provides {', '.join(rec.provides)} but implements none of the hooks "
+                f"({', '.join(h for h, _ in _HOOKS)}; each marked @hookimpl)")
+            return
+        unmet = [h for h, p in _HOOKS if p.value in rec.provides and h not in implemented]
+        if unmet:
+            log.warning("plugin %s declares it provides %s but implements no %s", rec.name,
+                        ", ".join(p.value for h, p in _HOOKS if h in unmet), " or ".join(unmet))
         others = [p for p in self.pm.get_plugins() if p is not rec.hooks]
         collected: dict[str, list[Any]] = {}
         try:
@@ -97,6 +117,10 @@ class PluginRegistry:
         self.norm_kernels += [(rec.name, x) for x in collected["layer_boundary_norm_kernels"]]
         self.fusion_providers += [(rec.name, x) for x in collected["layer_boundary_fusion_providers"]]
         for x in collected["layer_boundary_residual_semantics"]:
+            if x.name == "plain":  # the core's own: semantics("plain") never looks here
+                log.warning("plugin %s offers residual semantics 'plain', a name the core keeps for its "
+                            "plain residual; the plugin's is ignored", rec.name)
+                continue
             if x.name in self.residual_semantics:
                 # Two schemes of one name: asking for it is an error naming both (never a silent pick).
                 self._clashes.setdefault(x.name, [self.residual_semantics[x.name][0]]).append(rec.name)
@@ -173,6 +197,8 @@ class PluginRegistry:
             rec = next((r for r in self.records if r.name == name), None)
             if near:
                 fix = f"names are case-sensitive: residual={near[0]!r}"
+            elif rec is not None and rec.status is PluginStatus.ACTIVE:
+                fix = f"plugin {name!r} is active but offers no residual semantics of that name"
             elif rec is not None:
                 fix = f"plugin {name!r} is installed but {rec.status.value}: {rec.reason}"
             else:
