@@ -105,9 +105,9 @@ def test_token_outside_vocabulary(capsys):
     assert "outside the vocabulary" in capsys.readouterr().err
 
 
-def test_missing_model_folder(tmp_path):
-    with pytest.raises(SystemExit, match="not a folder"):
-        main(["run", "--model", str(tmp_path / "nope")])
+def test_missing_model_folder(tmp_path, capsys):
+    assert main(["run", "--model", str(tmp_path / "nope")]) == 2  # a usage error, as the others
+    assert "is not a folder" in capsys.readouterr().err
 
 
 def test_a_folder_without_weights_is_refused_before_the_ranks_start(tmp_path, capsys):

@@ -67,3 +67,8 @@ def test_fused_finalize_on_the_command_line(tmp_path, capsys):
     assert "--fused-finalize needs a Qwen3-MoE model" in capsys.readouterr().err
     assert main(["run", "--moe", "--fused-finalize", "--defer-moe-finalize", "--tp", "1"]) == 2
     assert "drop --defer-moe-finalize" in capsys.readouterr().err
+    # the option named is the one given (a fixed "drop --defer-moe-finalize" once answered these)
+    assert main(["run", "--moe", "--fused-finalize", "--pp", "2", "--tp", "1"]) == 2
+    assert "drop --pp 2" in capsys.readouterr().err
+    assert main(["run", "--moe", "--fused-finalize", "--tbo", "--tp", "1"]) == 2
+    assert "drop --fused-finalize" in capsys.readouterr().err

@@ -120,12 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                      help="torch.distributed backend (default: gloo on CPU, nccl on CUDA)")
     run.add_argument("--check", action="store_true",
-                     help="compare every rank's logits with the single-rank model; exit 1 on a mismatch")
+                     help="compare every rank's logits with the single-rank model built with the same "
+                          "kernels (it checks the layout, not a kernel against the torch reference: "
+                          "that is the conformance kit, pytest -p layer_boundary.testing); exit 1 on a "
+                          "mismatch")
     run.add_argument("--seed", type=_seed, default=0, help="seed of the embedded random model")
     run.add_argument(
         "--pattern", metavar="LAYERS", default=None,
         help="build the embedded random heterogeneous decoder instead of Qwen3, one layer per "
-        "character: M (gated short-convolution mixer), * (attention), - (dense FFN); e.g. 'M-M*-'",
+        "character: M (gated short-convolution mixer), * (attention), - (dense FFN); e.g. 'M-M*-' "
+        "(one that starts with '-' is given with '=': --pattern=-M*-)",
     )
     run.add_argument(
         "--residual", choices=("plain", "mhc"), default="plain",

@@ -171,9 +171,10 @@ def run_command(args: argparse.Namespace) -> int:
         print("layer-boundary run: --device cuda but no CUDA device is visible to torch "
               f"{torch.__version__}; run with --device cpu or on a machine with a GPU", file=sys.stderr)
         return 2
-    if args.model and not os.path.isdir(args.model):
-        raise SystemExit(f"layer-boundary run: --model {args.model!r} is not a folder; give a "
-                         "Hugging Face checkpoint folder with config.json and *.safetensors")
+    if args.model and not os.path.isdir(args.model):  # a usage error: 2, as the others
+        print(f"layer-boundary run: --model {args.model!r} is not a folder; give a Hugging Face checkpoint "
+              "folder with config.json and *.safetensors", file=sys.stderr)
+        return 2
     tp = args.tp if args.tp is not None else (1 if args.model or device == "cuda" else 2)
     backend = args.backend or ("nccl" if device == "cuda" else "gloo")
     if backend == "nccl" and device != "cuda":

@@ -73,7 +73,8 @@ class RunSpec:
                                  "update, whose per-call state cannot be split into microbatches")
             if self.defer_moe_finalize or self.fused_finalize:
                 raise ValueError("--tbo runs the sparse FFNs operation-scheduled (no exit scope, so "
-                                 "they finalize and reduce themselves); drop --defer-moe-finalize")
+                                 "they finalize and reduce themselves); drop "
+                                 f"{'--defer-moe-finalize' if self.defer_moe_finalize else '--fused-finalize'}")
         if self.moe and (self.model or self.pattern is not None):
             raise ValueError("--moe builds the embedded random Qwen3-MoE; it takes no --model (whose "
                              "config.json names its model_type) and no --pattern")
@@ -101,11 +102,15 @@ class RunSpec:
                 raise ValueError("the input-scattered variant is not supported across pipeline stages yet")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: use one of {sorted(DTYPES)}")
-        if self.fused_finalize and (self.defer_moe_finalize or self.longcat or self.pattern is not None
-                                    or self.pp > 1):
-            raise ValueError("--fused-finalize runs a Qwen3-MoE model (--moe or a qwen3_moe --model) "
-                             "on one pipeline stage; it already defers the finalize (drop "
-                             "--defer-moe-finalize)")
+        if self.fused_finalize:
+            # Name the option that conflicts (a fixed "drop --defer-moe-finalize" once answered
+            # --pp 2, which never named it).
+            conflict = ("--defer-moe-finalize: --fused-finalize already defers the finalize"
+                        if self.defer_moe_finalize else "--longcat" if self.longcat else
+                        "--pattern" if self.pattern is not None else f"--pp {self.pp}" if self.pp > 1 else None)
+            if conflict:
+                raise ValueError("--fused-finalize runs a Qwen3-MoE model (--moe or a qwen3_moe --model) on "
+                                 f"one pipeline stage; drop {conflict}")
         if self.cp != 1:
             self._check_cp()
 
