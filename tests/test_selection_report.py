@@ -4,6 +4,7 @@ report that says why, and that forward runs what was chosen."""
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from typing import Any, Optional
 
@@ -285,3 +286,34 @@ def test_chosen_candidate_runs_in_forward_and_its_decline_falls_back(monkeypatch
     assert all(c.calls == 0 for c in refused)  # refused at construction: never called
     assert attn_fused.calls == 0  # a dense FFN reduces its own output: nothing owed to attention
     assert plugin.counting.calls["fused_add_rmsnorm"] >= 2  # the fallback after the decline
+
+
+def test_ranks_that_chose_differently_are_an_error_naming_the_difference(monkeypatch):
+    """DESIGN: ranks verify they agree. A plugin available on one host only once gave rank 1 its
+    kernels while rank 0's report said torch-reference, without a word (a trial). Decisions only one
+    rank made (a pipeline stage's own layers) are not compared."""
+    import torch.distributed as dist
+
+    from layer_boundary.errors import DeclarationError
+
+    ctx = BoundaryContext()
+    qwen3(ctx)
+    ctx.freeze()
+    rows = {(s.stage, s.variant, s.what, s.request): s.chosen for s in ctx.report.selections}
+    key = next(k for k in rows if k[2] == "norm kernels")
+    others = [{**rows, ("layer 99", "ORDINARY", "norm kernels", "only there"): "x"}]  # agrees
+
+    def gather(out, obj, group=None):
+        out[:] = [obj, *others]
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, i: i)
+    ctx.verify_agreement()  # one rank (this context's TP group): nothing to compare, no collective
+    ctx.verify_agreement(group="tp")
+    others[:] = [{**rows, key: "vendor-norm"}]
+    with pytest.raises(DeclarationError, match=rf"ranks chose differently for {re.escape(key[0])} .* rank 0 "
+                       rf"{re.escape(str(rows[key]))}, rank 1 vendor-norm; install the same plugins"):
+        ctx.verify_agreement(group="tp")

@@ -201,6 +201,40 @@ class BoundaryContext:
     def frozen(self) -> bool:
         return self._frozen
 
+    def verify_agreement(self, group: Any = None) -> None:
+        """Check that the ranks of ``group`` (a torch.distributed group; default this context's TP
+        group, whose ranks build the same stages) chose alike: every decision two ranks both made
+        (the same stage, variant and request) names the same kernel or fusion. A collective: every
+        rank of the group calls it once, after construction. Ranks that chose differently (a plugin
+        installed, or available, on one host only) would compute different numbers or start
+        collectives that do not match; this raises DeclarationError naming the first difference
+        instead. On one rank it does nothing."""
+        import torch.distributed as dist
+
+        if group is None:
+            tp = self.topology.tp if self.topology is not None else None
+            if tp is None or tp.size == 1:
+                return
+            group = tp.group
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            return
+        mine = {(s.stage, s.variant, s.what, s.request): s.chosen for s in self.report.selections}
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        first: dict[tuple, tuple[int, Optional[str]]] = {}
+        for i, rows in enumerate(gathered):
+            rank = dist.get_global_rank(group, i)
+            for key, chosen in rows.items():
+                seen = first.setdefault(key, (rank, chosen))
+                if seen[1] != chosen:
+                    from .errors import DeclarationError
+
+                    raise DeclarationError(
+                        f"ranks chose differently for {key[0]} ({key[1]}) {key[2]} [{key[3]}]: rank {seen[0]} "
+                        f"{seen[1] or 'none'}, rank {rank} {chosen or 'none'}; install the same plugins (and "
+                        "versions) on every host, or pin them with LAYER_BOUNDARY_PLUGINS"
+                    )
+
 
 def as_context(context: Optional[BoundaryContext], topology: Optional[Topology]) -> BoundaryContext:
     """The context a factory builds with (``topology=`` alone is shorthand for a plugin-free one)."""

@@ -280,6 +280,7 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
         install_finalize_fusion(model, type(kw["fusions"]), terminal_finalize=True)
         prepare_finalize_fusion(model, type(kw["fusions"]))
     ctx.freeze()
+    ctx.verify_agreement()  # every rank chose the same kernels and fusions (a collective)
     return model
 
 
