@@ -487,3 +487,12 @@ def test_import_layer_boundary_discovers_nothing(plugin_site: PluginSite):
     # The control shows the setup would have been seen.
     assert out["after"] == ["lbt_spy_hooks", "lbt_spy_manifest"]
     assert "entry_points" in out["after_calls"] and "load" in out["after_calls"]
+
+
+def test_an_on_off_variable_with_another_word_warns_that_it_is_off(caplog):
+    from layer_boundary.plugins.discovery import ENV_STRICT, DiscoveryOptions
+
+    with caplog.at_level("WARNING", logger="layer_boundary.plugins"):
+        assert not DiscoveryOptions.resolve(env={ENV_STRICT: "maybe"}).strict
+    assert f"{ENV_STRICT}='maybe' is read as off" in caplog.text
+    assert DiscoveryOptions.resolve(env={ENV_STRICT: "Yes"}).strict

@@ -294,6 +294,7 @@ def test_ranks_that_chose_differently_are_an_error_naming_the_difference(monkeyp
     rank made (a pipeline stage's own layers) are not compared."""
     import torch.distributed as dist
 
+    from layer_boundary import context as context_module
     from layer_boundary.errors import DeclarationError
 
     ctx = BoundaryContext()
@@ -303,13 +304,13 @@ def test_ranks_that_chose_differently_are_an_error_naming_the_difference(monkeyp
     key = next(k for k in rows if k[2] == "norm kernels")
     others = [{**rows, ("layer 99", "ORDINARY", "norm kernels", "only there"): "x"}]  # agrees
 
-    def gather(out, obj, group=None):
-        out[:] = [obj, *others]
+    def gather(obj, group):
+        return [obj, *others]
 
     monkeypatch.setattr(dist, "is_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "all_gather_object", gather)
+    monkeypatch.setattr(context_module, "_gather_objects", gather)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, i: i)
     ctx.verify_agreement()  # one rank (this context's TP group): nothing to compare, no collective
     ctx.verify_agreement(group="tp")
@@ -317,3 +318,20 @@ def test_ranks_that_chose_differently_are_an_error_naming_the_difference(monkeyp
     with pytest.raises(DeclarationError, match=rf"ranks chose differently for {re.escape(key[0])} .* rank 0 "
                        rf"{re.escape(str(rows[key]))}, rank 1 vendor-norm; install the same plugins"):
         ctx.verify_agreement(group="tp")
+
+
+def test_selections_are_gathered_without_numpy():
+    """The gather behind verify_agreement, on two gloo ranks: torch's all_gather_object needs NumPy,
+    which a CPU install of torch lacks (a fresh-package test failed on it)."""
+    from layer_boundary.launch import spawn
+
+    got = spawn(_gather_job, 2)
+    assert got == [[{"rank": 0, "x": "a" * 10}, {"rank": 1, "x": "a" * 11}]] * 2
+
+
+def _gather_job(rank, world):
+    import torch.distributed as dist
+
+    from layer_boundary.context import _gather_objects
+
+    return _gather_objects({"rank": rank, "x": "a" * (10 + rank)}, dist.group.WORLD)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .manifest import ENTRY_POINT_GROUP, HOOK_API_VERSION, PluginManifest, PluginStatus
+
+log = logging.getLogger("layer_boundary.plugins")
 
 __all__ = ["PluginRecord", "PluginError", "DiscoveryOptions", "find_plugins", "load_hooks"]
 
@@ -62,8 +65,12 @@ def _split(value: Optional[str]) -> Optional[list[str]]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _truthy(value: Optional[str]) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+def _truthy(value: Optional[str], name: str = "") -> bool:
+    """An on/off environment value; another word (``maybe``) warns that it is read as off."""
+    v = (value or "").strip().lower()
+    if v not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        log.warning("%s=%r is read as off; give 1 or 0 (true/false, yes/no, on/off)", name, value)
+    return v in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -93,8 +100,8 @@ class DiscoveryOptions:
         env = os.environ if env is None else env
         a = list(allow) if allow is not None else _split(env.get(ENV_ALLOW))
         d = list(deny) if deny is not None else (_split(env.get(ENV_DENY)) or [])
-        auto = autoload if autoload is not None else not _truthy(env.get(ENV_NO_AUTOLOAD))
-        s = strict if strict is not None else _truthy(env.get(ENV_STRICT))
+        auto = autoload if autoload is not None else not _truthy(env.get(ENV_NO_AUTOLOAD), ENV_NO_AUTOLOAD)
+        s = strict if strict is not None else _truthy(env.get(ENV_STRICT), ENV_STRICT)
         return cls(tuple(a) if a is not None else None, tuple(d), auto, s)
 
 
@@ -184,7 +191,7 @@ def find_plugins(options: DiscoveryOptions, group: str = ENTRY_POINT_GROUP) -> l
             rec.reason = f"not in the allowlist ({ENV_ALLOW} / allow)"
             continue
         if not options.autoload and (options.allow is None or ep.name not in options.allow):
-            rec.reason = f"autoload is off ({ENV_NO_AUTOLOAD}=1); name it in {ENV_ALLOW} to load it"
+            rec.reason = f"autoload is off ({ENV_NO_AUTOLOAD} / autoload=False); name it in {ENV_ALLOW} to load it"
             continue
         _examine(ep, rec)
     return records
