@@ -35,6 +35,16 @@ def test_a_rank_that_dies_silently_is_reported():
     assert time.monotonic() - t0 < 45
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-1"])
+def test_a_bad_hang_dump_interval_is_named(value, monkeypatch):
+    # It was "could not convert string to float: 'abc'" or "timeout must be greater than 0",
+    # naming no variable (a trial).
+    monkeypatch.setenv("LAYER_BOUNDARY_HANG_DUMP_S", value)
+    with pytest.raises(RankError) as e:
+        spawn(launch_cases.sum_ranks, 1, args=(1,), timeout_s=60)
+    assert f"LAYER_BOUNDARY_HANG_DUMP_S={value!r}: give a number of seconds above 0" in e.value.remote
+
+
 @pytest.mark.slow
 def test_run_under_torchrun(tmp_path):
     out = tmp_path / "logits.pt"

@@ -294,7 +294,7 @@ def test_ranks_that_chose_differently_are_an_error_naming_the_difference(monkeyp
     rank made (a pipeline stage's own layers) are not compared."""
     import torch.distributed as dist
 
-    from layer_boundary import context as context_module
+    from layer_boundary import launch as launch_module
     from layer_boundary.errors import DeclarationError
 
     ctx = BoundaryContext()
@@ -310,7 +310,7 @@ def test_ranks_that_chose_differently_are_an_error_naming_the_difference(monkeyp
     monkeypatch.setattr(dist, "is_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(context_module, "_gather_objects", gather)
+    monkeypatch.setattr(launch_module, "gather_objects", gather)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, i: i)
     ctx.verify_agreement()  # one rank (this context's TP group): nothing to compare, no collective
     ctx.verify_agreement(group="tp")
@@ -332,6 +332,10 @@ def test_selections_are_gathered_without_numpy():
 def _gather_job(rank, world):
     import torch.distributed as dist
 
-    from layer_boundary.context import _gather_objects
+    from layer_boundary.launch import gather_objects
 
-    return _gather_objects({"rank": rank, "x": "a" * (10 + rank)}, dist.group.WORLD)
+    def no_numpy(self):
+        raise RuntimeError("Numpy is not available")  # as on a CPU torch install without NumPy
+
+    torch.Tensor.numpy = no_numpy
+    return gather_objects({"rank": rank, "x": "a" * (10 + rank)}, dist.group.WORLD)

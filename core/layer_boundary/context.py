@@ -219,7 +219,9 @@ class BoundaryContext:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
         mine = {(s.stage, s.variant, s.what, s.request): s.chosen for s in self.report.selections}
-        gathered = _gather_objects(mine, group)
+        from .launch import gather_objects
+
+        gathered = gather_objects(mine, group)
         first: dict[tuple, tuple[int, Optional[str]]] = {}
         for i, rows in enumerate(gathered):
             rank = dist.get_global_rank(group, i)
@@ -233,28 +235,6 @@ class BoundaryContext:
                         f"{seen[1] or 'none'}, rank {rank} {chosen or 'none'}; install the same plugins (and "
                         "versions) on every host, or pin them with LAYER_BOUNDARY_PLUGINS"
                     )
-
-
-def _gather_objects(obj: Any, group: Any) -> list[Any]:
-    """Every rank's ``obj`` (picklable), in group rank order. torch's all_gather_object needs
-    NumPy, which a CPU install of torch does not bring: pickled bytes in uint8 tensors instead
-    (construction time only: the sizes' ``.item()`` syncs)."""
-    import pickle
-
-    import torch.distributed as dist
-
-    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
-              else torch.device("cpu"))
-    data = torch.tensor(list(pickle.dumps(obj)), dtype=torch.uint8, device=device)
-    n = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
-    lengths = [int(v.item()) for v in sizes]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    bufs = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(bufs, padded, group=group)
-    return [pickle.loads(bytes(b[:k].tolist())) for b, k in zip(bufs, lengths)]
 
 
 def as_context(context: Optional[BoundaryContext], topology: Optional[Topology]) -> BoundaryContext:

@@ -58,7 +58,14 @@ def _worker(rank: int, world_size: int, backend: str, store_path: str, timeout_s
             # many seconds (and every as many again), where a parent's timeout would leave nothing.
             import faulthandler
 
-            faulthandler.dump_traceback_later(float(hang_dump), repeat=True)
+            try:
+                seconds = float(hang_dump)
+                if not seconds > 0:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"LAYER_BOUNDARY_HANG_DUMP_S={hang_dump!r}: give a number of seconds above 0, "
+                                 "or unset it") from None
+            faulthandler.dump_traceback_later(seconds, repeat=True)
         init_rank(rank, world_size, backend, store_path, timeout_s)
         out = fn(rank, world_size, *args)
         # Plain pickle bytes, not the queue's torch reduction: that one hands tensors over as
@@ -173,3 +180,22 @@ def spawn(
     if failure is not None:
         raise failure
     return [got[r] for r in range(world_size)]
+
+
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable) in ``group`` (default the world), in group rank order.
+    torch's all_gather_object needs NumPy, which a CPU install of torch does not bring (``run``
+    under torchrun failed on it): pickled bytes in uint8 tensors instead. Host syncs (the sizes'
+    ``.item()``): for construction and results, never a forward step."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+              else torch.device("cpu"))
+    data = torch.tensor(list(pickle.dumps(obj)), dtype=torch.uint8, device=device)
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
+    lengths = [int(v.item()) for v in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    bufs = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(bufs, padded, group=group)
+    return [pickle.loads(bytes(b[:k].tolist())) for b, k in zip(bufs, lengths)]

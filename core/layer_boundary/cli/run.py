@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..launch import RankError, spawn, under_torchrun
+from ..launch import RankError, gather_objects, spawn, under_torchrun
 from ..models.runner import RunSpec, build_model, describe_model, rank_forward, single_rank_logits
 from ..plugins import PluginError
 from ..topology import Topology
@@ -146,9 +146,7 @@ def _run_ranks(spec: RunSpec, backend: str, repeats: int) -> list[dict[str, Any]
         if ours:
             dist.init_process_group(backend)
         try:
-            mine = _rank_job(rank, world, spec, repeats)
-            everyone: list[Any] = [None] * world
-            dist.all_gather_object(everyone, mine)
+            everyone = gather_objects(_rank_job(rank, world, spec, repeats))  # no NumPy needed
         finally:
             if ours:
                 # A rank that exits with its gloo group alive can abort in the group's threads
