@@ -320,7 +320,7 @@ def test_gpu_open_launch_form_takes_the_cluster_kernel_at_mid_sizes():
     READ_TOKENS reads to the cluster kernel, bit for bit, and leaves the sizes around them to the
     Triton kernels (one launch up to 16 tokens, two above)."""
     _gpu_ready()
-    from mhc_gpu import _inputs, _params
+    from mhc_gpu import _inputs, _params, open_and_named_update_read
 
     from layer_boundary_mhc import cluster_ops, triton_ops
 
@@ -333,12 +333,7 @@ def test_gpu_open_launch_form_takes_the_cluster_kernel_at_mid_sizes():
     lo, hi = cluster_ops.UPDATE_READ_TOKENS
     below = [(lo - 1, True)] if lo > 1 else []  # one Triton launch up to 16 tokens
     for t, form in [(lo, "cluster"), (128, "cluster"), (hi, "cluster"), (hi + 1, False)] + below:
-        x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, seed=t)
-        auto = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6)
-        if form == "cluster":
-            want = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
-        else:
-            want = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, cooperative=form)
+        auto, want = open_and_named_update_read(t, n, c, form, params)
         same(auto, want, f"update+read T={t}: not the {form} result")
     lo, hi = cluster_ops.READ_TOKENS
     for t, form in ((lo, "cluster"), (hi, "cluster"), (hi + 1, False)):

@@ -163,21 +163,14 @@ def test_gpu_open_launch_form_takes_the_split_variant_from_split_tokens(monkeypa
     """With SPLIT_TOKENS set, cooperative=None sends update+reads from that size to the split
     variant, bit for bit, and leaves the size below it, reads and H = 7168 to the Triton kernels."""
     _gpu_ready()
-    from mhc_gpu import _inputs, _params
+    from mhc_gpu import _inputs, _params, open_and_named_update_read
 
     from layer_boundary_mhc import triton_ops
 
     monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 1024)
     monkeypatch.setattr(cluster_ops, "_ELIGIBLE", {})
     for t, c, form in ((1024, 4096, "split"), (3000, 4096, "split"), (1023, 4096, False), (2048, 7168, False)):
-        n = 4
-        params = _params(n, c)
-        x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, seed=t)
-        auto = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6)
-        if form == "split":
-            want = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
-        else:
-            want = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, cooperative=form)
+        auto, want = open_and_named_update_read(t, 4, c, form, _params(4, c))
         assert all(torch.equal(a, b) for a, b in zip(auto, want)), f"T={t} C={c}: not the {form} result"
     x, _, w, _, _ = _inputs(2048, 4, 4096, torch.bfloat16)
     params = _params(4, 4096)

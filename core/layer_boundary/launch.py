@@ -6,6 +6,7 @@ rank's traceback, within the process-group timeout at worst, never a hang.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import pickle
@@ -189,7 +190,8 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     ``.item()``): for construction and results, never a forward step."""
     device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
               else torch.device("cpu"))
-    data = torch.tensor(list(pickle.dumps(obj)), dtype=torch.uint8, device=device)
+    # Bytes in and out without a Python int per byte (a rank's logits can be many MB).
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     n = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
     dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
@@ -198,4 +200,5 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     padded[: data.numel()] = data
     bufs = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(bufs, padded, group=group)
-    return [pickle.loads(bytes(b[:k].tolist())) for b, k in zip(bufs, lengths)]
+    host = [b[:k].cpu().contiguous() for b, k in zip(bufs, lengths)]
+    return [pickle.loads(ctypes.string_at(h.data_ptr(), h.numel())) for h in host]

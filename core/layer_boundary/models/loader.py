@@ -129,10 +129,16 @@ def load_tensors(
     # A pipeline stage holds only some of the checkpoint's modules, under local names: the model
     # maps each name to its own (None: another stage's tensor).
     local_name: Callable[[str], Any] = getattr(model, "local_checkpoint_name", lambda name: name)
-    tied: dict[str, torch.Tensor] = {}  # a tied config's embedding and its (ignored) stored head
+    # A tied config's embedding and stored head, compared once both came and then let go (only
+    # for a tied config: an untied large checkpoint would hold gigabytes here for nothing).
+    tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    tied: dict[str, torch.Tensor] = {}
     for name, full in tensors:
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if tie and name in _TIED_NAMES:
             tied[name] = full
+            if len(tied) == 2:
+                _check_tied_head(tied, source)
+                tied.clear()
         if ignored(name):
             continue
         local = local_name(name)
@@ -162,7 +168,7 @@ def load_tensors(
             raise CheckpointMismatch(f"{source}: tensor {name!r} cannot be loaded: {e}") from e
         loaded.add(key)
 
-    _check_tied_head(model, tied, source)
+    tied.clear()
     missing = sorted(_checkpoint_name(p, s, mapping) for p, s in expected - loaded)
     if missing or unexpected or duplicated:
         parts = []
@@ -179,13 +185,13 @@ def load_tensors(
         )
 
 
-def _check_tied_head(model: nn.Module, tied: dict[str, torch.Tensor], source: str) -> None:
+_TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _check_tied_head(tied: dict[str, torch.Tensor], source: str) -> None:
     """A config that ties the embeddings while the checkpoint stores a different LM head: the model
     would drop that head (transformers, in this case, keeps it untied), so the logits would differ."""
-    config = getattr(model, "config", None)
-    head, embed = tied.get("lm_head.weight"), tied.get("model.embed_tokens.weight")
-    if not getattr(config, "tie_word_embeddings", False) or head is None or embed is None:
-        return
+    embed, head = (tied[n] for n in _TIED_NAMES)
     if head.shape != embed.shape or not torch.equal(head, embed):
         raise CheckpointMismatch(
             f"{source}: config.json ties the embeddings (tie_word_embeddings: true) but the checkpoint's "
