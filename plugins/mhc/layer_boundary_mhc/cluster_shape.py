@@ -215,9 +215,12 @@ class SplitShape(PersistentShape):
         return 16 * ctas + 2 * (16 * blocks + 2 * tokens)
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
-                 producers: int = 2) -> None:
+                 producers: int = 2, count_stride: int = 1, poll_lane: bool = False) -> None:
         super().__init__(n, hidden, update, iters, warps=warps, profile=profile)
         self.producers = producers
+        # Ready counts ``count_stride`` u32 apart (32: a 128-byte line each), and whether one lane of
+        # a producer polls (relaxed) before the warp's acquire read, rather than all 32.
+        self.count_stride, self.poll_lane = count_stride, poll_lane
         # The stream role's plan (phi, slots, coefficient rows, per-warp partials, then a second
         # buffer of coefficient rows) without the
         # exchange buffers; the finisher role's ring of x' rows (n x C bf16 each, as many as fit, at

@@ -321,6 +321,14 @@ def spin_until(addr, target):
         "@p trap; bra LB_SPIN_${:uid}; LB_DONE_${:uid}: }", "l,r")
 
 
+def spin_relaxed(addr, target):
+    """As ``spin_until`` with relaxed reads: one lane's poll ahead of its warp's acquire read."""
+    asm(None, [addr, target], "{ .reg .pred p; .reg .u32 v; .reg .u64 t0, t1; mov.u64 t0, %globaltimer; "
+        "LB_SPIN_${:uid}: ld.relaxed.gpu.global.u32 v, [$0]; setp.ge.u32 p, v, $1; @p bra LB_DONE_${:uid}; "
+        "nanosleep.u32 64; mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.gt.u64 p, t1, 20000000000; "
+        "@p trap; bra LB_SPIN_${:uid}; LB_DONE_${:uid}: }", "l,r")
+
+
 def fence_proxy_async_global():
     """Global memory this thread has observed (another CTA's x', acquired) ordered before its later
     async-proxy reads of it (bulk copies)."""
