@@ -21,7 +21,8 @@ from layer_boundary_mhc import accuracy, cluster_ops, triton_ops
 N = 4
 SETTINGS = ("CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS",
             "PERSISTENT_TOKENS", "PERSISTENT_WARPS", "SPLIT_TOKENS", "SPLIT_FINISHERS",
-            "SPLIT_PRODUCERS", "SPLIT_COUNT_STRIDE", "SPLIT_POLL_LANE")
+            "SPLIT_PRODUCERS", "SPLIT_COUNT_STRIDE", "SPLIT_POLL_LANE", "SPLIT_SIGNAL_WARP",
+            "SPLIT_PRODUCE_DEPTH")
 
 
 def _time(fn) -> float:

@@ -215,12 +215,22 @@ class SplitShape(PersistentShape):
         return 16 * ctas + 2 * (16 * blocks + 2 * tokens)
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
-                 producers: int = 2, count_stride: int = 1, poll_lane: bool = False) -> None:
+                 producers: int = 2, count_stride: int = 1, poll_lane: int = 0, signal_warp: int = 0,
+                 produce_depth: int = PRODUCE_DEPTH) -> None:
         super().__init__(n, hidden, update, iters, warps=warps, profile=profile)
         self.producers = producers
-        # Ready counts ``count_stride`` u32 apart (32: a 128-byte line each), and whether one lane of
-        # a producer polls (relaxed) before the warp's acquire read, rather than all 32.
+        # Ready counts ``count_stride`` u32 apart (32: a 128-byte line each). ``poll_lane``: who polls
+        # a token's count: 0 every lane of the producer warp (acquire), 1 lane 0 (relaxed) and then
+        # every lane (acquire), 2 lane 0 (acquire) and then the warp's barrier.
         self.count_stride, self.poll_lane = count_stride, poll_lane
+        # Who counts a stream CTA's blocks ready (a release, whose fence waits for the thread's
+        # memory operations before it): ``signal_warp`` 0 thread 0 (which also copies coefficient
+        # rows and stores partials), 1 a ninth warp (barriers from the stream warps), 2 lane 0 of
+        # the last warp, which then stores no partials.
+        self.signal_warp = signal_warp
+        self.block_threads = self.threads + (32 if signal_warp == 1 else 0)
+        self.signal_tid = self.threads - 32 if signal_warp == 2 else 0
+        self.partial_threads = self.threads - 32 if signal_warp == 2 else self.threads
         # The stream role's plan (phi, slots, coefficient rows, per-warp partials, then a second
         # buffer of coefficient rows) without the
         # exchange buffers; the finisher role's ring of x' rows (n x C bf16 each, as many as fit, at
@@ -236,7 +246,7 @@ class SplitShape(PersistentShape):
         # overlap), at most the ring's rows over the producers: a step waits for the rows of the
         # steps before it, never for one that waits on it (3 producers of 4 tokens on 7 rows hung). Polling
         # all of a step's counts at once, at depth 3, was slower: 407.2 against 342.5 µs (H200, T = 8192).
-        self.pdepth = max(1, min(PRODUCE_DEPTH, self.fslots // producers))
+        self.pdepth = max(1, min(produce_depth, self.fslots // producers))
         self.smem = max(stream, finish) + 1024
         self.problem = self._problem() or ("" if warps == 8 and 1 <= producers <= 7 else
                                            f"{warps} warps a CTA, {producers} of them producers (the split "

@@ -285,6 +285,12 @@ def bar_sync(barrier: int, threads: int):
     asm(None, [], f"bar.sync {barrier}, {threads};", "")
 
 
+def bar_arrive(barrier: int, threads: int):
+    """Arrive at named barrier ``barrier`` (of ``threads`` threads) without waiting: this thread's
+    earlier memory operations are performed for the threads that wait there."""
+    asm(None, [], f"bar.arrive {barrier}, {threads};", "")
+
+
 def cp_async_wait_all():
     asm(None, [], "cp.async.wait_all;", "")
 

@@ -61,7 +61,7 @@ class MhcSplit(MhcPersistent):
         s = self.s
         self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, part, cnt, tokens,
                     blocks, sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
-            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream)
+            grid=[sets * 16 + finishers, 1, 1], block=[s.block_threads, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
@@ -86,7 +86,10 @@ class MhcSplit(MhcPersistent):
         cyc.fill(0)
         t_all = self._clock()
         done = Int32(0)
-        if bid < sets * 16:
+        if warp == s.warps:  # the signal warp (``signal_warp`` 1)
+            if bid < sets * 16:
+                self._signal(bid, sets, blocks, cnt_a, lane, stamps)
+        elif bid < sets * 16:
             done = self._streamer(bid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt,
                                   sot, son, tid, warp, lane, g, q, base, cyc, stamps)
         else:
@@ -148,26 +151,54 @@ class MhcSplit(MhcPersistent):
             # x' and partials of it: thread 0's release covers them (cumulative), and their stores
             # have long drained. A fence and count right after the block stalled every warp on its
             # own stores: 483.7 against 365.0 µs (H200, T = 8192, the first finisher form).
-            if tid == 0 and it > 0:
-                P.red_release_add(cnt_a + Int64(blk - sets) * (4 * s.count_stride), Int32(1))
-                if cutlass.const_expr(s.profile):
-                    P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
+            if cutlass.const_expr(s.signal_warp != 1):
+                if tid == s.signal_tid and it > 0:
+                    P.red_release_add(cnt_a + Int64(blk - sets) * (4 * s.count_stride), Int32(1))
+                    if cutlass.const_expr(s.profile):
+                        P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
             self._stream(slot, fill, blk, Int32(blk + sets < blocks), sets, tokens, phi_s, cb, xol, sot, son,
                          warp, g, q, acc, sq)
             t0 = self._lap(cyc, 1, t0)
             self._partials(acc, sq, wp, Int32(0), Int32(0), rank, tid, warp, g, q, False,
                            sink=part_a + (Int64(blk) * 16 + Int64(rank)) * row * 4)
+            if cutlass.const_expr(s.signal_warp == 1):
+                # The block's stores are issued: the signal warp may count it. It must have counted
+                # the previous one first (a barrier's arrivals of two blocks must not mix).
+                if it > 0:
+                    P.bar_sync(4, s.block_threads)
+                P.bar_arrive(3, s.block_threads)
             t0 = self._lap(cyc, 2, t0)
             if cutlass.const_expr(s.update):
                 self._coef_issue(tid, blk + 2 * sets, tokens, hp_a, hr_a, cb)
             self._lap(cyc, 4, t0)
-        P.bar_sync(1, s.threads)
-        if tid == 0 and nloc > 0:
-            P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * (4 * s.count_stride), Int32(1))
-            if cutlass.const_expr(s.profile):
-                P.stamp(stamps[0] + (Int64(first + (nloc - 1) * sets) * 16 + Int64(rank)) * 16)
+        if cutlass.const_expr(s.signal_warp != 1):
+            P.bar_sync(1, s.threads)
+            if tid == s.signal_tid and nloc > 0:
+                P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * (4 * s.count_stride), Int32(1))
+                if cutlass.const_expr(s.profile):
+                    P.stamp(stamps[0] + (Int64(first + (nloc - 1) * sets) * 16 + Int64(rank)) * 16)
         P.cp_async_wait_all()  # the last iteration's copies (zeros past the last block) land before exit
         return nloc
+
+    @cute.jit
+    def _signal(self, sid, sets, blocks, cnt_a, lane, stamps):
+        """Stream CTA ``sid``'s signal warp: each of its blocks counted ready once the stream warps
+        have arrived behind the block's stores (barrier 3). Its release's fence waits for the
+        memory operations before it; in thread 0 of a stream warp that wait held the CTA's next
+        barrier (ncu: a third of warp 0's stream-pass samples in the fence, H200, T = 8192)."""
+        s = self.s
+        rank = sid % 16
+        first = sid // 16
+        nloc = (blocks - first + sets - 1) // sets
+        for it in cutlass.range(nloc, unroll=1):
+            blk = first + it * sets
+            P.bar_sync(3, s.block_threads)
+            if lane == 0:
+                P.red_release_add(cnt_a + Int64(blk) * (4 * s.count_stride), Int32(1))
+                if cutlass.const_expr(s.profile):
+                    P.stamp(stamps[0] + (Int64(blk) * 16 + Int64(rank)) * 16)
+            if it + 1 < nloc:
+                P.bar_arrive(4, s.block_threads)
 
     @cute.jit
     def _finisher(self, fid, nfin, src, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a, tokens, sit,
@@ -219,11 +250,20 @@ class MhcSplit(MhcPersistent):
                 toks.append((live, i, t, t // s.bt))
                 if live != 0:
                     at = cnt_a + Int64(t // s.bt) * (4 * s.count_stride)
-                    if cutlass.const_expr(s.poll_lane):
+                    if cutlass.const_expr(s.poll_lane == 2):
+                        # One lane's acquire, then the warp's barrier (which orders it before the
+                        # other lanes' reads of the partials): 32 lanes' acquire reads slowed the
+                        # stream CTAs by 12 %, and a relaxed poll then the warp's acquire read
+                        # added a round trip a token.
                         if lane == 0:
-                            P.spin_relaxed(at, Int32(16))
+                            P.spin_until(at, Int32(16))
                         cute.arch.sync_warp()
-                    P.spin_until(at, Int32(16))
+                    else:
+                        if cutlass.const_expr(s.poll_lane == 1):
+                            if lane == 0:
+                                P.spin_relaxed(at, Int32(16))
+                            cute.arch.sync_warp()
+                        P.spin_until(at, Int32(16))
                     if cutlass.const_expr(s.profile):
                         if lane == 0:
                             P.stamp(seen_a + Int64(t) * 16)
