@@ -249,7 +249,7 @@ m|p)
   # token counts, default 1024 8192) at H = 4096, then
   # MHC_CLUSTER_VARIANTS_WIDE at H = 7168, each with one profiled call.
   if [ -n "${MHC_CLUSTER_VARIANTS:-}" ]; then
-    ( cd benchmarks/sweeps && eval "timeout ${MHC_VARIANTS_TIMEOUT:-200} python3 mhc_cluster_variants.py $MHC_CLUSTER_VARIANTS --tokens ${MHC_VARIANT_TOKENS:-1024 8192} --phases" \
+    ( cd benchmarks/sweeps && eval "timeout ${MHC_VARIANTS_TIMEOUT:-200} python3 mhc_cluster_variants.py $MHC_CLUSTER_VARIANTS --tokens ${MHC_VARIANT_TOKENS:-1024 8192} --phases ${MHC_VARIANT_ARGS:-}" \
         > "$OUT/cluster-variants.log" 2>&1
       eval "timeout 120 python3 mhc_cluster_variants.py ${MHC_CLUSTER_VARIANTS_WIDE:-\"\"} --hidden 7168 --tokens 1024 8192" \
         >> "$OUT/cluster-variants.log" 2>&1 )

@@ -57,12 +57,18 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
     return line
 
 
+# Profiled calls made back to back before the one read (--steady): the timed figures are replays of
+# many calls, whose GPU clock and memory state a single call after a sync does not have.
+STEADY = 1
+
+
 def _profiled(i, values: int, ctas: int = 0):
-    """One call with ``cluster_ops.PROFILE`` (``values`` int64 values) set: ``[CTA, 16]`` (the first
-    ``ctas`` CTAs' and the rest as given, if ``ctas``), on the CPU."""
+    """``STEADY`` calls with ``cluster_ops.PROFILE`` (``values`` int64 values) set, the last one's
+    values: ``[CTA, 16]`` (the first ``ctas`` CTAs' and the rest as given, if ``ctas``), on the CPU."""
     cluster_ops.PROFILE = torch.zeros(values, dtype=torch.int64, device="cuda")
     try:
-        cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
+        for _ in range(STEADY):
+            cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS)
         torch.cuda.synchronize()
         got = cluster_ops.PROFILE.cpu()
         return (got[: 16 * ctas].view(-1, 16).double(), got[16 * ctas:]) if ctas else got.view(-1, 16).double()
@@ -99,8 +105,11 @@ def _split_sections(i) -> str:
         per = (rows / rows[:, 8:9]).median(dim=0).values.tolist()
         parts = ", ".join(f"{name} {per[k]:.0f}" for k, name in prof.SECTIONS[role].items())
         us = rows[:, 9] / 1.98e3
+        span = (rows[:, 11] - rows[:, 14]) / 1e3  # globaltimer: the CTA's start to its end, µs
+        ghz = rows[:, 9] / (span * 1e3)
         lines.append(f"      {role} ({len(rows)} CTAs, {int(rows[:, 8].median())} each): {parts}; "
-                     f"kernel {us.median():.0f} µs at 1.98 GHz (CTAs {us.min():.0f}-{us.max():.0f})")
+                     f"kernel {us.median():.0f} µs at 1.98 GHz (CTAs {us.min():.0f}-{us.max():.0f}); by the timer "
+                     f"{span.median():.0f} µs (CTAs {span.min():.0f}-{span.max():.0f}), so {ghz.median():.2f} GHz")
         if role == "stream":  # the slowest CTA of each set of 16 (a block is ready when its set's 16 are)
             sets = us[: len(us) // 16 * 16].view(-1, 16).max(dim=1).values
             lines.append("      slowest CTA of each set: " + ", ".join(f"{v:.0f}" for v in sets.tolist()) + " µs")
@@ -161,7 +170,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hidden", type=int, nargs="+", default=[4096])
     ap.add_argument("--phases", action="store_true", help="also one profiled call: the phase durations")
     ap.add_argument("--once", action="store_true", help="one call of each variant and T, untimed (under ncu)")
+    ap.add_argument("--steady", type=int, default=1, help="--phases: profiled calls back to back, the last read")
     args = ap.parse_args(argv)
+    global STEADY
+    STEADY = max(1, args.steady)
     defaults = {k: getattr(cluster_ops, k) for k in SETTINGS}
     copy = 0.0 if args.once else copy_bandwidth("cuda", 1 << 30)["gbps"]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, n={N}, bf16; copy {copy:.0f} GB/s")

@@ -234,6 +234,11 @@ def stamp(addr):
         "cvt.u64.u32 s, sm; st.global.v2.u64 [$0], {t, s}; }", "l")
 
 
+def globaltimer():
+    """The global nanosecond timer (int64): profiles."""
+    return Int64(asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l"))
+
+
 def clock():
     return Int64(asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l"))
 

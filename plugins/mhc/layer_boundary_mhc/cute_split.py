@@ -85,6 +85,9 @@ class MhcSplit(MhcPersistent):
         cyc = cute.make_rmem_tensor((8,), Int64)
         cyc.fill(0)
         t_all = self._clock()
+        if cutlass.const_expr(s.profile):
+            if tid == 0:
+                P.stamp(prof_a + 112)  # the CTA's start (ns, SM)
         done = Int32(0)
         if warp == s.warps:  # the signal warp (``signal_warp`` 1)
             if bid < sets * 16:
@@ -104,7 +107,7 @@ class MhcSplit(MhcPersistent):
                 for k in cutlass.range_constexpr(4):
                     P.stg_v2_u64(prof_a + 16 * k, cyc[2 * k], cyc[2 * k + 1])
                 P.stg_v2_u64(prof_a + 64, Int64(done), self._clock() - t_all)
-                P.stg_v2_u64(prof_a + 80, Int64(bid >= sets * 16), Int64(0))
+                P.stg_v2_u64(prof_a + 80, Int64(bid >= sets * 16), P.globaltimer())  # role, end (ns)
             if tid == 32 * s.producers and bid >= sets * 16:  # a consumer's sections
                 P.stg_v2_u64(prof_a + 96, cyc[2], cyc[3])
 
