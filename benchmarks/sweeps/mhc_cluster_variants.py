@@ -15,7 +15,7 @@ import sys
 import torch
 
 from layer_boundary.bench import mhc as bench
-from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call
+from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call, time_eager
 from layer_boundary_mhc import accuracy, cluster_ops, triton_ops
 
 N = 4
@@ -42,7 +42,13 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
                                                            streams_out=outs[0], out=outs[1], h_post_out=outs[2],
                                                            h_res_out=outs[3]))
     roof = bench.bytes_moved("update+read", t, N, hidden, 2) / (copy_gbps * 1e3)
-    line = (f"T={t:5d} {'ok  ' if ok else 'FAIL'} cluster {us:7.1f} ({100 * roof / us:4.1f} %)  "
+    eager = ""
+    if EAGER:  # launched back to back without a graph: what a graph replay changes
+        ea = time_eager(lambda: cluster_ops.mhc_update_read_cluster(
+            i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS, streams_out=outs[0], out=outs[1],
+            h_post_out=outs[2], h_res_out=outs[3]), "cuda", TimingPlan(replays=20, max_calls=50)).median_us
+        eager = f" eager {ea:7.1f}"
+    line = (f"T={t:5d} {'ok  ' if ok else 'FAIL'} cluster {us:7.1f} ({100 * roof / us:4.1f} %){eager}  "
             f"[{'split ' if shape.split else 'persistent ' if persistent else ''}CL={shape.cl} BT={shape.bt} warps={shape.warps} "
             f"ctas={shape.ctas} stages={shape.stages} smem={shape.smem // 1024} KiB]")
     if triton_too:
@@ -60,6 +66,7 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
 # Profiled calls made back to back before the one read (--steady): the timed figures are replays of
 # many calls, whose GPU clock and memory state a single call after a sync does not have.
 STEADY = 1
+EAGER = False
 
 
 def _profiled(i, values: int, ctas: int = 0):
@@ -170,10 +177,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hidden", type=int, nargs="+", default=[4096])
     ap.add_argument("--phases", action="store_true", help="also one profiled call: the phase durations")
     ap.add_argument("--once", action="store_true", help="one call of each variant and T, untimed (under ncu)")
+    ap.add_argument("--eager", action="store_true", help="also time eager back-to-back launches")
     ap.add_argument("--steady", type=int, default=1, help="--phases: profiled calls back to back, the last read")
     args = ap.parse_args(argv)
-    global STEADY
-    STEADY = max(1, args.steady)
+    global STEADY, EAGER
+    STEADY, EAGER = max(1, args.steady), args.eager
     defaults = {k: getattr(cluster_ops, k) for k in SETTINGS}
     copy = 0.0 if args.once else copy_bandwidth("cuda", 1 << 30)["gbps"]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, n={N}, bf16; copy {copy:.0f} GB/s")
