@@ -22,7 +22,7 @@ N = 4
 SETTINGS = ("CLUSTER", "BLOCK_TOKENS", "WARPS", "CTAS", "STAGES", "PHI_STAGED", "PUSH", "SINKHORN_AFTER_TOKENS",
             "PERSISTENT_TOKENS", "PERSISTENT_WARPS", "SPLIT_TOKENS", "SPLIT_FINISHERS",
             "SPLIT_PRODUCERS", "SPLIT_COUNT_STRIDE", "SPLIT_POLL_LANE", "SPLIT_SIGNAL_WARP",
-            "SPLIT_PRODUCE_DEPTH")
+            "SPLIT_PRODUCE_DEPTH", "SPLIT_ENDS")
 
 
 def _time(fn) -> float:
@@ -59,7 +59,8 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, phases: boo
     if not ok:
         line += "  " + "; ".join(str(d) for d in devs if not d.ok)
     if phases:
-        line += "\n" + (_split_sections(i) if shape.split else _sections(i, shape) if persistent else _phases(i, shape))
+        split = _split_ends(i) if cluster_ops.SPLIT_ENDS else _split_sections(i)
+        line += "\n" + (split if shape.split else _sections(i, shape) if persistent else _phases(i, shape))
     return line
 
 
@@ -122,6 +123,25 @@ def _split_sections(i) -> str:
             lines.append("      slowest CTA of each set: " + ", ".join(f"{v:.0f}" for v in sets.tolist()) + " µs")
     lines.append(_split_stamps(st, blocks, t, prof.bt))
     return "\n".join(lines)
+
+
+def _split_ends(i) -> str:
+    """The kernel writing only each CTA's start and end (``SPLIT_ENDS``), the last of ``STEADY`` calls:
+    when each role's CTAs end, µs from the first CTA's start."""
+    prof = cluster_ops.split_shape(N, i.x.shape[2], True)
+    blocks = -(-i.x.shape[0] // prof.bt)
+    sets, fins = cluster_ops._split_grid(i.x.device, blocks)
+    ctas = 16 * sets + fins
+    raw, _ = _profiled(i, prof.profile_values(ctas, blocks, i.x.shape[0]), ctas)
+    zero = raw[:, 14].min()
+    stream, fin = raw[: 16 * sets], raw[16 * sets:]
+
+    def q(v):
+        v = (v - zero) / 1e3
+        return f"median {v.median():.1f}, max {v.max():.1f}"
+
+    return (f"      ends only (µs from the first start): stream CTAs end {q(stream[:, 11])}; finishers' producers "
+            f"{q(fin[:, 11])}, consumers {q(fin[:, 12])}; starts spread {(raw[:, 14].max() - zero) / 1e3:.1f}")
 
 
 def _split_stamps(st, blocks: int, t: int, bt: int) -> str:

@@ -86,6 +86,8 @@ SPLIT_COUNT_STRIDE = 1
 SPLIT_POLL_LANE = 0
 SPLIT_SIGNAL_WARP = 0
 SPLIT_PRODUCE_DEPTH = 2
+# With PROFILE set: the split variant writes only each CTA's start and end times (sweeps).
+SPLIT_ENDS = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count (the split
@@ -163,15 +165,17 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
     """The split variant's shape (``cluster_shape.SplitShape``; its ``problem`` says why it does not
     fit)."""
     key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, SPLIT_COUNT_STRIDE,
-           SPLIT_POLL_LANE, SPLIT_SIGNAL_WARP, SPLIT_PRODUCE_DEPTH, PROFILE is not None)
+           SPLIT_POLL_LANE, SPLIT_SIGNAL_WARP, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import SplitShape
 
         shape = _SHAPES[key] = SplitShape(n, hidden, update, iters, warps=PERSISTENT_WARPS,
-                                              profile=PROFILE is not None, producers=SPLIT_PRODUCERS,
+                                              profile=PROFILE is not None and not SPLIT_ENDS,
+                                              producers=SPLIT_PRODUCERS,
                                               count_stride=SPLIT_COUNT_STRIDE, poll_lane=SPLIT_POLL_LANE,
-                                              signal_warp=SPLIT_SIGNAL_WARP, produce_depth=SPLIT_PRODUCE_DEPTH)
+                                              signal_warp=SPLIT_SIGNAL_WARP, produce_depth=SPLIT_PRODUCE_DEPTH,
+                                              ends=bool(SPLIT_ENDS) and PROFILE is not None)
     return shape
 
 

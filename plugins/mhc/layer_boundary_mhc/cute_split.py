@@ -85,7 +85,7 @@ class MhcSplit(MhcPersistent):
         cyc = cute.make_rmem_tensor((8,), Int64)
         cyc.fill(0)
         t_all = self._clock()
-        if cutlass.const_expr(s.profile):
+        if cutlass.const_expr(s.profile or s.ends):
             if tid == 0:
                 P.stamp(prof_a + 112)  # the CTA's start (ns, SM)
         done = Int32(0)
@@ -110,6 +110,11 @@ class MhcSplit(MhcPersistent):
                 P.stg_v2_u64(prof_a + 80, Int64(bid >= sets * 16), P.globaltimer())  # role, end (ns)
             if tid == 32 * s.producers and bid >= sets * 16:  # a consumer's sections
                 P.stg_v2_u64(prof_a + 96, cyc[2], cyc[3])
+        elif cutlass.const_expr(s.ends):  # the CTA's end (thread 0; a finisher's first consumer too)
+            if tid == 0:
+                P.stg_v2_u64(prof_a + 80, Int64(bid >= sets * 16), P.globaltimer())
+            if tid == 32 * s.producers and bid >= sets * 16:
+                P.stg_v2_u64(prof_a + 96, P.globaltimer(), Int64(0))
 
     @cute.jit
     def _streamer(self, sid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt, sot, son,
