@@ -88,6 +88,8 @@ SPLIT_SIGNAL_WARP = 0
 SPLIT_PRODUCE_DEPTH = 2
 # With PROFILE set: the split variant writes only each CTA's start and end times (sweeps).
 SPLIT_ENDS = 0
+SPLIT_SINKHORN_LANES = 0
+SPLIT_RELEASE_EVERY = 1
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count (the split
@@ -165,7 +167,8 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
     """The split variant's shape (``cluster_shape.SplitShape``; its ``problem`` says why it does not
     fit)."""
     key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, SPLIT_COUNT_STRIDE,
-           SPLIT_POLL_LANE, SPLIT_SIGNAL_WARP, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS, PROFILE is not None)
+           SPLIT_POLL_LANE, SPLIT_SIGNAL_WARP, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS, SPLIT_SINKHORN_LANES,
+           SPLIT_RELEASE_EVERY, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import SplitShape
@@ -175,7 +178,9 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
                                               producers=SPLIT_PRODUCERS,
                                               count_stride=SPLIT_COUNT_STRIDE, poll_lane=SPLIT_POLL_LANE,
                                               signal_warp=SPLIT_SIGNAL_WARP, produce_depth=SPLIT_PRODUCE_DEPTH,
-                                              ends=bool(SPLIT_ENDS) and PROFILE is not None)
+                                              ends=bool(SPLIT_ENDS) and PROFILE is not None,
+                                              sinkhorn_lanes=bool(SPLIT_SINKHORN_LANES),
+                                              release_every=SPLIT_RELEASE_EVERY)
     return shape
 
 
@@ -360,7 +365,7 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
        ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), *extra,
        x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1), out.stride(0), eps, norm_eps,
        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
-    if not shape.sinkhorn:
+    if not shape.sinkhorn and not getattr(shape, "sinkhorn_lanes", False):
         _sinkhorn_after(h_res_out, t, n, iters)
 
 

@@ -315,6 +315,16 @@ def red_release_add(addr, v):
     asm(None, [addr, v], "red.release.gpu.global.add.u32 [$0], $1;", "l,r")
 
 
+def fence_acq_rel_gpu():
+    """A release (and acquire) fence at GPU scope: with a relaxed write after it, a release pattern."""
+    asm(None, [], "fence.acq_rel.gpu;", "")
+
+
+def red_relaxed_add(addr, v):
+    """Add ``v`` to the u32 at ``addr``, relaxed at GPU scope (after ``fence_acq_rel_gpu``: a release)."""
+    asm(None, [addr, v], "red.relaxed.gpu.global.add.u32 [$0], $1;", "l,r")
+
+
 def ldg_f32_cg(addr, live):
     """One FP32 value from L2 (written by another CTA of this kernel), zero where ``live`` is 0."""
     return Float32(asm(T.f32(), [addr, live],

@@ -161,9 +161,14 @@ class MhcSplit(MhcPersistent):
             # own stores: 483.7 against 365.0 µs (H200, T = 8192, the first finisher form).
             if cutlass.const_expr(s.signal_warp != 1):
                 if tid == s.signal_tid and it > 0:
-                    P.red_release_add(cnt_a + Int64(blk - sets) * (4 * s.count_stride), Int32(1))
-                    if cutlass.const_expr(s.profile):
-                        P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
+                    if cutlass.const_expr(s.release_every == 1):
+                        P.red_release_add(cnt_a + Int64(blk - sets) * (4 * s.count_stride), Int32(1))
+                        if cutlass.const_expr(s.profile):
+                            P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
+                    elif it % 2 == 0:  # one fence for the two blocks before
+                        P.fence_acq_rel_gpu()
+                        P.red_relaxed_add(cnt_a + Int64(blk - 2 * sets) * (4 * s.count_stride), Int32(1))
+                        P.red_relaxed_add(cnt_a + Int64(blk - sets) * (4 * s.count_stride), Int32(1))
             self._stream(slot, fill, blk, Int32(blk + sets < blocks), sets, tokens, phi_s, cb, xol, sot, son,
                          warp, g, q, acc, sq)
             t0 = self._lap(cyc, 1, t0)
@@ -182,7 +187,15 @@ class MhcSplit(MhcPersistent):
         if cutlass.const_expr(s.signal_warp != 1):
             P.bar_sync(1, s.threads)
             if tid == s.signal_tid and nloc > 0:
-                P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * (4 * s.count_stride), Int32(1))
+                if cutlass.const_expr(s.release_every == 1):
+                    P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * (4 * s.count_stride), Int32(1))
+                else:  # the blocks since the last even iteration's release
+                    last = nloc - 1
+                    ev = last - last % 2
+                    P.fence_acq_rel_gpu()
+                    P.red_relaxed_add(cnt_a + Int64(first + ev * sets) * (4 * s.count_stride), Int32(1))
+                    if last > ev:
+                        P.red_relaxed_add(cnt_a + Int64(first + last * sets) * (4 * s.count_stride), Int32(1))
                 if cutlass.const_expr(s.profile):
                     P.stamp(stamps[0] + (Int64(first + (nloc - 1) * sets) * 16 + Int64(rank)) * 16)
         P.cp_async_wait_all()  # the last iteration's copies (zeros past the last block) land before exit
@@ -248,6 +261,12 @@ class MhcSplit(MhcPersistent):
         consts = self._coef_consts(lane, alpha, bpre, bpost, bres)
         col = cutlass.min(lane, kpad)
         count = cutlass.max(mine - warp + npro - 1, 0) // npro  # this warp's tokens
+        # sinkhorn_lanes: lane b holds the logits of the warp's batch token b (skm) and its index
+        # (skt[1]); skt[0] counts the batch, the same in every lane.
+        skm = cute.make_rmem_tensor((n * n,), Float32)
+        skt = cute.make_rmem_tensor((2,), Int32)
+        skt[0] = Int32(0)
+        skt[1] = Int32(0)
         for k in cutlass.range((count + depth - 1) // depth, unroll=1):
             t0 = self._clock()
             toks = []
@@ -288,8 +307,16 @@ class MhcSplit(MhcPersistent):
                 tot = vals[d][0]
                 for cr in cutlass.range_constexpr(1, 16):
                     tot = tot + vals[d][cr]
+                res = [] if s.sinkhorn_lanes else None
                 h_pre, _ = self._coefficients(tot, Int64(t), live, lane, None, None, None, None, hpo, hro, eps,
-                                              consts)
+                                              consts, res_out=res)
+                if cutlass.const_expr(s.sinkhorn_lanes):
+                    if live != 0:
+                        mine_ = Int32(lane == skt[0])
+                        for e in cutlass.range_constexpr(n * n):
+                            skm[e] = P.sel(mine_, P.shfl_idx(res[0], Int32(2 * n + e)), skm[e])
+                        skt[1] = skt[1] + mine_ * (t - skt[1])
+                        skt[0] = skt[0] + 1
                 if live != 0 and lane < n:
                     P.sts_f32(hpre_s + (i % s.hrows) * 16 + lane * 4, h_pre)
             cute.arch.sync_warp()
@@ -313,7 +340,44 @@ class MhcSplit(MhcPersistent):
                         for j in cutlass.range_constexpr(n):
                             P.bulk_g2s(ring + sl * s.fslot + j * s.c * 2,
                                        row_a + (Int64(t) * st + Int64(j) * sn) * 2, s.c * 2, full + sl * 8)
+            if cutlass.const_expr(s.sinkhorn_lanes):
+                if skt[0] > 32 - depth:  # no room for another step's tokens
+                    self._sinkhorn_lanes(skm, skt, lane, hro)
             self._lap(cyc, 4, t0)
+        if cutlass.const_expr(s.sinkhorn_lanes):
+            if skt[0] > 0:
+                self._sinkhorn_lanes(skm, skt, lane, hro)
+
+    @cute.jit
+    def _sinkhorn_lanes(self, skm, skt, lane, hro):
+        """The Sinkhorn of the batch's tokens, one a lane (lanes past ``skt[0]`` idle), stored to
+        H_res; the batch then empty. The operations and their order are ``_sinkhorn``'s (bit for
+        bit the same matrices)."""
+        s = self.s
+        n = s.n
+        live = Int32(lane < skt[0])
+        top = skm[0]
+        for e in cutlass.range_constexpr(1, n * n):
+            top = P.fmax(top, skm[e])
+        for e in cutlass.range_constexpr(n * n):
+            skm[e] = P.fmax(P.exp(skm[e] - top), Float32(1.1754943508222875e-38))
+        for _ in cutlass.range(s.iters, unroll=1):
+            for j in cutlass.range_constexpr(n):
+                csum = skm[j]
+                for i2 in cutlass.range_constexpr(1, n):
+                    csum = csum + skm[i2 * n + j]
+                for i2 in cutlass.range_constexpr(n):
+                    skm[i2 * n + j] = P.div(skm[i2 * n + j], csum)
+            for i2 in cutlass.range_constexpr(n):
+                rsum = skm[i2 * n]
+                for j in cutlass.range_constexpr(1, n):
+                    rsum = rsum + skm[i2 * n + j]
+                for j in cutlass.range_constexpr(n):
+                    skm[i2 * n + j] = P.div(skm[i2 * n + j], rsum)
+        base = Int64(hro.toint()) + Int64(skt[1]) * (n * n * 4)
+        for e in cutlass.range_constexpr(n * n):
+            P.stg_f32(base + e * 4, skm[e], live)
+        skt[0] = Int32(0)
 
     @cute.jit
     def _consume(self, fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,

@@ -47,11 +47,12 @@ class ClusterSteps:
     @cute.jit
     def _coefficients(self, tot: Float32, tg: Int64, live: Int32, lane: Int32, alpha: cute.Pointer,
                       bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer, hpo: cute.Pointer,
-                      hro: cute.Pointer, eps: Float32, consts=None):
+                      hro: cute.Pointer, eps: Float32, consts=None, res_out=None):
         """Token ``tg``'s coefficients from its summed partials (lane l holds column l; column K the
         sum of squares): stores H_post and H_res (or, ``sinkhorn`` off, H_res's logits) where
         ``live``, and returns (H_pre of lane l < n, whether lane l holds one). ``consts``: what
-        ``_coef_consts`` returned, or None to read the parameters here."""
+        ``_coef_consts`` returned, or None to read the parameters here. ``res_out``: a list that
+        receives H_res's logit (lane 2n + i n + j: [i, j]) instead of its store."""
         s = self.s
         n, kpad = s.n, s.kpad
         rstd = P.rsqrt(P.shfl_idx(tot, Int32(kpad)) / Float32(n * s.c) + eps)
@@ -71,7 +72,10 @@ class ClusterSteps:
         # once (cluster_ops.launch): its 20 dependent iterations on two warps, while the CTA's
         # others wait, took 4 of this phase's 6 µs a block (H200, T = 8192).
         P.stg_f32(Int64(hpo.toint()) + (tg * n + lane - n) * 4, h_post, live * is_post)
-        P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, lg, live * is_res)
+        if cutlass.const_expr(res_out is None):
+            P.stg_f32(Int64(hro.toint()) + (tg * (n * n) + lane - 2 * n) * 4, lg, live * is_res)
+        else:
+            res_out.append(lg)
         return h_pre, is_pre
 
     @cute.jit
