@@ -179,7 +179,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
                                               count_stride=SPLIT_COUNT_STRIDE, poll_lane=SPLIT_POLL_LANE,
                                               signal_warp=SPLIT_SIGNAL_WARP, produce_depth=SPLIT_PRODUCE_DEPTH,
                                               ends=bool(SPLIT_ENDS) and PROFILE is not None,
-                                              sinkhorn_lanes=bool(SPLIT_SINKHORN_LANES),
+                                              sinkhorn_lanes=SPLIT_SINKHORN_LANES,
                                               release_every=SPLIT_RELEASE_EVERY)
     return shape
 

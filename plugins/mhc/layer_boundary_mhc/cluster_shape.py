@@ -216,14 +216,15 @@ class SplitShape(PersistentShape):
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
                  producers: int = 2, count_stride: int = 1, poll_lane: int = 0, signal_warp: int = 0,
-                 produce_depth: int = PRODUCE_DEPTH, ends: bool = False, sinkhorn_lanes: bool = False,
+                 produce_depth: int = PRODUCE_DEPTH, ends: bool = False, sinkhorn_lanes: int = 0,
                  release_every: int = 1) -> None:
         super().__init__(n, hidden, update, iters, warps=warps, profile=profile)
         # ``ends``: the unprofiled kernel writing only each CTA's start and end times (global timer:
         # slots 14, 11 and, a finisher's consumers, 12), whose timing the sections' clocks perturb.
         self.ends = ends and not profile
-        # ``sinkhorn_lanes``: H_res's Sinkhorn in the producer warps, 32 tokens at a time (a token a
-        # lane, its logits gathered as they are computed), rather than a launch after the kernel.
+        # ``sinkhorn_lanes``: H_res's Sinkhorn in the producer warps rather than a launch after the
+        # kernel, a token a lane: 1 in batches of 32 (logits gathered as they are computed), 2 after
+        # the warp's last token (its logits stored, read back).
         self.sinkhorn_lanes = sinkhorn_lanes
         # Blocks a stream CTA counts ready after one fence (1 or 2; 2: a block waits one more).
         self.release_every = release_every

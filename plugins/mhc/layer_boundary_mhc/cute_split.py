@@ -48,6 +48,8 @@ from .cute_steps import compile_kernel
 
 # Tokens a step of a consumer warp: their loads and arithmetic interleave, one barrier for all.
 CONSUME_DEPTH = 2
+# Tokens a lane of a producer warp's Sinkhorn after its last token (sinkhorn_lanes 2) at a time.
+SK_PER = 4
 
 
 class MhcSplit(MhcPersistent):
@@ -307,10 +309,10 @@ class MhcSplit(MhcPersistent):
                 tot = vals[d][0]
                 for cr in cutlass.range_constexpr(1, 16):
                     tot = tot + vals[d][cr]
-                res = [] if s.sinkhorn_lanes else None
+                res = [] if s.sinkhorn_lanes == 1 else None
                 h_pre, _ = self._coefficients(tot, Int64(t), live, lane, None, None, None, None, hpo, hro, eps,
                                               consts, res_out=res)
-                if cutlass.const_expr(s.sinkhorn_lanes):
+                if cutlass.const_expr(s.sinkhorn_lanes == 1):
                     if live != 0:
                         mine_ = Int32(lane == skt[0])
                         for e in cutlass.range_constexpr(n * n):
@@ -340,44 +342,74 @@ class MhcSplit(MhcPersistent):
                         for j in cutlass.range_constexpr(n):
                             P.bulk_g2s(ring + sl * s.fslot + j * s.c * 2,
                                        row_a + (Int64(t) * st + Int64(j) * sn) * 2, s.c * 2, full + sl * 8)
-            if cutlass.const_expr(s.sinkhorn_lanes):
+            if cutlass.const_expr(s.sinkhorn_lanes == 1):
                 if skt[0] > 32 - depth:  # no room for another step's tokens
-                    self._sinkhorn_lanes(skm, skt, lane, hro)
+                    self._sinkhorn_lanes(skm, [skt[1]], [Int32(lane < skt[0])], hro)
+                    skt[0] = Int32(0)
             self._lap(cyc, 4, t0)
-        if cutlass.const_expr(s.sinkhorn_lanes):
+        if cutlass.const_expr(s.sinkhorn_lanes == 1):
             if skt[0] > 0:
-                self._sinkhorn_lanes(skm, skt, lane, hro)
+                self._sinkhorn_lanes(skm, [skt[1]], [Int32(lane < skt[0])], hro)
+        if cutlass.const_expr(s.sinkhorn_lanes == 2):
+            self._sinkhorn_at_end(fid, nfin, count, warp, lane, hro)
 
     @cute.jit
-    def _sinkhorn_lanes(self, skm, skt, lane, hro):
-        """The Sinkhorn of the batch's tokens, one a lane (lanes past ``skt[0]`` idle), stored to
-        H_res; the batch then empty. The operations and their order are ``_sinkhorn``'s (bit for
-        bit the same matrices)."""
+    def _sinkhorn_lanes(self, skm, toks: list, lives: list, hro):
+        """The Sinkhorn of ``len(toks)`` tokens a lane (logits in ``skm``, ``n * n`` each; lanes where
+        ``lives[r]`` is 0 compute but store nothing), stored to H_res. The operations and their
+        order are ``_sinkhorn``'s (bit for bit the same matrices); several a lane overlap their
+        dependent divisions."""
         s = self.s
         n = s.n
-        live = Int32(lane < skt[0])
-        top = skm[0]
-        for e in cutlass.range_constexpr(1, n * n):
-            top = P.fmax(top, skm[e])
-        for e in cutlass.range_constexpr(n * n):
-            skm[e] = P.fmax(P.exp(skm[e] - top), Float32(1.1754943508222875e-38))
+        nn = n * n
+        for r in cutlass.range_constexpr(len(toks)):
+            top = skm[r * nn]
+            for e in cutlass.range_constexpr(1, nn):
+                top = P.fmax(top, skm[r * nn + e])
+            for e in cutlass.range_constexpr(nn):
+                skm[r * nn + e] = P.fmax(P.exp(skm[r * nn + e] - top), Float32(1.1754943508222875e-38))
         for _ in cutlass.range(s.iters, unroll=1):
-            for j in cutlass.range_constexpr(n):
-                csum = skm[j]
-                for i2 in cutlass.range_constexpr(1, n):
-                    csum = csum + skm[i2 * n + j]
-                for i2 in cutlass.range_constexpr(n):
-                    skm[i2 * n + j] = P.div(skm[i2 * n + j], csum)
-            for i2 in cutlass.range_constexpr(n):
-                rsum = skm[i2 * n]
-                for j in cutlass.range_constexpr(1, n):
-                    rsum = rsum + skm[i2 * n + j]
+            for r in cutlass.range_constexpr(len(toks)):
                 for j in cutlass.range_constexpr(n):
-                    skm[i2 * n + j] = P.div(skm[i2 * n + j], rsum)
-        base = Int64(hro.toint()) + Int64(skt[1]) * (n * n * 4)
-        for e in cutlass.range_constexpr(n * n):
-            P.stg_f32(base + e * 4, skm[e], live)
-        skt[0] = Int32(0)
+                    csum = skm[r * nn + j]
+                    for i2 in cutlass.range_constexpr(1, n):
+                        csum = csum + skm[r * nn + i2 * n + j]
+                    for i2 in cutlass.range_constexpr(n):
+                        skm[r * nn + i2 * n + j] = P.div(skm[r * nn + i2 * n + j], csum)
+            for r in cutlass.range_constexpr(len(toks)):
+                for i2 in cutlass.range_constexpr(n):
+                    rsum = skm[r * nn + i2 * n]
+                    for j in cutlass.range_constexpr(1, n):
+                        rsum = rsum + skm[r * nn + i2 * n + j]
+                    for j in cutlass.range_constexpr(n):
+                        skm[r * nn + i2 * n + j] = P.div(skm[r * nn + i2 * n + j], rsum)
+        for r in cutlass.range_constexpr(len(toks)):
+            base = Int64(hro.toint()) + Int64(toks[r]) * (nn * 4)
+            for e in cutlass.range_constexpr(nn):
+                P.stg_f32(base + e * 4, skm[r * nn + e], lives[r])
+
+    @cute.jit
+    def _sinkhorn_at_end(self, fid, nfin, count, warp, lane, hro):
+        """``sinkhorn_lanes`` 2: after the warp's last token, the Sinkhorn of all its tokens' logits
+        (stored by its lanes: the warp's barrier orders them before these reads), ``SK_PER`` tokens
+        a lane at a time; the consumers are then still draining the ring."""
+        s = self.s
+        nn = s.n * s.n
+        per = SK_PER
+        skm = cute.make_rmem_tensor((per * nn,), Float32)
+        cute.arch.sync_warp()
+        for b in cutlass.range((count + 32 * per - 1) // (32 * per), unroll=1):
+            toks, lives = [], []
+            for r in cutlass.range_constexpr(per):
+                idx = (b * per + r) * 32 + lane
+                live = Int32(idx < count)
+                t = fid + (warp + s.producers * cutlass.min(idx, count - 1)) * nfin
+                base = Int64(hro.toint()) + Int64(t) * (nn * 4)
+                for e in cutlass.range_constexpr(nn):
+                    skm[r * nn + e] = P.ldg_f32_cg(base + e * 4, live)
+                toks.append(t)
+                lives.append(live)
+            self._sinkhorn_lanes(skm, toks, lives, hro)
 
     @cute.jit
     def _consume(self, fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
