@@ -124,6 +124,47 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     assert f", {c * 2}, " in ptx and "ld.global.cg.f32" in ptx
 
 
+# The sweep's settings (benchmarks/sweeps/mhc_cluster_variants.py; all off by default, each measured
+# and not kept: plugins/mhc/PERFORMANCE.md, fourteenth pass).
+KNOBS = [dict(SPLIT_COUNT_STRIDE=32), dict(SPLIT_POLL_LANE=1), dict(SPLIT_POLL_LANE=2), dict(SPLIT_SIGNAL_WARP=1),
+         dict(SPLIT_SIGNAL_WARP=2), dict(SPLIT_RELEASE_EVERY=2), dict(SPLIT_SINKHORN_LANES=1),
+         dict(SPLIT_SINKHORN_LANES=2), dict(SPLIT_PRODUCE_DEPTH=3)]
+
+
+def test_split_settings_make_distinct_shapes(monkeypatch):
+    base = cluster_ops.split_shape(4, 4096, True)
+    keys = {cluster_ops._key(base)}
+    for knob in KNOBS:
+        with monkeypatch.context() as m:
+            for name, value in knob.items():
+                m.setattr(cluster_ops, name, value)
+            shape = cluster_ops.split_shape(4, 4096, True)
+            assert not shape.problem
+            keys.add(cluster_ops._key(shape))
+    assert len(keys) == len(KNOBS) + 1
+    ninth = SplitShape(4, 4096, True, 20, signal_warp=1)
+    last = SplitShape(4, 4096, True, 20, signal_warp=2)
+    assert (ninth.block_threads, base.block_threads, last.signal_tid, last.partial_threads) == (288, 256, 224, 224)
+    # with PROFILE unset, SPLIT_ENDS asks nothing of the kernel (it would write to h_res_out)
+    monkeypatch.setattr(cluster_ops, "SPLIT_ENDS", 1)
+    assert not cluster_ops.split_shape(4, 4096, True).ends
+
+
+def test_split_settings_compile_for_sm90a(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    mod = _cute()
+    ptx = {}
+    for name, kw in (("ninth", dict(signal_warp=1)), ("pair", dict(release_every=2)), ("lane", dict(poll_lane=2)),
+                     ("batch", dict(sinkhorn_lanes=1)), ("end", dict(sinkhorn_lanes=2))):
+        ptx[name] = mod.compile_split(SplitShape(4, 4096, True, 20, **kw), str(tmp_path)).__ptx__
+    assert "bar.arrive 3, 288" in ptx["ninth"] and ".reqntid 288" in ptx["ninth"]
+    # two blocks counted after one fence, by relaxed adds (a release pattern)
+    assert "fence.acq_rel.gpu" in ptx["pair"] and "red.relaxed.gpu.global.add.u32" in ptx["pair"]
+    assert "red.release" not in ptx["pair"]
+    # the Sinkhorn's divisions now in the kernel (none in the default's producers)
+    assert all(ptx[k].count("div.full.f32") > ptx["lane"].count("div.full.f32") for k in ("batch", "end"))
+
+
 # -- GPU ---------------------------------------------------------------------------------------------
 
 def _gpu_ready():
@@ -203,3 +244,15 @@ def test_gpu_split_under_cuda_graph_capture(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(eager, outs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knob", KNOBS, ids=lambda k: " ".join(f"{a}={b}" for a, b in k.items()))
+@pytest.mark.parametrize("t", [8192, 1100, 5])
+def test_gpu_split_settings_match_the_reference(knob, t, monkeypatch):
+    """Each sweep setting gives outputs within the tolerance table, bit for bit again on a replay."""
+    _gpu_ready()
+    from test_mhc_persistent import checked_run
+
+    checked_run(t, 4, 4096, "update+read", monkeypatch, f"split {knob}", SPLIT_TOKENS=1, **knob)
+    assert cluster_ops._variant(t, 4, 4096, True, 20).split
