@@ -128,7 +128,7 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
 # and not kept: plugins/mhc/PERFORMANCE.md, fourteenth pass).
 KNOBS = [dict(SPLIT_COUNT_STRIDE=32), dict(SPLIT_POLL_LANE=1), dict(SPLIT_POLL_LANE=2), dict(SPLIT_SIGNAL_WARP=1),
          dict(SPLIT_SIGNAL_WARP=2), dict(SPLIT_RELEASE_EVERY=2), dict(SPLIT_SINKHORN_LANES=1),
-         dict(SPLIT_SINKHORN_LANES=2), dict(SPLIT_PRODUCE_DEPTH=3)]
+         dict(SPLIT_SINKHORN_LANES=2), dict(SPLIT_PRODUCE_DEPTH=3), dict(SPLIT_COPY_FIRST=1)]
 
 
 def test_split_settings_make_distinct_shapes(monkeypatch):
@@ -161,8 +161,8 @@ def test_split_settings_compile_for_sm90a(tmp_path, monkeypatch):
     # two blocks counted after one fence, by relaxed adds (a release pattern)
     assert "fence.acq_rel.gpu" in ptx["pair"] and "red.relaxed.gpu.global.add.u32" in ptx["pair"]
     assert "red.release" not in ptx["pair"]
-    # the Sinkhorn's divisions now in the kernel (none in the default's producers)
-    assert all(ptx[k].count("div.full.f32") > ptx["lane"].count("div.full.f32") for k in ("batch", "end"))
+    # the Sinkhorn in the kernel: a reciprocal a sum (none in the default)
+    assert all("rcp.approx.f32" in ptx[k] for k in ("batch", "end")) and "rcp.approx.f32" not in ptx["lane"]
 
 
 # -- GPU ---------------------------------------------------------------------------------------------

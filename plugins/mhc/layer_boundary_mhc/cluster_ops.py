@@ -90,6 +90,7 @@ SPLIT_PRODUCE_DEPTH = 2
 SPLIT_ENDS = 0
 SPLIT_SINKHORN_LANES = 0
 SPLIT_RELEASE_EVERY = 1
+SPLIT_COPY_FIRST = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count (the split
@@ -168,7 +169,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
     fit)."""
     key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, SPLIT_COUNT_STRIDE,
            SPLIT_POLL_LANE, SPLIT_SIGNAL_WARP, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS, SPLIT_SINKHORN_LANES,
-           SPLIT_RELEASE_EVERY, PROFILE is not None)
+           SPLIT_RELEASE_EVERY, SPLIT_COPY_FIRST, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import SplitShape
@@ -180,7 +181,8 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
                                               signal_warp=SPLIT_SIGNAL_WARP, produce_depth=SPLIT_PRODUCE_DEPTH,
                                               ends=bool(SPLIT_ENDS) and PROFILE is not None,
                                               sinkhorn_lanes=SPLIT_SINKHORN_LANES,
-                                              release_every=SPLIT_RELEASE_EVERY)
+                                              release_every=SPLIT_RELEASE_EVERY,
+                                              copy_first=bool(SPLIT_COPY_FIRST))
     return shape
 
 

@@ -217,7 +217,7 @@ class SplitShape(PersistentShape):
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
                  producers: int = 2, count_stride: int = 1, poll_lane: int = 0, signal_warp: int = 0,
                  produce_depth: int = PRODUCE_DEPTH, ends: bool = False, sinkhorn_lanes: int = 0,
-                 release_every: int = 1) -> None:
+                 release_every: int = 1, copy_first: bool = False) -> None:
         super().__init__(n, hidden, update, iters, warps=warps, profile=profile)
         # ``ends``: the unprofiled kernel writing only each CTA's start and end times (global timer:
         # slots 14, 11 and, a finisher's consumers, 12), whose timing the sections' clocks perturb.
@@ -228,6 +228,9 @@ class SplitShape(PersistentShape):
         self.sinkhorn_lanes = sinkhorn_lanes
         # Blocks a stream CTA counts ready after one fence (1 or 2; 2: a block waits one more).
         self.release_every = release_every
+        # ``copy_first``: a token's x' copy starts before its coefficients when its ring row is free
+        # then (two arrivals a row: the copy's, and H_pre's).
+        self.copy_first = copy_first
         self.producers = producers
         # Ready counts ``count_stride`` u32 apart (32: a 128-byte line each). ``poll_lane``: who polls
         # a token's count: 0 every lane of the producer warp (acquire), 1 lane 0 (relaxed) and then

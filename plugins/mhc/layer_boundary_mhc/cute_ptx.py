@@ -315,6 +315,28 @@ def red_release_add(addr, v):
     asm(None, [addr, v], "red.release.gpu.global.add.u32 [$0], $1;", "l,r")
 
 
+def rcp(v):
+    """1 / v, approximate (what ``div.full.f32`` multiplies by for operands in the normal range)."""
+    return Float32(asm(T.f32(), [v], "rcp.approx.f32 $0, $1;", "=f,f", side=False))
+
+
+def count_lane0(addr, lane):
+    """The u32 at ``addr`` read by lane 0 (relaxed, GPU scope) and given to every lane of the warp."""
+    return Int32(asm(T.i32(), [addr, lane],
+                     "{ .reg .pred p; .reg .b32 v; setp.eq.u32 p, $2, 0; mov.b32 v, 0; "
+                     "@p ld.relaxed.gpu.global.u32 v, [$1]; shfl.sync.idx.b32 $0, v, 0, 0x1f, 0xffffffff; }",
+                     "=r,l,r"))
+
+
+def mbar_done_lane0(addr, parity, lane):
+    """Whether barrier ``addr``'s phase of ``parity`` has completed, as lane 0 sees it (no wait),
+    given to every lane of the warp (one decision for the warp)."""
+    return Int32(asm(T.i32(), [addr, parity, lane],
+                     "{ .reg .pred p, q; .reg .b32 v; setp.eq.u32 q, $3, 0; mov.b32 v, 0; @q mbarrier.test_wait.parity"
+                     ".acquire.cta.shared::cta.b64 p, [$1], $2; @q selp.b32 v, 1, 0, p; "
+                     "shfl.sync.idx.b32 $0, v, 0, 0x1f, 0xffffffff; }", "=r,r,r,r"))
+
+
 def fence_acq_rel_gpu():
     """A release (and acquire) fence at GPU scope: with a relaxed write after it, a release pattern."""
     asm(None, [], "fence.acq_rel.gpu;", "")

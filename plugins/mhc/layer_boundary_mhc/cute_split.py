@@ -50,6 +50,8 @@ from .cute_steps import compile_kernel
 CONSUME_DEPTH = 2
 # Tokens a lane of a producer warp's Sinkhorn after its last token (sinkhorn_lanes 2) at a time.
 SK_PER = 4
+# sinkhorn_lanes 1: a batch this size or more runs when the warp's next count has not come.
+SK_IDLE = 8
 
 
 class MhcSplit(MhcPersistent):
@@ -241,7 +243,7 @@ class MhcSplit(MhcPersistent):
         red = empty + s.fslots * 8  # [step parity][token of the step][consumer warp] sums of squares
         if tid == 0:
             for k in cutlass.range_constexpr(s.fslots):
-                P.mbar_init(full + k * 8, 1)
+                P.mbar_init(full + k * 8, 2 if s.copy_first else 1)
                 P.mbar_init(empty + k * 8, s.warps - s.producers)
             P.fence_mbar_init()
         P.bar_sync(1, s.threads)
@@ -271,6 +273,14 @@ class MhcSplit(MhcPersistent):
         skt[1] = Int32(0)
         for k in cutlass.range((count + depth - 1) // depth, unroll=1):
             t0 = self._clock()
+            if cutlass.const_expr(s.sinkhorn_lanes == 1):
+                # A batch of SK_IDLE or more while the step's first count has not come: time the
+                # warp would wait anyway.
+                if skt[0] >= SK_IDLE:
+                    t_first = fid + cutlass.min(warp + npro * k * depth, mine - 1) * nfin
+                    if P.count_lane0(cnt_a + Int64(t_first // s.bt) * (4 * s.count_stride), lane) < 16:
+                        self._sinkhorn_lanes(skm, [skt[1]], [Int32(lane < skt[0])], hro)
+                        skt[0] = Int32(0)
             toks = []
             for d in cutlass.range_constexpr(depth):
                 i = warp + npro * (k * depth + d)
@@ -297,6 +307,22 @@ class MhcSplit(MhcPersistent):
                         if lane == 0:
                             P.stamp(seen_a + Int64(t) * 16)
             t0 = self._lap(cyc, 0, t0)
+            copied = []
+            if cutlass.const_expr(s.copy_first):
+                # A token whose ring row is free already gets its copy before its coefficients (the
+                # row's second arrival, after H_pre, then completes it).
+                for d in cutlass.range_constexpr(depth):
+                    live, i, t, _ = toks[d]
+                    sl = i % s.fslots
+                    rnd = i // s.fslots
+                    free = Int32(rnd == 0)
+                    if rnd > 0:
+                        free = P.mbar_done_lane0(empty + sl * 8, (rnd - 1) & 1, lane)
+                    free = free * live
+                    if free != 0:
+                        if lane == 0:
+                            self._row_copy(row_a, st, sn, t, ring + sl * s.fslot, full + sl * 8)
+                    copied.append(free)
             # Each token's 16 CTAs' partials, summed in rank order (the persistent variant's), every
             # token's loads issued before any sum.
             vals = []
@@ -329,19 +355,22 @@ class MhcSplit(MhcPersistent):
             # released.
             for d in cutlass.range_constexpr(depth):
                 live, i, t, _ = toks[d]
-                if live != 0:
-                    sl = i % s.fslots
-                    rnd = i // s.fslots
+                todo = live
+                if cutlass.const_expr(s.copy_first):
+                    todo = live * (1 - copied[d])
+                sl = i % s.fslots
+                rnd = i // s.fslots
+                if todo != 0:
                     if rnd > 0:
                         P.mbar_wait_bounded(empty + sl * 8, (rnd - 1) & 1)
                     if lane == 0:
                         # The arrival (with the row's bytes to come) also publishes H_pre, written
                         # by the warp's lanes before the sync above.
-                        P.fence_proxy_async_global()
-                        P.mbar_expect_tx(full + sl * 8, n * s.c * 2)
-                        for j in cutlass.range_constexpr(n):
-                            P.bulk_g2s(ring + sl * s.fslot + j * s.c * 2,
-                                       row_a + (Int64(t) * st + Int64(j) * sn) * 2, s.c * 2, full + sl * 8)
+                        self._row_copy(row_a, st, sn, t, ring + sl * s.fslot, full + sl * 8)
+                if cutlass.const_expr(s.copy_first):
+                    if live != 0:
+                        if lane == 0:
+                            P.mbar_arrive(full + sl * 8)  # H_pre, written before the sync above
             if cutlass.const_expr(s.sinkhorn_lanes == 1):
                 if skt[0] > 32 - depth:  # no room for another step's tokens
                     self._sinkhorn_lanes(skm, [skt[1]], [Int32(lane < skt[0])], hro)
@@ -354,11 +383,23 @@ class MhcSplit(MhcPersistent):
             self._sinkhorn_at_end(fid, nfin, count, warp, lane, hro)
 
     @cute.jit
+    def _row_copy(self, row_a, st, sn, t, dst, mbar):
+        """Lane 0: token ``t``'s x' row (n streams of C bf16, from L2) into the ring row at ``dst`` by
+        the copy engine, counted on ``mbar`` (one arrival with the bytes to come)."""
+        s = self.s
+        P.fence_proxy_async_global()
+        P.mbar_expect_tx(mbar, s.n * s.c * 2)
+        for j in cutlass.range_constexpr(s.n):
+            P.bulk_g2s(dst + j * s.c * 2, row_a + (Int64(t) * st + Int64(j) * sn) * 2, s.c * 2, mbar)
+
+    @cute.jit
     def _sinkhorn_lanes(self, skm, toks: list, lives: list, hro):
         """The Sinkhorn of ``len(toks)`` tokens a lane (logits in ``skm``, ``n * n`` each; lanes where
-        ``lives[r]`` is 0 compute but store nothing), stored to H_res. The operations and their
-        order are ``_sinkhorn``'s (bit for bit the same matrices); several a lane overlap their
-        dependent divisions."""
+        ``lives[r]`` is 0 compute but store nothing), stored to H_res: ``_sinkhorn``'s operations in
+        its order, except that a sum's reciprocal is taken once and multiplied (``div.full`` is that
+        product for these operands; n divisions a sum held a warp on its sub-partition's 4
+        special-function units a cycle: 18 µs after the last token at T = 8192). Several a lane
+        overlap their dependent steps."""
         s = self.s
         n = s.n
         nn = n * n
@@ -374,15 +415,17 @@ class MhcSplit(MhcPersistent):
                     csum = skm[r * nn + j]
                     for i2 in cutlass.range_constexpr(1, n):
                         csum = csum + skm[r * nn + i2 * n + j]
+                    rc = P.rcp(csum)
                     for i2 in cutlass.range_constexpr(n):
-                        skm[r * nn + i2 * n + j] = P.div(skm[r * nn + i2 * n + j], csum)
+                        skm[r * nn + i2 * n + j] = skm[r * nn + i2 * n + j] * rc
             for r in cutlass.range_constexpr(len(toks)):
                 for i2 in cutlass.range_constexpr(n):
                     rsum = skm[r * nn + i2 * n]
                     for j in cutlass.range_constexpr(1, n):
                         rsum = rsum + skm[r * nn + i2 * n + j]
+                    rc = P.rcp(rsum)
                     for j in cutlass.range_constexpr(n):
-                        skm[r * nn + i2 * n + j] = P.div(skm[r * nn + i2 * n + j], rsum)
+                        skm[r * nn + i2 * n + j] = skm[r * nn + i2 * n + j] * rc
         for r in cutlass.range_constexpr(len(toks)):
             base = Int64(hro.toint()) + Int64(toks[r]) * (nn * 4)
             for e in cutlass.range_constexpr(nn):
