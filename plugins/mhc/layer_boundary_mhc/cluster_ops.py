@@ -82,14 +82,13 @@ SPLIT_TOKENS = 1024
 # warps (1: 319.3 µs; session 12's record).
 SPLIT_FINISHERS = 36
 SPLIT_PRODUCERS = 2
-SPLIT_COUNT_STRIDE = 1
-SPLIT_POLL_LANE = 0
-SPLIT_SIGNAL_WARP = 0
 SPLIT_PRODUCE_DEPTH = 2
 # With PROFILE set: the split variant writes only each CTA's start and end times (sweeps).
 SPLIT_ENDS = 0
+# Measured, not kept (ties within the noise, H200, T = 8192; PERFORMANCE.md, fourteenth pass): H_res's
+# Sinkhorn in the producer warps instead of a launch after the kernel, and a token's x' copy
+# before its coefficients when its ring row is already free.
 SPLIT_SINKHORN_LANES = 0
-SPLIT_RELEASE_EVERY = 1
 SPLIT_COPY_FIRST = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
@@ -167,21 +166,17 @@ def persistent_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_IT
 def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) -> Any:
     """The split variant's shape (``cluster_shape.SplitShape``; its ``problem`` says why it does not
     fit)."""
-    key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, SPLIT_COUNT_STRIDE,
-           SPLIT_POLL_LANE, SPLIT_SIGNAL_WARP, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS, SPLIT_SINKHORN_LANES,
-           SPLIT_RELEASE_EVERY, SPLIT_COPY_FIRST, PROFILE is not None)
+    key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS,
+           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import SplitShape
 
         shape = _SHAPES[key] = SplitShape(n, hidden, update, iters, warps=PERSISTENT_WARPS,
                                               profile=PROFILE is not None and not SPLIT_ENDS,
-                                              producers=SPLIT_PRODUCERS,
-                                              count_stride=SPLIT_COUNT_STRIDE, poll_lane=SPLIT_POLL_LANE,
-                                              signal_warp=SPLIT_SIGNAL_WARP, produce_depth=SPLIT_PRODUCE_DEPTH,
+                                              producers=SPLIT_PRODUCERS, produce_depth=SPLIT_PRODUCE_DEPTH,
                                               ends=bool(SPLIT_ENDS) and PROFILE is not None,
-                                              sinkhorn_lanes=SPLIT_SINKHORN_LANES,
-                                              release_every=SPLIT_RELEASE_EVERY,
+                                              sinkhorn_lanes=bool(SPLIT_SINKHORN_LANES),
                                               copy_first=bool(SPLIT_COPY_FIRST))
     return shape
 
@@ -350,7 +345,7 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
         # Each block's partials ([block][CTA][token][K + 1]) and its ready count, per call: stream
         # ordered, so replays of a captured graph get their own zeroed counts.
         part = torch.empty(blocks * 16 * shape.bt * (shape.kpad + 1), dtype=torch.float32, device=x.device)
-        cnt = torch.zeros(blocks * shape.count_stride, dtype=torch.int32, device=x.device)
+        cnt = torch.zeros(blocks, dtype=torch.int32, device=x.device)
         grid = _split_grid(x.device, blocks)
         if PROFILE is not None and PROFILE.numel() < shape.profile_values(16 * grid[0] + grid[1], blocks, t):
             raise ValueError(f"cluster_ops.PROFILE holds {PROFILE.numel()} values; the profiled split variant "

@@ -215,35 +215,20 @@ class SplitShape(PersistentShape):
         return 16 * ctas + 2 * (16 * blocks + 2 * tokens)
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
-                 producers: int = 2, count_stride: int = 1, poll_lane: int = 0, signal_warp: int = 0,
-                 produce_depth: int = PRODUCE_DEPTH, ends: bool = False, sinkhorn_lanes: int = 0,
-                 release_every: int = 1, copy_first: bool = False) -> None:
+                 producers: int = 2, produce_depth: int = PRODUCE_DEPTH, ends: bool = False,
+                 sinkhorn_lanes: bool = False, copy_first: bool = False) -> None:
         super().__init__(n, hidden, update, iters, warps=warps, profile=profile)
+        self.producers = producers
         # ``ends``: the unprofiled kernel writing only each CTA's start and end times (global timer:
         # slots 14, 11 and, a finisher's consumers, 12), whose timing the sections' clocks perturb.
         self.ends = ends and not profile
         # ``sinkhorn_lanes``: H_res's Sinkhorn in the producer warps rather than a launch after the
-        # kernel, a token a lane: 1 in batches of 32 (logits gathered as they are computed), 2 after
-        # the warp's last token (its logits stored, read back).
+        # kernel, a token a lane, in batches of up to 32 (logits gathered as they are computed) run
+        # while the warp's next count has not come or the batch is full.
         self.sinkhorn_lanes = sinkhorn_lanes
-        # Blocks a stream CTA counts ready after one fence (1 or 2; 2: a block waits one more).
-        self.release_every = release_every
         # ``copy_first``: a token's x' copy starts before its coefficients when its ring row is free
         # then (two arrivals a row: the copy's, and H_pre's).
         self.copy_first = copy_first
-        self.producers = producers
-        # Ready counts ``count_stride`` u32 apart (32: a 128-byte line each). ``poll_lane``: who polls
-        # a token's count: 0 every lane of the producer warp (acquire), 1 lane 0 (relaxed) and then
-        # every lane (acquire), 2 lane 0 (acquire) and then the warp's barrier.
-        self.count_stride, self.poll_lane = count_stride, poll_lane
-        # Who counts a stream CTA's blocks ready (a release, whose fence waits for the thread's
-        # memory operations before it): ``signal_warp`` 0 thread 0 (which also copies coefficient
-        # rows and stores partials), 1 a ninth warp (barriers from the stream warps), 2 lane 0 of
-        # the last warp, which then stores no partials.
-        self.signal_warp = signal_warp
-        self.block_threads = self.threads + (32 if signal_warp == 1 else 0)
-        self.signal_tid = self.threads - 32 if signal_warp == 2 else 0
-        self.partial_threads = self.threads - 32 if signal_warp == 2 else self.threads
         # The stream role's plan (phi, slots, coefficient rows, per-warp partials, then a second
         # buffer of coefficient rows) without the
         # exchange buffers; the finisher role's ring of x' rows (n x C bf16 each, as many as fit, at

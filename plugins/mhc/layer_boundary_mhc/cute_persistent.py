@@ -472,10 +472,9 @@ class MhcPersistent(ClusterSteps):
             if first:
                 P.cluster_wait()  # every CTA's barriers initialized (arrived at the start)
         cells = s.bt * (kpad + 1)
-        nst = s.threads if sink is None else s.partial_threads  # the threads that store them
-        for k in cutlass.range_constexpr((cells + nst - 1) // nst):
-            idx = tid + k * nst
-            if idx < cells and tid < nst:
+        for k in cutlass.range_constexpr((cells + s.threads - 1) // s.threads):
+            idx = tid + k * s.threads
+            if idx < cells:
                 t = idx // (kpad + 1)
                 col = idx - t * (kpad + 1)
                 src = wp + t * row_bytes + col * 4

@@ -290,10 +290,6 @@ def bar_sync(barrier: int, threads: int):
     asm(None, [], f"bar.sync {barrier}, {threads};", "")
 
 
-def bar_arrive(barrier: int, threads: int):
-    """Arrive at named barrier ``barrier`` (of ``threads`` threads) without waiting: this thread's
-    earlier memory operations are performed for the threads that wait there."""
-    asm(None, [], f"bar.arrive {barrier}, {threads};", "")
 
 
 def cp_async_wait_all():
@@ -337,14 +333,8 @@ def mbar_done_lane0(addr, parity, lane):
                      "shfl.sync.idx.b32 $0, v, 0, 0x1f, 0xffffffff; }", "=r,r,r,r"))
 
 
-def fence_acq_rel_gpu():
-    """A release (and acquire) fence at GPU scope: with a relaxed write after it, a release pattern."""
-    asm(None, [], "fence.acq_rel.gpu;", "")
 
 
-def red_relaxed_add(addr, v):
-    """Add ``v`` to the u32 at ``addr``, relaxed at GPU scope (after ``fence_acq_rel_gpu``: a release)."""
-    asm(None, [addr, v], "red.relaxed.gpu.global.add.u32 [$0], $1;", "l,r")
 
 
 def ldg_f32_cg(addr, live):
@@ -364,12 +354,6 @@ def spin_until(addr, target):
         "@p trap; bra LB_SPIN_${:uid}; LB_DONE_${:uid}: }", "l,r")
 
 
-def spin_relaxed(addr, target):
-    """As ``spin_until`` with relaxed reads: one lane's poll ahead of its warp's acquire read."""
-    asm(None, [addr, target], "{ .reg .pred p; .reg .u32 v; .reg .u64 t0, t1; mov.u64 t0, %globaltimer; "
-        "LB_SPIN_${:uid}: ld.relaxed.gpu.global.u32 v, [$0]; setp.ge.u32 p, v, $1; @p bra LB_DONE_${:uid}; "
-        "nanosleep.u32 64; mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.gt.u64 p, t1, 20000000000; "
-        "@p trap; bra LB_SPIN_${:uid}; LB_DONE_${:uid}: }", "l,r")
 
 
 def fence_proxy_async_global():

@@ -48,8 +48,6 @@ from .cute_steps import compile_kernel
 
 # Tokens a step of a consumer warp: their loads and arithmetic interleave, one barrier for all.
 CONSUME_DEPTH = 2
-# Tokens a lane of a producer warp's Sinkhorn after its last token (sinkhorn_lanes 2) at a time.
-SK_PER = 4
 # sinkhorn_lanes 1: a batch this size or more runs when the warp's next count has not come.
 SK_IDLE = 8
 
@@ -65,7 +63,7 @@ class MhcSplit(MhcPersistent):
         s = self.s
         self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, part, cnt, tokens,
                     blocks, sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
-            grid=[sets * 16 + finishers, 1, 1], block=[s.block_threads, 1, 1], smem=s.smem, stream=stream)
+            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
@@ -93,10 +91,7 @@ class MhcSplit(MhcPersistent):
             if tid == 0:
                 P.stamp(prof_a + 112)  # the CTA's start (ns, SM)
         done = Int32(0)
-        if warp == s.warps:  # the signal warp (``signal_warp`` 1)
-            if bid < sets * 16:
-                self._signal(bid, sets, blocks, cnt_a, lane, stamps)
-        elif bid < sets * 16:
+        if bid < sets * 16:
             done = self._streamer(bid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt,
                                   sot, son, tid, warp, lane, g, q, base, cyc, stamps)
         else:
@@ -163,67 +158,28 @@ class MhcSplit(MhcPersistent):
             # x' and partials of it: thread 0's release covers them (cumulative), and their stores
             # have long drained. A fence and count right after the block stalled every warp on its
             # own stores: 483.7 against 365.0 µs (H200, T = 8192, the first finisher form).
-            if cutlass.const_expr(s.signal_warp != 1):
-                if tid == s.signal_tid and it > 0:
-                    if cutlass.const_expr(s.release_every == 1):
-                        P.red_release_add(cnt_a + Int64(blk - sets) * (4 * s.count_stride), Int32(1))
-                        if cutlass.const_expr(s.profile):
-                            P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
-                    elif it % 2 == 0:  # one fence for the two blocks before
-                        P.fence_acq_rel_gpu()
-                        P.red_relaxed_add(cnt_a + Int64(blk - 2 * sets) * (4 * s.count_stride), Int32(1))
-                        P.red_relaxed_add(cnt_a + Int64(blk - sets) * (4 * s.count_stride), Int32(1))
+            # (Its fence holds thread 0 for a third of its stream pass, ncu; no other placement
+            # measured faster: PERFORMANCE.md, fourteenth pass.)
+            if tid == 0 and it > 0:
+                P.red_release_add(cnt_a + Int64(blk - sets) * 4, Int32(1))
+                if cutlass.const_expr(s.profile):
+                    P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
             self._stream(slot, fill, blk, Int32(blk + sets < blocks), sets, tokens, phi_s, cb, xol, sot, son,
                          warp, g, q, acc, sq)
             t0 = self._lap(cyc, 1, t0)
             self._partials(acc, sq, wp, Int32(0), Int32(0), rank, tid, warp, g, q, False,
                            sink=part_a + (Int64(blk) * 16 + Int64(rank)) * row * 4)
-            if cutlass.const_expr(s.signal_warp == 1):
-                # The block's stores are issued: the signal warp may count it. It must have counted
-                # the previous one first (a barrier's arrivals of two blocks must not mix).
-                if it > 0:
-                    P.bar_sync(4, s.block_threads)
-                P.bar_arrive(3, s.block_threads)
             t0 = self._lap(cyc, 2, t0)
             if cutlass.const_expr(s.update):
                 self._coef_issue(tid, blk + 2 * sets, tokens, hp_a, hr_a, cb)
             self._lap(cyc, 4, t0)
-        if cutlass.const_expr(s.signal_warp != 1):
-            P.bar_sync(1, s.threads)
-            if tid == s.signal_tid and nloc > 0:
-                if cutlass.const_expr(s.release_every == 1):
-                    P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * (4 * s.count_stride), Int32(1))
-                else:  # the blocks since the last even iteration's release
-                    last = nloc - 1
-                    ev = last - last % 2
-                    P.fence_acq_rel_gpu()
-                    P.red_relaxed_add(cnt_a + Int64(first + ev * sets) * (4 * s.count_stride), Int32(1))
-                    if last > ev:
-                        P.red_relaxed_add(cnt_a + Int64(first + last * sets) * (4 * s.count_stride), Int32(1))
-                if cutlass.const_expr(s.profile):
-                    P.stamp(stamps[0] + (Int64(first + (nloc - 1) * sets) * 16 + Int64(rank)) * 16)
+        P.bar_sync(1, s.threads)
+        if tid == 0 and nloc > 0:
+            P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * 4, Int32(1))
+            if cutlass.const_expr(s.profile):
+                P.stamp(stamps[0] + (Int64(first + (nloc - 1) * sets) * 16 + Int64(rank)) * 16)
         P.cp_async_wait_all()  # the last iteration's copies (zeros past the last block) land before exit
         return nloc
-
-    @cute.jit
-    def _signal(self, sid, sets, blocks, cnt_a, lane, stamps):
-        """Stream CTA ``sid``'s signal warp: each of its blocks counted ready once the stream warps
-        have arrived behind the block's stores (barrier 3). Its release's fence waits for the
-        memory operations before it; in thread 0 of a stream warp that wait held the CTA's next
-        barrier (ncu: a third of warp 0's stream-pass samples in the fence, H200, T = 8192)."""
-        s = self.s
-        rank = sid % 16
-        first = sid // 16
-        nloc = (blocks - first + sets - 1) // sets
-        for it in cutlass.range(nloc, unroll=1):
-            blk = first + it * sets
-            P.bar_sync(3, s.block_threads)
-            if lane == 0:
-                P.red_release_add(cnt_a + Int64(blk) * (4 * s.count_stride), Int32(1))
-                if cutlass.const_expr(s.profile):
-                    P.stamp(stamps[0] + (Int64(blk) * 16 + Int64(rank)) * 16)
-            if it + 1 < nloc:
-                P.bar_arrive(4, s.block_threads)
 
     @cute.jit
     def _finisher(self, fid, nfin, src, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a, tokens, sit,
@@ -273,12 +229,12 @@ class MhcSplit(MhcPersistent):
         skt[1] = Int32(0)
         for k in cutlass.range((count + depth - 1) // depth, unroll=1):
             t0 = self._clock()
-            if cutlass.const_expr(s.sinkhorn_lanes == 1):
+            if cutlass.const_expr(s.sinkhorn_lanes):
                 # A batch of SK_IDLE or more while the step's first count has not come: time the
                 # warp would wait anyway.
                 if skt[0] >= SK_IDLE:
                     t_first = fid + cutlass.min(warp + npro * k * depth, mine - 1) * nfin
-                    if P.count_lane0(cnt_a + Int64(t_first // s.bt) * (4 * s.count_stride), lane) < 16:
+                    if P.count_lane0(cnt_a + Int64(t_first // s.bt) * 4, lane) < 16:
                         self._sinkhorn_lanes(skm, [skt[1]], [Int32(lane < skt[0])], hro)
                         skt[0] = Int32(0)
             toks = []
@@ -288,21 +244,9 @@ class MhcSplit(MhcPersistent):
                 t = fid + cutlass.min(i, mine - 1) * nfin
                 toks.append((live, i, t, t // s.bt))
                 if live != 0:
-                    at = cnt_a + Int64(t // s.bt) * (4 * s.count_stride)
-                    if cutlass.const_expr(s.poll_lane == 2):
-                        # One lane's acquire, then the warp's barrier (which orders it before the
-                        # other lanes' reads of the partials): 32 lanes' acquire reads slowed the
-                        # stream CTAs by 12 %, and a relaxed poll then the warp's acquire read
-                        # added a round trip a token.
-                        if lane == 0:
-                            P.spin_until(at, Int32(16))
-                        cute.arch.sync_warp()
-                    else:
-                        if cutlass.const_expr(s.poll_lane == 1):
-                            if lane == 0:
-                                P.spin_relaxed(at, Int32(16))
-                            cute.arch.sync_warp()
-                        P.spin_until(at, Int32(16))
+                    # Every lane's acquire: lane 0's with the warp's barrier after it ran slower
+                    # (246.6 against 237.3 µs, H200, T = 8192).
+                    P.spin_until(cnt_a + Int64(t // s.bt) * 4, Int32(16))
                     if cutlass.const_expr(s.profile):
                         if lane == 0:
                             P.stamp(seen_a + Int64(t) * 16)
@@ -335,10 +279,10 @@ class MhcSplit(MhcPersistent):
                 tot = vals[d][0]
                 for cr in cutlass.range_constexpr(1, 16):
                     tot = tot + vals[d][cr]
-                res = [] if s.sinkhorn_lanes == 1 else None
+                res = [] if s.sinkhorn_lanes else None
                 h_pre, _ = self._coefficients(tot, Int64(t), live, lane, None, None, None, None, hpo, hro, eps,
                                               consts, res_out=res)
-                if cutlass.const_expr(s.sinkhorn_lanes == 1):
+                if cutlass.const_expr(s.sinkhorn_lanes):
                     if live != 0:
                         mine_ = Int32(lane == skt[0])
                         for e in cutlass.range_constexpr(n * n):
@@ -371,16 +315,14 @@ class MhcSplit(MhcPersistent):
                     if live != 0:
                         if lane == 0:
                             P.mbar_arrive(full + sl * 8)  # H_pre, written before the sync above
-            if cutlass.const_expr(s.sinkhorn_lanes == 1):
+            if cutlass.const_expr(s.sinkhorn_lanes):
                 if skt[0] > 32 - depth:  # no room for another step's tokens
                     self._sinkhorn_lanes(skm, [skt[1]], [Int32(lane < skt[0])], hro)
                     skt[0] = Int32(0)
             self._lap(cyc, 4, t0)
-        if cutlass.const_expr(s.sinkhorn_lanes == 1):
+        if cutlass.const_expr(s.sinkhorn_lanes):
             if skt[0] > 0:
                 self._sinkhorn_lanes(skm, [skt[1]], [Int32(lane < skt[0])], hro)
-        if cutlass.const_expr(s.sinkhorn_lanes == 2):
-            self._sinkhorn_at_end(fid, nfin, count, warp, lane, hro)
 
     @cute.jit
     def _row_copy(self, row_a, st, sn, t, dst, mbar):
@@ -398,8 +340,8 @@ class MhcSplit(MhcPersistent):
         ``lives[r]`` is 0 compute but store nothing), stored to H_res: ``_sinkhorn``'s operations in
         its order, except that a sum's reciprocal is taken once and multiplied (``div.full`` is that
         product for these operands; n divisions a sum held a warp on its sub-partition's 4
-        special-function units a cycle: 18 µs after the last token at T = 8192). Several a lane
-        overlap their dependent steps."""
+        special-function units a cycle: all of a warp's tokens after its last one took 18 µs at
+        T = 8192). Several a lane overlap their dependent steps."""
         s = self.s
         n = s.n
         nn = n * n
@@ -430,29 +372,6 @@ class MhcSplit(MhcPersistent):
             base = Int64(hro.toint()) + Int64(toks[r]) * (nn * 4)
             for e in cutlass.range_constexpr(nn):
                 P.stg_f32(base + e * 4, skm[r * nn + e], lives[r])
-
-    @cute.jit
-    def _sinkhorn_at_end(self, fid, nfin, count, warp, lane, hro):
-        """``sinkhorn_lanes`` 2: after the warp's last token, the Sinkhorn of all its tokens' logits
-        (stored by its lanes: the warp's barrier orders them before these reads), ``SK_PER`` tokens
-        a lane at a time; the consumers are then still draining the ring."""
-        s = self.s
-        nn = s.n * s.n
-        per = SK_PER
-        skm = cute.make_rmem_tensor((per * nn,), Float32)
-        cute.arch.sync_warp()
-        for b in cutlass.range((count + 32 * per - 1) // (32 * per), unroll=1):
-            toks, lives = [], []
-            for r in cutlass.range_constexpr(per):
-                idx = (b * per + r) * 32 + lane
-                live = Int32(idx < count)
-                t = fid + (warp + s.producers * cutlass.min(idx, count - 1)) * nfin
-                base = Int64(hro.toint()) + Int64(t) * (nn * 4)
-                for e in cutlass.range_constexpr(nn):
-                    skm[r * nn + e] = P.ldg_f32_cg(base + e * 4, live)
-                toks.append(t)
-                lives.append(live)
-            self._sinkhorn_lanes(skm, toks, lives, hro)
 
     @cute.jit
     def _consume(self, fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
