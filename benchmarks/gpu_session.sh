@@ -30,6 +30,8 @@
 #   l  one GPU: decode and mid sizes (one launch and two) after the finish's dead-row skip, then
 #      the tests it touches
 #   u  (carry .cute1a, one GPU): the first part of the CuTe DSL libraries, kept for stage m
+#      (split -b 42M .cute1/cu13.tar.xz into .cute1a/ and .cute1b/ first; a machine idle for
+#      30 s is given back, so u and the next stage go one right after the other)
 #   m  (carry .cute1b and .cute2, right after u): the rest, unpacked and installed; the MHC cluster
 #      kernel's GPU tests, then as asked: its variants (MHC_CLUSTER_VARIANTS) beside the Triton two
 #      launches, bench mhc (MHC_BENCH=1, the dated record), ncu of it (MHC_NCU), ncu's warp-stall
@@ -245,7 +247,8 @@ m|p)
     grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
     tail -2 "$OUT/m-tests.log"
   fi
-  # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items; MHC_VARIANT_TOKENS: the
+  # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items; MHC_VARIANT_ARGS: more
+  # arguments for the sweep, such as "--steady 30 --eager"; MHC_VARIANT_TOKENS: the
   # token counts, default 1024 8192) at H = 4096, then
   # MHC_CLUSTER_VARIANTS_WIDE at H = 7168, each with one profiled call.
   if [ -n "${MHC_CLUSTER_VARIANTS:-}" ]; then

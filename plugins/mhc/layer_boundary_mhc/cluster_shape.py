@@ -120,7 +120,7 @@ class PersistentShape:
     groups w, w + warps, ...), whose x and y tiles of the next block go by cp.async into the warp's
     slots (``group_slot`` bytes a group) as soon as it has read this block's. 64-byte row segments
     rather than 32: every global access a warp makes then touches half as many lines a byte, and
-    the kernel is bound by its L1 wavefronts (PERFORMANCE.md, tenth pass). x' is not kept: the
+    the kernel is bound by its L1 wavefronts (PERFORMANCE-history.md, tenth pass). x' is not kept: the
     combination reads it back from L2 an iteration later, so one block's exchanges and
     combination overlap the next block's stream pass without x' buffers in shared memory. Warp 0
     also computes the CTA's token's coefficients of each block, at the start of the next iteration

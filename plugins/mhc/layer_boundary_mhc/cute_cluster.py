@@ -141,7 +141,7 @@ class MhcCluster(ClusterSteps):
 
         # phi's fragments of this warp's streams go from L2 straight to registers, one chunk ahead,
         # leaving shared memory to the HBM stages (x' takes most of it); or, phi_staged, they come
-        # with the stages (measured faster: PERFORMANCE.md, "Sixth pass").
+        # with the stages (measured faster: PERFORMANCE-history.md, "Sixth pass").
         nfrag = ls * 3 * s.nt
         pfs = (cute.make_rmem_tensor((nfrag * 2,), Int32), cute.make_rmem_tensor((nfrag * 2,), Int32))
         if cutlass.const_expr(not s.phi_staged):

@@ -3,7 +3,7 @@ sm_90a; imports ``cutlass``, load through ``cluster_ops``).
 
 Same arithmetic and exchanges as ``cute_cluster`` (read its docstring first), rearranged for many
 blocks: clusters of 16 CTAs, one CTA an SM, as many as the GPU holds at once, each taking 16-token
-blocks ``cid, cid + clusters, ...``. What changes (PERFORMANCE.md, eighth to tenth passes):
+blocks ``cid, cid + clusters, ...``. What changes (PERFORMANCE-history.md, eighth to tenth passes):
 
 - **Instructions.** A warp owns 32-column groups of every stream: each x and y element is loaded,
   unpacked and mixed once, and the sums of squares of x' come out of two extra mma.sync a stream
@@ -386,7 +386,7 @@ class MhcPersistent(ClusterSteps):
                             sq[e] = d[e]
                     if cutlass.const_expr(s.update):
                         # 16 bytes of a row a store: 8 rows of 64 bytes an instruction, where 16-column
-                        # chunks stored 8 rows of 32 (PERFORMANCE.md, tenth pass).
+                        # chunks stored 8 rows of 32 (PERFORMANCE-history.md, tenth pass).
                         for ri in cutlass.range_constexpr(2):
                             P.stg_v4(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(grp * 64),
                                      *st[ri], lv[ri])

@@ -223,10 +223,12 @@ class MhcSplit(MhcPersistent):
         count = cutlass.max(mine - warp + npro - 1, 0) // npro  # this warp's tokens
         # sinkhorn_lanes: lane b holds the logits of the warp's batch token b (skm) and its index
         # (skt[1]); skt[0] counts the batch, the same in every lane.
-        skm = cute.make_rmem_tensor((n * n,), Float32)
-        skt = cute.make_rmem_tensor((2,), Int32)
-        skt[0] = Int32(0)
-        skt[1] = Int32(0)
+        skm, skt = None, None
+        if cutlass.const_expr(s.sinkhorn_lanes):
+            skm = cute.make_rmem_tensor((n * n,), Float32)
+            skt = cute.make_rmem_tensor((2,), Int32)
+            skt[0] = Int32(0)
+            skt[1] = Int32(0)
         for k in cutlass.range((count + depth - 1) // depth, unroll=1):
             t0 = self._clock()
             if cutlass.const_expr(s.sinkhorn_lanes):
@@ -293,8 +295,9 @@ class MhcSplit(MhcPersistent):
                     P.sts_f32(hpre_s + (i % s.hrows) * 16 + lane * 4, h_pre)
             cute.arch.sync_warp()
             t0 = self._lap(cyc, 1, t0)
-            # Only now a ring row each: the coefficients above (a round trip for the partials) no
-            # longer sit between a row's release and its refill, which is then the copy alone. H_pre has its own rows (hrows, twice the ring's), free by then:
+            # Only now a ring row each (unless copy_first took it above): the coefficients (a round
+            # trip for the partials) no longer sit between a row's release and its refill, which is
+            # then the copy alone. H_pre has its own rows (hrows, twice the ring's), free by then:
             # the row of token i - hrows was read before the rows this warp took last step were
             # released.
             for d in cutlass.range_constexpr(depth):

@@ -14,7 +14,7 @@
 Not kept: two bf16 parts (``lo`` dropped, the rest rounded into ``mid``): 17 times the reference's
 coefficient error from FP64 (7.6e-6 at C = 256). Splitting phi into bf16 parts inside the stream
 pass of each stream (the ``BF16_PHI`` experiment): 342 µs of stream passes on an H200 at T = 8192
-against 218 for ``stream_joined`` (PERFORMANCE.md).
+against 218 for ``stream_joined`` (PERFORMANCE-history.md).
 """
 
 from __future__ import annotations

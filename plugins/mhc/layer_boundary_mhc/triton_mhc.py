@@ -46,7 +46,7 @@ x' is still in L2), without tickets or waiting. ``MODE = 4`` (folded, ``ONE_LAUN
 each program a stream pass and then finishes of the block ``LAG`` rounds back, whose x' may still
 be in L2. On an H200 at T = 8192 (n = 4, H = 4096) it was slower than two launches (345 µs
 against 314; the ticket launch 387), as was an arrival form (the last stream pass of a block
-finishes it: 453 µs and more; removed): PERFORMANCE.md.
+finishes it: 453 µs and more; removed): PERFORMANCE-history.md.
 
 bf16 streams at prefill sizes take ``stream_joined``'s stream pass (``JOINED``): the n streams
 one MMA operand against phi's bf16 parts (505 -> 218 µs of stream passes at T = 8192).
@@ -233,7 +233,8 @@ def mhc_boundary_kernel(
                         N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
         elif MODE == 4:
             # Folded: finishes of block r - LAG (finish q by program q mod S), meant to find that
-            # block's x' still in L2 (measured slower than two launches at every LAG: PERFORMANCE.md).
+            # block's x' still in L2 (measured slower than two launches at every LAG:
+            # PERFORMANCE-history.md).
             if (r >= LAG) & (k < RB):
                 blk = r - LAG
                 _await_block(cnt_ptr, blk, S)
