@@ -124,9 +124,9 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     assert f", {c * 2}, " in ptx and "ld.global.cg.f32" in ptx
 
 
-# The sweep's settings (benchmarks/sweeps/mhc_cluster_variants.py; off by default: measured and not
-# kept, plugins/mhc/PERFORMANCE.md, fourteenth pass).
-KNOBS = [dict(SPLIT_SINKHORN_LANES=1), dict(SPLIT_COPY_FIRST=1), dict(SPLIT_PRODUCE_DEPTH=3),
+# The sweep's settings (benchmarks/sweeps/mhc_cluster_variants.py; measured and not kept,
+# plugins/mhc/PERFORMANCE.md, fourteenth pass), and the producers' form before it (2 of two tokens).
+KNOBS = [dict(SPLIT_SINKHORN_LANES=1), dict(SPLIT_COPY_FIRST=1), dict(SPLIT_PRODUCERS=2, SPLIT_PRODUCE_DEPTH=2),
          dict(SPLIT_SINKHORN_LANES=1, SPLIT_COPY_FIRST=1)]
 
 

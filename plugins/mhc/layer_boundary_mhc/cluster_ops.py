@@ -78,11 +78,14 @@ PERSISTENT_WARPS = 8
 SPLIT_TOKENS = 1024
 # The split variant's finisher CTAs: at least this many SMs are left to them (an H200's 132 SMs:
 # 6 sets of 16 stream CTAs and 36 finishers; 7 sets left 20, too few to finish 8192 tokens as fast
-# as they were streamed: 337.8 against 236.2 µs, the stream side alone 200), and their producer
-# warps (1: 319.3 µs; session 12's record).
+# as they were streamed: 337.8 against 236.2 µs, the stream side alone 200). Their producer warps,
+# and the tokens each takes a step: 3 warps of one token rather than 2 of two, whose first token
+# waited for its second's block (about a wave later). Same run, three pairs (H200; results/
+# 2026-12-01-h200-session13.md): T = 1024 45.0 against 46.3 µs, 8192 234.1 / 242.7, 32768
+# 920.0 / 950.4 (averages). One producer: 319.3 µs at 8192.
 SPLIT_FINISHERS = 36
-SPLIT_PRODUCERS = 2
-SPLIT_PRODUCE_DEPTH = 2
+SPLIT_PRODUCERS = 3
+SPLIT_PRODUCE_DEPTH = 1
 # With PROFILE set: the split variant writes only each CTA's start and end times (sweeps).
 SPLIT_ENDS = 0
 # Measured, not kept (ties within the noise, H200, T = 8192; PERFORMANCE.md, fourteenth pass): H_res's
