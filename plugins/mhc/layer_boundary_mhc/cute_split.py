@@ -237,7 +237,7 @@ class MhcSplit(MhcPersistent):
                 if skt[0] >= SK_IDLE:
                     t_first = fid + cutlass.min(warp + npro * k * depth, mine - 1) * nfin
                     if P.count_lane0(cnt_a + Int64(t_first // s.bt) * 4, lane) < 16:
-                        self._sinkhorn_lanes(skm, [skt[1]], [Int32(lane < skt[0])], hro)
+                        self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
                         skt[0] = Int32(0)
             toks = []
             for d in cutlass.range_constexpr(depth):
@@ -320,12 +320,12 @@ class MhcSplit(MhcPersistent):
                             P.mbar_arrive(full + sl * 8)  # H_pre, written before the sync above
             if cutlass.const_expr(s.sinkhorn_lanes):
                 if skt[0] > 32 - depth:  # no room for another step's tokens
-                    self._sinkhorn_lanes(skm, [skt[1]], [Int32(lane < skt[0])], hro)
+                    self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
                     skt[0] = Int32(0)
             self._lap(cyc, 4, t0)
         if cutlass.const_expr(s.sinkhorn_lanes):
             if skt[0] > 0:
-                self._sinkhorn_lanes(skm, [skt[1]], [Int32(lane < skt[0])], hro)
+                self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
 
     @cute.jit
     def _row_copy(self, row_a, st, sn, t, dst, mbar):
@@ -338,43 +338,33 @@ class MhcSplit(MhcPersistent):
             P.bulk_g2s(dst + j * s.c * 2, row_a + (Int64(t) * st + Int64(j) * sn) * 2, s.c * 2, mbar)
 
     @cute.jit
-    def _sinkhorn_lanes(self, skm, toks: list, lives: list, hro):
-        """The Sinkhorn of ``len(toks)`` tokens a lane (logits in ``skm``, ``n * n`` each; lanes where
-        ``lives[r]`` is 0 compute but store nothing), stored to H_res: ``_sinkhorn``'s operations in
-        its order, except that a sum's reciprocal is taken once and multiplied (``div.full`` is that
-        product for these operands; n divisions a sum held a warp on its sub-partition's 4
-        special-function units a cycle: all of a warp's tokens after its last one took 18 µs at
-        T = 8192). Several a lane overlap their dependent steps."""
-        s = self.s
-        n = s.n
+    def _sinkhorn_lanes(self, skm, tok, live, hro):
+        """The Sinkhorn of one token a lane (logits in ``skm``; lanes where ``live`` is 0 compute but
+        store nothing), stored to H_res: ``_sinkhorn``'s operations in its order, except that a
+        sum's reciprocal is taken once and multiplied (``div.full`` is that product for these
+        operands; n divisions a sum held a warp on its sub-partition's 4 special-function units a
+        cycle: all of a warp's tokens after its last one took 18 µs at T = 8192)."""
+        n = self.s.n
         nn = n * n
-        for r in cutlass.range_constexpr(len(toks)):
-            top = skm[r * nn]
-            for e in cutlass.range_constexpr(1, nn):
-                top = P.fmax(top, skm[r * nn + e])
-            for e in cutlass.range_constexpr(nn):
-                skm[r * nn + e] = P.fmax(P.exp(skm[r * nn + e] - top), Float32(1.1754943508222875e-38))
-        for _ in cutlass.range(s.iters, unroll=1):
-            for r in cutlass.range_constexpr(len(toks)):
-                for j in cutlass.range_constexpr(n):
-                    csum = skm[r * nn + j]
-                    for i2 in cutlass.range_constexpr(1, n):
-                        csum = csum + skm[r * nn + i2 * n + j]
-                    rc = P.rcp(csum)
-                    for i2 in cutlass.range_constexpr(n):
-                        skm[r * nn + i2 * n + j] = skm[r * nn + i2 * n + j] * rc
-            for r in cutlass.range_constexpr(len(toks)):
-                for i2 in cutlass.range_constexpr(n):
-                    rsum = skm[r * nn + i2 * n]
-                    for j in cutlass.range_constexpr(1, n):
-                        rsum = rsum + skm[r * nn + i2 * n + j]
-                    rc = P.rcp(rsum)
-                    for j in cutlass.range_constexpr(n):
-                        skm[r * nn + i2 * n + j] = skm[r * nn + i2 * n + j] * rc
-        for r in cutlass.range_constexpr(len(toks)):
-            base = Int64(hro.toint()) + Int64(toks[r]) * (nn * 4)
-            for e in cutlass.range_constexpr(nn):
-                P.stg_f32(base + e * 4, skm[r * nn + e], lives[r])
+        top = skm[0]
+        for e in cutlass.range_constexpr(1, nn):
+            top = P.fmax(top, skm[e])
+        for e in cutlass.range_constexpr(nn):
+            skm[e] = P.fmax(P.exp(skm[e] - top), Float32(1.1754943508222875e-38))
+        cols = [[i2 * n + j for i2 in range(n)] for j in range(n)]
+        rows = [[i2 * n + j for j in range(n)] for i2 in range(n)]
+        for _ in cutlass.range(self.s.iters, unroll=1):
+            for lines in (cols, rows):  # columns, then rows: each summed in order, then scaled
+                for line in lines:
+                    tot = skm[line[0]]
+                    for e in line[1:]:
+                        tot = tot + skm[e]
+                    rc = P.rcp(tot)
+                    for e in line:
+                        skm[e] = skm[e] * rc
+        base = Int64(hro.toint()) + Int64(tok) * (nn * 4)
+        for e in cutlass.range_constexpr(nn):
+            P.stg_f32(base + e * 4, skm[e], live)
 
     @cute.jit
     def _consume(self, fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
