@@ -88,9 +88,10 @@ SPLIT_PRODUCERS = 3
 SPLIT_PRODUCE_DEPTH = 1
 # With PROFILE set: the split variant writes only each CTA's start and end times (sweeps).
 SPLIT_ENDS = 0
-# Measured, not kept (ties within the noise, H200, T = 8192; PERFORMANCE.md, fourteenth pass): H_res's
-# Sinkhorn in the producer warps instead of a launch after the kernel, and a token's x' copy
-# before its coefficients when its ring row is already free.
+# Measured, not kept (PERFORMANCE.md, fourteenth pass): H_res's Sinkhorn in the producer warps
+# instead of a launch after the kernel, and a token's x' copy before its coefficients when its ring
+# row is already free. Together: ties at T = 8192 and 32768 within the noise, 5 % faster at 1024
+# (H200, with 2 producers of two tokens).
 SPLIT_SINKHORN_LANES = 0
 SPLIT_COPY_FIRST = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled

@@ -290,8 +290,6 @@ def bar_sync(barrier: int, threads: int):
     asm(None, [], f"bar.sync {barrier}, {threads};", "")
 
 
-
-
 def cp_async_wait_all():
     asm(None, [], "cp.async.wait_all;", "")
 
@@ -333,10 +331,6 @@ def mbar_done_lane0(addr, parity, lane):
                      "shfl.sync.idx.b32 $0, v, 0, 0x1f, 0xffffffff; }", "=r,r,r,r"))
 
 
-
-
-
-
 def ldg_f32_cg(addr, live):
     """One FP32 value from L2 (written by another CTA of this kernel), zero where ``live`` is 0."""
     return Float32(asm(T.f32(), [addr, live],
@@ -352,8 +346,6 @@ def spin_until(addr, target):
         "LB_SPIN_${:uid}: ld.acquire.gpu.global.u32 v, [$0]; setp.ge.u32 p, v, $1; @p bra LB_DONE_${:uid}; "
         "nanosleep.u32 64; mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.gt.u64 p, t1, 20000000000; "
         "@p trap; bra LB_SPIN_${:uid}; LB_DONE_${:uid}: }", "l,r")
-
-
 
 
 def fence_proxy_async_global():
