@@ -242,3 +242,25 @@ def test_a_residual_that_is_neither_a_name_nor_a_scheme_is_refused():
 
     with pytest.raises(TypeError, match="residual must be a scheme's name .* got 42"):
         Qwen3ForCausalLM(small_random_config(), context=BoundaryContext(), residual=42)
+
+
+def test_a_reason_of_several_lines_stays_on_its_row_of_the_listing(plugin_site: PluginSite, capsys):
+    # A hook's exception text of several lines (as pluggy's are) once broke the table's rows.
+    from layer_boundary.cli.main import main
+
+    plugin_site.add("alpha")
+    plugin_site.add("wordy", hooks_source='''
+        from layer_boundary.plugins import hookimpl
+
+        @hookimpl
+        def layer_boundary_fusion_providers():
+            raise ValueError("first line\\n  second line\\nthird")
+        ''')
+    main(["plugins"])
+    lines = capsys.readouterr().out.splitlines()
+    row = [ln for ln in lines if ln.startswith("wordy ")]
+    assert len(row) == 1 and "first line second line third" in row[0], lines
+    assert not any(ln.lstrip().startswith(("second line", "third")) for ln in lines), lines
+    main(["plugins", "--check", "wordy"])
+    err = capsys.readouterr().err
+    assert "first line second line third" in err and len(err.strip().splitlines()) == 1, err

@@ -33,7 +33,7 @@ def plugins_command(args: argparse.Namespace) -> int:
         bad = [n for n in args.check if n not in status or status[n].status is not PluginStatus.ACTIVE]
         for n in bad:
             r = status.get(n)
-            why = f"{r.status.value}: {r.reason}" if r else "not installed"
+            why = f"{r.status.value}: {_one_line(r.reason)}" if r else "not installed"
             print(f"layer-boundary plugins --check: {n} is not active ({why})", file=sys.stderr)
         return 1 if bad else 0
     return 0
@@ -48,9 +48,15 @@ def _print(records: list, as_json: bool) -> None:
         return
     rows = [("name", "distribution", "version", "api", "status", "provides / reason")]
     for r in records:
-        detail = r.reason or ", ".join(r.provides)
+        detail = _one_line(r.reason) or ", ".join(r.provides)
         rows.append((r.name, r.distribution or "-", r.version or "-", str(r.api_version or "-"),
                      r.status.value, detail))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[5])
+
+
+def _one_line(reason: str) -> str:
+    # A reason can be an exception's text of several lines (pluggy's hook-call errors are): one row
+    # a plugin, its lines joined (--json keeps them as they are).
+    return " ".join(reason.split())

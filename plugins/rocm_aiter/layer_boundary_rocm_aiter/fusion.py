@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from layer_boundary.fusion import AllReduceNormProvider, FusedSum, WorkspaceUnavailable
+from layer_boundary.launch import gather_objects
 from layer_boundary.topology import GroupInfo
 
 from .api import AiterApi
@@ -140,8 +141,8 @@ class AiterAllReduceNorm(AllReduceNormProvider):
         found = self._cpu.get(group.ranks)
         if found is None:
             cpu = dist.new_group(list(group.ranks), backend="gloo", use_local_synchronization=True)
-            hosts: list[Any] = [None] * group.size
-            dist.all_gather_object(hosts, socket.gethostname(), group=cpu)
+            # Not all_gather_object: it needs NumPy, which a CPU install of torch does not bring.
+            hosts = gather_objects(socket.gethostname(), group=cpu)
             found = self._cpu[group.ranks] = (cpu, [str(h) for h in hosts])
         return found
 
