@@ -69,6 +69,19 @@ def test_bad_layout_is_refused(capsys):
     assert "must divide" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,usage", [
+    (["run", "--out", "x"], "usage: layer-boundary run"),
+    (["bench", "mhc", "--bogus"], "usage: layer-boundary bench mhc"),
+    (["bench", "host", "--json", "/nonexistent-folder/x.json"], "usage: layer-boundary bench host"),
+])
+def test_a_command_error_prints_that_commands_usage(argv, usage, capsys):
+    # The top level's usage lists only the commands: it told a user nothing about a run option.
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and usage in err and "usage: layer-boundary [-h] {run" not in err, err
+
+
 def test_run_loads_a_checkpoint_folder(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -277,10 +277,24 @@ def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             parser.error(f"--out {out!r} cannot be created ({e.strerror})")
 
 
+def _own_usage(parser: argparse.ArgumentParser) -> None:
+    """Each command's parser named in its namespace (``_parser``): an unknown option or a bad path
+    then prints that command's usage, not the top level's (which lists only the commands)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(_parser=sub)
+                _own_usage(sub)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_outputs(parser, args)
+    _own_usage(parser)
+    args, extra = parser.parse_known_args(argv)
+    here = vars(args).pop("_parser", parser)
+    if extra:
+        here.error(f"unrecognized arguments: {' '.join(extra)}")
+    _check_outputs(here, args)
     if args.command == "run":
         from .run import run_command
 
