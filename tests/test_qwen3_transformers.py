@@ -253,6 +253,27 @@ def test_a_config_file_that_is_not_a_json_object_is_named(tmp_path, text, messag
             read(tmp_path)
 
 
+@pytest.mark.parametrize("arch, warns", [
+    (["Qwen3ForSequenceClassification"], True), (["LlamaForCausalLM"], True), (["Qwen3ForCausalLM"], False),
+    (None, False), ([], False),
+])
+def test_architectures_that_do_not_name_the_loaded_class_warn(tmp_path, caplog, arch, warns):
+    import json
+    import logging
+
+    from layer_boundary.models.config import load_config
+
+    d = small_random_config().to_dict()
+    if arch is not None:
+        d["architectures"] = arch
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with caplog.at_level(logging.WARNING, logger="layer_boundary.models.config"):
+        assert isinstance(load_config(tmp_path), Qwen3Config)
+        Qwen3Config.from_folder(tmp_path)  # as the model classes read it: the same file, said once
+    said = [r.getMessage() for r in caplog.records if "does not name Qwen3ForCausalLM" in r.getMessage()]
+    assert len(said) == int(warns), caplog.text
+
+
 def test_config_reads_both_rope_theta_layouts():
     base = {k: v for k, v in small_random_config().to_dict().items() if k != "rope_parameters"}
     assert Qwen3Config.from_dict({**base, "rope_theta": 5e5}).rope_theta == 5e5  # transformers 4

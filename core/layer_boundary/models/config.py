@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Mapping, Union
@@ -43,6 +44,7 @@ class Qwen3Config:
     zero_centered_norms: bool = False
 
     MODEL_TYPE: ClassVar[str] = "qwen3"
+    ARCHITECTURE: ClassVar[str] = "Qwen3ForCausalLM"
     ARCHITECTURE: ClassVar[str] = "Qwen3ForCausalLM"
     _what: ClassVar[str] = "dense Qwen3"
 
@@ -105,7 +107,10 @@ class Qwen3Config:
             raise FileNotFoundError(
                 f"no config.json in {os.fspath(folder)!r}; pass a Hugging Face checkpoint folder"
             )
-        return cls.from_dict(_read_config(path))
+        d = _read_config(path)
+        config = cls.from_dict(d)
+        _check_architectures(path, d, cls)
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         """A transformers-5 style ``config.json`` dict for this config."""
@@ -200,6 +205,7 @@ class Qwen3MoeConfig(Qwen3Config):
 
     MODEL_TYPE: ClassVar[str] = "qwen3_moe"
     ARCHITECTURE: ClassVar[str] = "Qwen3MoeForCausalLM"
+    ARCHITECTURE: ClassVar[str] = "Qwen3MoeForCausalLM"
     _what: ClassVar[str] = "Qwen3-MoE"
 
     def __post_init__(self) -> None:
@@ -283,7 +289,23 @@ def load_config(folder: str | os.PathLike[str]) -> Union[Qwen3Config, Qwen3MoeCo
             f"{path}: model_type {model_type!r} is not supported; the reference models load "
             f"model_type {', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)}"
         )
+    _check_architectures(path, d, cls)
     return cls.from_dict(d)
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _check_architectures(path: str, d: Mapping[str, Any], cls: type["Qwen3Config"]) -> None:
+    """Warn (once a file) when config.json's ``architectures`` does not name the class loaded:
+    transformers too picks the class from model_type, so a different head (a classifier, say) or a
+    mislabelled conversion would load here as a causal LM without a word."""
+    arch = d.get("architectures")
+    if isinstance(arch, list) and arch and cls.ARCHITECTURE not in arch and (path, cls.ARCHITECTURE) not in _WARNED:
+        _WARNED.add((path, cls.ARCHITECTURE))
+        logging.getLogger(__name__).warning(
+            "%s: architectures %s does not name %s, which model_type %r loads here; check that the "
+            "checkpoint is a causal LM of that model type", path, arch, cls.ARCHITECTURE, d.get("model_type"))
 
 
 def _is_number(v: Any) -> bool:
