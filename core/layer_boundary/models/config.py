@@ -45,7 +45,6 @@ class Qwen3Config:
 
     MODEL_TYPE: ClassVar[str] = "qwen3"
     ARCHITECTURE: ClassVar[str] = "Qwen3ForCausalLM"
-    ARCHITECTURE: ClassVar[str] = "Qwen3ForCausalLM"
     _what: ClassVar[str] = "dense Qwen3"
 
     def __post_init__(self) -> None:
@@ -107,7 +106,10 @@ class Qwen3Config:
             raise FileNotFoundError(
                 f"no config.json in {os.fspath(folder)!r}; pass a Hugging Face checkpoint folder"
             )
-        d = _read_config(path)
+        return cls._from_file(path, _read_config(path))
+
+    @classmethod
+    def _from_file(cls, path: str, d: Mapping[str, Any]) -> "Qwen3Config":
         config = cls.from_dict(d)
         _check_architectures(path, d, cls)
         return config
@@ -205,7 +207,6 @@ class Qwen3MoeConfig(Qwen3Config):
 
     MODEL_TYPE: ClassVar[str] = "qwen3_moe"
     ARCHITECTURE: ClassVar[str] = "Qwen3MoeForCausalLM"
-    ARCHITECTURE: ClassVar[str] = "Qwen3MoeForCausalLM"
     _what: ClassVar[str] = "Qwen3-MoE"
 
     def __post_init__(self) -> None:
@@ -289,8 +290,7 @@ def load_config(folder: str | os.PathLike[str]) -> Union[Qwen3Config, Qwen3MoeCo
             f"{path}: model_type {model_type!r} is not supported; the reference models load "
             f"model_type {', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)}"
         )
-    _check_architectures(path, d, cls)
-    return cls.from_dict(d)
+    return cls._from_file(path, d)
 
 
 _WARNED: set[tuple[str, str]] = set()
@@ -301,8 +301,9 @@ def _check_architectures(path: str, d: Mapping[str, Any], cls: type["Qwen3Config
     transformers too picks the class from model_type, so a different head (a classifier, say) or a
     mislabelled conversion would load here as a causal LM without a word."""
     arch = d.get("architectures")
-    if isinstance(arch, list) and arch and cls.ARCHITECTURE not in arch and (path, cls.ARCHITECTURE) not in _WARNED:
-        _WARNED.add((path, cls.ARCHITECTURE))
+    key = (path, cls.ARCHITECTURE)
+    if isinstance(arch, list) and arch and cls.ARCHITECTURE not in arch and key not in _WARNED:
+        _WARNED.add(key)
         logging.getLogger(__name__).warning(
             "%s: architectures %s does not name %s, which model_type %r loads here; check that the "
             "checkpoint is a causal LM of that model type", path, arch, cls.ARCHITECTURE, d.get("model_type"))

@@ -366,7 +366,7 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
        ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), *extra,
        x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1), out.stride(0), eps, norm_eps,
        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
-    if not shape.sinkhorn and not getattr(shape, "sinkhorn_lanes", False):
+    if not shape.sinkhorn and not shape.sinkhorn_lanes:
         _sinkhorn_after(h_res_out, t, n, iters)
 
 

@@ -74,6 +74,7 @@ class ClusterShape:
 
     persistent = False  # which kernel: cute_cluster (False) or cute_persistent
     split = False
+    sinkhorn_lanes = False  # the split variant's Sinkhorn in its producers (SplitShape)
 
     def __init__(self, n: int, hidden: int, cluster: int, block_tokens: int, update: bool, iters: int,
                  stages: int = 0, warps: int = 8, ctas: int = 1, profile: bool = False,
@@ -128,6 +129,7 @@ class PersistentShape:
 
     persistent = True
     split = False
+    sinkhorn_lanes = False
     cl = 16
     bt = 16
     push = True
