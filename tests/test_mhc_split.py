@@ -127,7 +127,7 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
 # The sweep's settings (benchmarks/sweeps/mhc_cluster_variants.py; measured and not kept,
 # plugins/mhc/PERFORMANCE.md, fourteenth pass), and the producers' form before it (2 of two tokens).
 KNOBS = [dict(SPLIT_SINKHORN_LANES=1), dict(SPLIT_COPY_FIRST=1), dict(SPLIT_PRODUCERS=2, SPLIT_PRODUCE_DEPTH=2),
-         dict(SPLIT_SINKHORN_LANES=1, SPLIT_COPY_FIRST=1), dict(SPLIT_SIGNAL=1)]
+         dict(SPLIT_SINKHORN_LANES=1, SPLIT_COPY_FIRST=1)]
 
 
 def test_split_settings_make_distinct_shapes(monkeypatch):
@@ -150,8 +150,7 @@ def test_split_settings_compile_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     mod = _cute()
     ptx = {name: mod.compile_split(SplitShape(4, 4096, True, 20, **kw), str(tmp_path)).__ptx__
-           for name, kw in (("default", {}), ("batch", dict(sinkhorn_lanes=True)), ("first", dict(copy_first=True)),
-                            ("signal", dict(signal=True)))}
+           for name, kw in (("default", {}), ("batch", dict(sinkhorn_lanes=True)), ("first", dict(copy_first=True)))}
     # the Sinkhorn in the producers: a reciprocal a sum, and a relaxed look at the next count
     assert "rcp.approx.f32" in ptx["batch"] and "rcp.approx.f32" not in ptx["default"]
     assert "ld.relaxed.gpu.global.u32" in ptx["batch"]
@@ -159,14 +158,6 @@ def test_split_settings_compile_for_sm90a(tmp_path, monkeypatch):
     assert "mbarrier.test_wait.parity" in ptx["first"] and "mbarrier.test_wait" not in ptx["default"]
     assert ptx["first"].count("mbarrier.arrive.shared::cta.b64") > ptx["default"].count(
         "mbarrier.arrive.shared::cta.b64")
-    # the signal warpgroup: 384 threads as a bound (ptxas ignores setmaxnreg under .reqntid), its
-    # registers given to the working warps, blocks counted behind named barriers of 288 threads
-    sig, dflt = ptx["signal"], ptx["default"]
-    assert ".maxntid 384, 1, 1" in sig and ".reqntid" not in sig and ".reqntid 256, 1, 1" in dflt
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", sig)
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", sig)
-    assert "bar.arrive" in sig and ", 288;" in sig and "bar.arrive" not in dflt and "setmaxnreg" not in dflt
-    assert sig.count("red.release.gpu.global.add.u32") == 1  # the signal warp's alone
 
 
 # -- GPU ---------------------------------------------------------------------------------------------

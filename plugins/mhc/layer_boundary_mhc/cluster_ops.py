@@ -94,9 +94,6 @@ SPLIT_ENDS = 0
 # (H200, with 2 producers of two tokens).
 SPLIT_SINKHORN_LANES = 0
 SPLIT_COPY_FIRST = 0
-# A fourth warpgroup in every CTA, whose first warp counts the stream CTAs' blocks ready (the
-# release's fence then holds no stream warp; setmaxnreg keeps the 8 working warps' registers).
-SPLIT_SIGNAL = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count (the split
@@ -174,7 +171,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
     """The split variant's shape (``cluster_shape.SplitShape``; its ``problem`` says why it does not
     fit)."""
     key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS,
-           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, SPLIT_SIGNAL, PROFILE is not None)
+           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import SplitShape
@@ -184,7 +181,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
                                               producers=SPLIT_PRODUCERS, produce_depth=SPLIT_PRODUCE_DEPTH,
                                               ends=bool(SPLIT_ENDS) and PROFILE is not None,
                                               sinkhorn_lanes=bool(SPLIT_SINKHORN_LANES),
-                                              copy_first=bool(SPLIT_COPY_FIRST), signal=bool(SPLIT_SIGNAL))
+                                              copy_first=bool(SPLIT_COPY_FIRST))
     return shape
 
 

@@ -202,10 +202,6 @@ class SplitShape(PersistentShape):
     GPU (sets, finishers) are launch arguments, not compile-time."""
 
     split = True
-    # With ``signal``: registers a thread of the signal warpgroup and of the 8 working warps after
-    # setmaxnreg (2 x 128 x 232 + 128 x 40 = 384 x 168, the launch's pool).
-    SIGNAL_REGS = 40
-    WORK_REGS = 232
 
     # Profiled (cluster_ops.PROFILE): per role, thread 0's cycles in each section, summed over its
     # blocks (stream CTAs) or tokens (finisher CTAs, warp 0), then the count and the whole kernel.
@@ -222,7 +218,7 @@ class SplitShape(PersistentShape):
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
                  producers: int = 2, produce_depth: int = PRODUCE_DEPTH, ends: bool = False,
-                 sinkhorn_lanes: bool = False, copy_first: bool = False, signal: bool = False) -> None:
+                 sinkhorn_lanes: bool = False, copy_first: bool = False) -> None:
         super().__init__(n, hidden, update, iters, warps=warps, profile=profile)
         self.producers = producers
         # ``ends``: the unprofiled kernel writing only each CTA's start and end times (global timer:
@@ -235,13 +231,6 @@ class SplitShape(PersistentShape):
         # ``copy_first``: a token's x' copy starts before its coefficients when its ring row is free
         # then (two arrivals a row: the copy's, and H_pre's).
         self.copy_first = copy_first
-        # ``signal``: a fourth warpgroup's first warp counts the stream CTAs' blocks ready (named
-        # barriers from the 8 stream warps), so that the release's fence, which waits for the SM's
-        # stores, holds no stream warp. Registers: the launch gives 168 a thread at 384 threads (3
-        # warps on a sub-partition's file); the signal warpgroup gives most of its share back
-        # (``SIGNAL_REGS``) and the 8 working warps take it (``WORK_REGS``).
-        self.signal = signal
-        self.block_threads = self.threads + (128 if signal else 0)
         # The stream role's plan (phi, slots, coefficient rows, per-warp partials, then a second
         # buffer of coefficient rows) without the
         # exchange buffers; the finisher role's ring of x' rows (n x C bf16 each, as many as fit, at

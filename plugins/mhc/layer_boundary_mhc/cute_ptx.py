@@ -290,18 +290,6 @@ def bar_sync(barrier: int, threads: int):
     asm(None, [], f"bar.sync {barrier}, {threads};", "")
 
 
-def bar_sync_rt(barrier, threads: int):
-    """``bar_sync`` with the barrier's number in a register (a block's parity picks it)."""
-    asm(None, [barrier], f"bar.sync $0, {threads};", "r")
-
-
-def bar_arrive_rt(barrier, threads: int):
-    """Arrive at named barrier ``barrier`` (a register; of ``threads`` threads) without waiting: the
-    arrival synchronizes with the threads that ``bar_sync`` there (its earlier memory operations
-    come first)."""
-    asm(None, [barrier], f"bar.arrive $0, {threads};", "r")
-
-
 def cp_async_wait_all():
     asm(None, [], "cp.async.wait_all;", "")
 

@@ -50,11 +50,6 @@ from .cute_steps import compile_kernel
 CONSUME_DEPTH = 2
 # sinkhorn_lanes 1: a batch this size or more runs when the warp's next count has not come.
 SK_IDLE = 8
-# Named barriers between the stream warps and the signal warp (``SplitShape.signal``), one of each a
-# block parity: the block's stores issued (stream warps arrive, the signal warp waits), and the
-# signal warp done with that barrier (it arrives, the stream warps wait two blocks later).
-SIGNAL_READY = 3
-SIGNAL_DONE = 5
 
 
 class MhcSplit(MhcPersistent):
@@ -66,12 +61,9 @@ class MhcSplit(MhcPersistent):
                  sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32, eps: Float32,
                  norm_eps: Float32, stream: cuda.CUstream):
         s = self.s
-        # With the signal warpgroup: .maxntid rather than .reqntid, under which ptxas ignores setmaxnreg.
-        limits = dict(max_number_threads=[s.block_threads, 1, 1], min_blocks_per_mp=1) if s.signal else {}
         self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, part, cnt, tokens,
                     blocks, sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
-            grid=[sets * 16 + finishers, 1, 1], block=[s.block_threads, 1, 1], smem=s.smem, stream=stream,
-            **limits)
+            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
@@ -92,29 +84,6 @@ class MhcSplit(MhcPersistent):
         ready_a = Int64(prof.toint()) + Int64(nblk) * 128
         seen_a = ready_a + Int64(blocks) * 256
         stamps = (ready_a, seen_a, seen_a + Int64(tokens) * 16)
-        if cutlass.const_expr(s.signal):
-            # setmaxnreg before anything else; the working warps' code inside the branch that raised
-            # their registers (ptxas holds code after the branches' join to the launch's 168).
-            if warp >= s.warps:  # the signal warpgroup: its first warp, in stream CTAs
-                cute.arch.setmaxregister_decrease(s.SIGNAL_REGS)
-                if warp == s.warps and bid < sets * 16:
-                    self._signal(bid, sets, blocks, cnt_a, lane, stamps)
-            else:
-                cute.arch.setmaxregister_increase(s.WORK_REGS)
-                self._work(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a,
-                           prof_a, tokens, blocks, sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps, bid, nblk,
-                           tid, warp, lane, g, q, base, stamps)
-        else:
-            self._work(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a, prof_a,
-                       tokens, blocks, sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps, bid, nblk, tid, warp, lane,
-                       g, q, base, stamps)
-
-    @cute.jit
-    def _work(self, x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a, prof_a,
-              tokens, blocks, sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps, bid, nblk, tid, warp, lane, g, q,
-              base, stamps):
-        """The 8 working warps of CTA ``bid``: a stream CTA's or a finisher's, and the profiled stores."""
-        s = self.s
         cyc = cute.make_rmem_tensor((8,), Int64)
         cyc.fill(0)
         t_all = self._clock()
@@ -191,55 +160,26 @@ class MhcSplit(MhcPersistent):
             # own stores: 483.7 against 365.0 µs (H200, T = 8192, the first finisher form).
             # (Its fence holds thread 0 for a third of its stream pass, ncu; no other placement
             # measured faster: PERFORMANCE.md, fourteenth pass.)
-            if cutlass.const_expr(not s.signal):
-                if tid == 0 and it > 0:
-                    P.red_release_add(cnt_a + Int64(blk - sets) * 4, Int32(1))
-                    if cutlass.const_expr(s.profile):
-                        P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
+            if tid == 0 and it > 0:
+                P.red_release_add(cnt_a + Int64(blk - sets) * 4, Int32(1))
+                if cutlass.const_expr(s.profile):
+                    P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
             self._stream(slot, fill, blk, Int32(blk + sets < blocks), sets, tokens, phi_s, cb, xol, sot, son,
                          warp, g, q, acc, sq)
             t0 = self._lap(cyc, 1, t0)
             self._partials(acc, sq, wp, Int32(0), Int32(0), rank, tid, warp, g, q, False,
                            sink=part_a + (Int64(blk) * 16 + Int64(rank)) * row * 4)
-            if cutlass.const_expr(s.signal):
-                # The block's stores are issued: the signal warp may count it, once it has
-                # consumed this parity's barrier two blocks ago (arrivals of two blocks must not
-                # mix on one barrier; two parities leave it a block of slack).
-                if it >= 2:
-                    P.bar_sync_rt(Int32(SIGNAL_DONE + it % 2), s.threads + 32)
-                P.bar_arrive_rt(Int32(SIGNAL_READY + it % 2), s.threads + 32)
             t0 = self._lap(cyc, 2, t0)
             if cutlass.const_expr(s.update):
                 self._coef_issue(tid, blk + 2 * sets, tokens, hp_a, hr_a, cb)
             self._lap(cyc, 4, t0)
-        if cutlass.const_expr(not s.signal):
-            P.bar_sync(1, s.threads)
-            if tid == 0 and nloc > 0:
-                P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * 4, Int32(1))
-                if cutlass.const_expr(s.profile):
-                    P.stamp(stamps[0] + (Int64(first + (nloc - 1) * sets) * 16 + Int64(rank)) * 16)
+        P.bar_sync(1, s.threads)
+        if tid == 0 and nloc > 0:
+            P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * 4, Int32(1))
+            if cutlass.const_expr(s.profile):
+                P.stamp(stamps[0] + (Int64(first + (nloc - 1) * sets) * 16 + Int64(rank)) * 16)
         P.cp_async_wait_all()  # the last iteration's copies (zeros past the last block) land before exit
         return nloc
-
-    @cute.jit
-    def _signal(self, sid, sets, blocks, cnt_a, lane, stamps):
-        """Stream CTA ``sid``'s signal warp: each of its blocks counted ready once the 8 stream warps
-        have arrived behind the block's stores. The release's fence waits for the SM's stores before
-        it: in thread 0 of a stream warp (or any one of them) that wait held the CTA's next barrier
-        (ncu: a third of warp 0's samples, H200, T = 8192)."""
-        s = self.s
-        rank = sid % 16
-        first = sid // 16
-        nloc = (blocks - first + sets - 1) // sets
-        for it in cutlass.range(nloc, unroll=1):
-            blk = first + it * sets
-            P.bar_sync_rt(Int32(SIGNAL_READY + it % 2), s.threads + 32)
-            if lane == 0:
-                P.red_release_add(cnt_a + Int64(blk) * 4, Int32(1))
-                if cutlass.const_expr(s.profile):
-                    P.stamp(stamps[0] + (Int64(blk) * 16 + Int64(rank)) * 16)
-            if it + 2 < nloc:
-                P.bar_arrive_rt(Int32(SIGNAL_DONE + it % 2), s.threads + 32)
 
     @cute.jit
     def _finisher(self, fid, nfin, src, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a, tokens, sit,
