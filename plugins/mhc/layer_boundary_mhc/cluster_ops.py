@@ -88,11 +88,13 @@ SPLIT_PRODUCERS = 3
 SPLIT_PRODUCE_DEPTH = 1
 # With PROFILE set: the split variant writes only each CTA's start and end times (sweeps).
 SPLIT_ENDS = 0
-# Measured, not kept (PERFORMANCE.md, fourteenth pass): H_res's Sinkhorn in the producer warps
-# instead of a launch after the kernel, and a token's x' copy before its coefficients when its ring
-# row is already free. Together: ties at T = 8192 and 32768 within the noise, 5 % faster at 1024
-# (H200, with 2 producers of two tokens).
-SPLIT_SINKHORN_LANES = 0
+# H_res's Sinkhorn in the producer warps (a token a lane, batches run while the next count has not
+# come) instead of a launch after the kernel: with 3 producers of one token, faster at every size
+# measured (H200, interleaved with the launch-after form in one run: T = 1024 43.5-43.8 against
+# 45.0-45.5 µs, 8192 231.0-232.1 against 233.5-235.9, 32768 902.4-905.6 against 901.5-959.0;
+# PERFORMANCE.md, fifteenth pass). Not kept: a token's x' copy before its coefficients when its ring
+# row is already free (with the Sinkhorn in the producers, no faster than without).
+SPLIT_SINKHORN_LANES = 1
 SPLIT_COPY_FIRST = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
