@@ -96,9 +96,6 @@ SPLIT_ENDS = 0
 # row is already free (with the Sinkhorn in the producers, no faster than without).
 SPLIT_SINKHORN_LANES = 1
 SPLIT_COPY_FIRST = 0
-# Each stream warp its own partials slot, one barrier before their sum (0: half the slots, the
-# persistent variant's in-place add between two barriers).
-SPLIT_OWN_SLOTS = 1
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count (the split
@@ -176,7 +173,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
     """The split variant's shape (``cluster_shape.SplitShape``; its ``problem`` says why it does not
     fit)."""
     key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS,
-           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, SPLIT_OWN_SLOTS, PROFILE is not None)
+           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import SplitShape
@@ -186,8 +183,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
                                               producers=SPLIT_PRODUCERS, produce_depth=SPLIT_PRODUCE_DEPTH,
                                               ends=bool(SPLIT_ENDS) and PROFILE is not None,
                                               sinkhorn_lanes=bool(SPLIT_SINKHORN_LANES),
-                                              copy_first=bool(SPLIT_COPY_FIRST),
-                                              own_slots=bool(SPLIT_OWN_SLOTS))
+                                              copy_first=bool(SPLIT_COPY_FIRST))
     return shape
 
 

@@ -130,7 +130,6 @@ class PersistentShape:
     persistent = True
     split = False
     sinkhorn_lanes = False
-    own_slots = False  # every warp its own partials slot (SplitShape)
     cl = 16
     bt = 16
     push = True
@@ -219,7 +218,7 @@ class SplitShape(PersistentShape):
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
                  producers: int = 2, produce_depth: int = PRODUCE_DEPTH, ends: bool = False,
-                 sinkhorn_lanes: bool = False, copy_first: bool = False, own_slots: bool = True) -> None:
+                 sinkhorn_lanes: bool = False, copy_first: bool = False) -> None:
         super().__init__(n, hidden, update, iters, warps=warps, profile=profile)
         self.producers = producers
         # ``ends``: the unprofiled kernel writing only each CTA's start and end times (global timer:
@@ -237,12 +236,6 @@ class SplitShape(PersistentShape):
         # exchange buffers; the finisher role's ring of x' rows (n x C bf16 each, as many as fit, at
         # most 8) with two barriers each, H_pre for twice as many tokens (computed before a token
         # has a row), and the consumers' sums of squares.
-        # Every stream warp its own partials slot: one barrier before the partials' sum, not two with
-        # an in-place add between (the stream role has room: the finishers' ring sets the size).
-        if own_slots:
-            self.own_slots = True
-            self.wslots = warps
-            self.wp_bytes = warps * 16 * (self.kpad + 1) * 4
         self.units_row = hidden // 8  # 16-byte units of a row
         self.fslot = n * hidden * 2
         self.hrows = 16

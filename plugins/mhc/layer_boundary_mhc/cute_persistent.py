@@ -478,19 +478,9 @@ class MhcPersistent(ClusterSteps):
                 t = idx // (kpad + 1)
                 col = idx - t * (kpad + 1)
                 src = wp + t * row_bytes + col * 4
-                if cutlass.const_expr(s.own_slots):
-                    # The in-place form's order (warp k's and warp k + W/2's first, then the pairs in
-                    # turn), so that the sums keep their bits.
-                    half = s.warps // 2
-                    pair = [P.lds_f32(src + kk * 16 * row_bytes) + P.lds_f32(src + (kk + half) * 16 * row_bytes)
-                            for kk in range(half)]
-                    tot = pair[0]
-                    for kk in cutlass.range_constexpr(1, half):
-                        tot = tot + pair[kk]
-                else:
-                    tot = P.lds_f32(src)
-                    for kk in cutlass.range_constexpr(1, ws):
-                        tot = tot + P.lds_f32(src + kk * 16 * row_bytes)
+                tot = P.lds_f32(src)
+                for kk in cutlass.range_constexpr(1, ws):
+                    tot = tot + P.lds_f32(src + kk * 16 * row_bytes)
                 if cutlass.const_expr(sink is None):
                     self._send(part + (rank * (kpad + 1) + col) * 4, t, tot, mbar)
                 else:
