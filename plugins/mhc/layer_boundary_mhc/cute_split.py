@@ -19,7 +19,10 @@ different SMs of one launch (no clusters):
     (an acquire read), the warp sums the 16 CTAs' partials in rank order, the persistent variant's
     order (so H_post and H_res's logits are its bits), computes the coefficients and leaves H_pre
     in its own small ring; then, as soon as the token's row is free, lane 0 starts one bulk copy a
-    stream of its x' (from L2: stored a few blocks ago) into the row;
+    stream of its x' (from L2: stored a few blocks ago) into the row. With ``sinkhorn_lanes`` (the
+    default in ``cluster_ops``) the warp also gathers its tokens' H_res logits, a token a lane, and
+    runs their Sinkhorn in batches while its next count has not come (else a launch after the
+    kernel does);
   - consumer warps (the rest): each thread combines its 8-column units of the row, the warps' sums
     of squares meet in shared memory, and each thread normalizes and stores its units.
 
