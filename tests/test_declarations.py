@@ -385,5 +385,23 @@ def test_terminal_is_a_bool():
     from layer_boundary import DeclarationError, declare_attn, make_stages
     from layer_boundary.norms import RMSNorm
 
-    with pytest.raises(DeclarationError, match="terminal='yes'"):
+    with pytest.raises(DeclarationError, match="got str 'yes'"):
         make_stages((declare_attn(), RMSNorm(8)), terminal="yes")
+
+
+def test_make_stages_errors_describe_a_wrong_argument_briefly():
+    # A module or a tensor passed by mistake printed its whole tree or contents in the error.
+    import torch
+
+    from layer_boundary import DeclarationError, declare_attn, make_stages
+    from layer_boundary.norms import RMSNorm
+
+    big = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)])
+    with pytest.raises(TypeError, match="make_stages item 0 must be") as err:
+        make_stages(big)
+    assert len(str(err.value)) < 250 and "Sequential" in str(err.value)
+    with pytest.raises(TypeError, match=r"got a tuple of 1 \(StageDeclaration\)"):
+        make_stages((declare_attn(),))
+    with pytest.raises(DeclarationError, match="got Tensor") as err:
+        make_stages((declare_attn(), RMSNorm(8)), terminal=torch.ones(10000))
+    assert len(str(err.value)) < 250

@@ -164,6 +164,34 @@ def test_layer_norm_and_other_modules_are_black_boxes_with_a_warning_once(monkey
         assert norm_params(nn.Identity()) is None
 
 
+class Int8ScaledRMSNorm(nn.Module):
+    """A norm that keeps its weight as int8 codes with a scale: its own forward knows what they mean."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randint(-100, 100, (hidden,), dtype=torch.int8), requires_grad=False)
+        self.scale = 0.01
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x.float() * rms * (self.weight.float() * self.scale)).to(x.dtype)
+
+
+def test_a_norm_with_an_integer_weight_is_called_as_a_black_box(monkeypatch):
+    # Its int8 codes were once multiplied in as if they were the weight (cast to the input dtype).
+    from layer_boundary import norms
+
+    monkeypatch.setattr(norms, "_WARNED", set())
+    torch.manual_seed(0)
+    norm = Int8ScaledRMSNorm(H)
+    x = torch.randn(4, H) * 3 + 1
+    with pytest.warns(UserWarning, match="Int8ScaledRMSNorm keeps its weight as int8, not floating point"):
+        got, desc = _prepared(norm, x)
+    assert "read=module:Int8ScaledRMSNorm" in desc
+    torch.testing.assert_close(got, norm(x))
+
+
 def test_the_library_norms_refuse_sizes_and_eps_that_cannot_be():
     from layer_boundary.norms import GemmaRMSNorm, RMSNorm
 

@@ -8,6 +8,7 @@ neighbours outside the local sequence are described by ``previous`` and ``follow
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -165,11 +166,20 @@ def declare_ffn(
     )
 
 
+def _described(value: Any) -> str:
+    """A value for an error message: its type, and a repr cut short (a module or a tensor passed by
+    mistake would otherwise print its whole tree or contents)."""
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(type(v).__name__ for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"a {type(value).__name__} of {len(value)} ({inner})"
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
 def _split_item(i: int, item: Any) -> tuple[StageDeclaration, nn.Module, dict[str, Any]]:
     if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
         raise TypeError(
             f"make_stages item {i} must be (declaration, norm) or (declaration, norm, options), "
-            f"got {item!r}"
+            f"got {_described(item)}"
         )
     decl, norm = item[0], item[1]
     if len(item) == 3 and not isinstance(item[2], Mapping):
@@ -228,7 +238,8 @@ def make_stages(
             "branch whose input another stage already read), not both"
         )
     if not isinstance(terminal, bool):
-        raise DeclarationError(f"make_stages(terminal={terminal!r}): True (the end of the layer stack) or False")
+        raise DeclarationError(f"make_stages(terminal=...): True (the end of the layer stack) or False, got "
+                               f"{_described(terminal)}")
     if terminal and following is not None:
         raise DeclarationError("a terminal stage has no following consumer; drop following=")
     split = [_split_item(i, item) for i, item in enumerate(items)]

@@ -77,6 +77,10 @@ def norm_params(norm: nn.Module) -> tuple[torch.Tensor, float, float] | None:
         eps = torch.finfo(weight.dtype).eps  # torch's default: the input dtype's (the weight's here)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, (int, float)):
         return _black_box(norm, "has no 1-D weight and float eps of an RMSNorm")
+    if not weight.is_floating_point():
+        # An integer weight (a quantized module's storage, or a load gone wrong) is not what the
+        # fused kernels multiply by: the module's own forward decides what it means.
+        return _black_box(norm, f"keeps its weight as {str(weight.dtype).replace('torch.', '')}, not floating point")
     if isinstance(norm, (nn.LayerNorm, nn.GroupNorm)) or hasattr(norm, "running_mean"):
         return _black_box(norm, "normalizes by its mean and variance, not by the root mean square")
     declared = 0.0 if torch_rms else getattr(norm, "weight_offset", None)
