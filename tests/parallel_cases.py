@@ -405,3 +405,22 @@ def matrix(rank: int, world: int, linear: list[dict[str, Any]], qwen: list[dict[
     """All matrices in one spawn: process groups are created once per layout."""
     return {"linear": linear_matrix(rank, world, linear), "qwen3": qwen3_matrix(rank, world, qwen),
             "pipeline": pipeline_matrix(rank, world, list(pipeline))}
+
+
+def disagreeing_dp_counts(rank: int, world: int) -> str:
+    """Ranks of one TP=2 x DP=2 layout give the batch different dp_num_tokens (rank 1 believes
+    group 1 has 4 rows, not 3); with LAYER_BOUNDARY_CHECK_DP_COUNTS on, every rank's first row
+    move raises. Returns the error text."""
+    from layer_boundary import BoundaryError
+
+    topo = topology(world, 2)
+    counts = (2, 4) if rank == 1 else (2, 3)
+    ctx = BoundaryContext(topo)
+    model = LinearStack(1, ctx, False)
+    d = topo.attn_dp.rank
+    x = dyadic((counts[d], H), 3)
+    try:
+        model(x, ForwardBatch(num_tokens=counts[d], dp_num_tokens=counts))
+    except BoundaryError as e:
+        return str(e)
+    return "no error"

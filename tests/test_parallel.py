@@ -272,3 +272,15 @@ def test_pipeline_static_partial_sum_crosses_once(matrix):
                 assert want in r["errors"][0] and "previous=" in r["errors"][0], r["errors"]
             seen.add((r["pp_rank"], defer))
     assert seen == {(0, False), (1, False), (0, True), (1, True)}
+
+
+def test_disagreeing_dp_counts_are_named_when_checked(monkeypatch):
+    # Ranks that disagree about another group's row count failed inside gloo's gather with a size
+    # mismatch; the opt-in check names both ranks' counts on every rank before the collective.
+    from layer_boundary.rows import ENV_CHECK_DP_COUNTS
+
+    monkeypatch.setenv(ENV_CHECK_DP_COUNTS, "1")
+    texts = spawn(parallel_cases.disagreeing_dp_counts, 2, timeout_s=120)
+    assert all("dp_num_tokens disagrees across the TP group" in t for t in texts), texts
+    assert "rank 0 has (2, 3), rank 1 has (2, 4)" in texts[0]
+    assert "rank 1 has (2, 4), rank 0 has (2, 3)" in texts[1]

@@ -203,7 +203,7 @@ def dp_rows(stream: ResidualStream, plan: StagePlan, forward_batch: Any) -> Any:
     """The batch's DP row bookkeeping, built once per stream (once per forward or microbatch)."""
     rows = stream.dp_rows
     if rows is None:
-        from .rows import DpRows
+        from .rows import DpRows, check_counts_agree
 
         counts = getattr(forward_batch, "dp_num_tokens", None)
         if counts is None:
@@ -212,6 +212,7 @@ def dp_rows(stream: ResidualStream, plan: StagePlan, forward_batch: Any) -> Any:
                 "is not set; give the row count of every DP group (in DP-rank order) for this batch"
             )
         rows = DpRows(counts, plan.topology)
+        check_counts_agree(rows.counts, plan.topology)
         if rows.local != forward_batch.num_tokens:
             raise BoundaryError(
                 f"forward_batch.num_tokens={forward_batch.num_tokens} but dp_num_tokens gives this DP "
@@ -253,7 +254,7 @@ def scatter_rows(stream: ResidualStream, plan: Any, forward_batch: Any) -> Any:
     """The input-scattered row bookkeeping of this batch, built once per stream."""
     rows = stream.scatter_rows
     if rows is None:
-        from .rows import ScatterRows
+        from .rows import ScatterRows, check_counts_agree
 
         topo = plan.topology
         counts = getattr(forward_batch, "dp_num_tokens", None)
@@ -262,6 +263,8 @@ def scatter_rows(stream: ResidualStream, plan: Any, forward_batch: Any) -> Any:
                 f"attention DP has {topo.attn_dp.size} groups but forward_batch.dp_num_tokens is not "
                 "set; give the row count of every DP group (in DP-rank order) for this batch"
             )
+        if counts is not None:
+            check_counts_agree(counts, topo)
         rows = ScatterRows(counts if counts is not None else (forward_batch.num_tokens,), topo)
         stream.scatter_rows = rows
     return rows

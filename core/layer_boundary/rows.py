@@ -30,7 +30,36 @@ from . import ops
 from .quant import QuantizedRows
 from .topology import Topology
 
-__all__ = ["DpRows", "move_input"]
+__all__ = ["DpRows", "move_input", "check_counts_agree", "ENV_CHECK_DP_COUNTS"]
+
+# On: every batch's dp_num_tokens is compared across the TP group before its first row move (a
+# gather and a host sync a batch, so off by default). Ranks that disagree otherwise fail inside
+# the collective (gloo aborts on mismatched sizes) or, worse, move the wrong rows.
+ENV_CHECK_DP_COUNTS = "LAYER_BOUNDARY_CHECK_DP_COUNTS"
+
+
+def check_counts_agree(counts: Sequence[int], topology: Topology) -> None:
+    """With ``LAYER_BOUNDARY_CHECK_DP_COUNTS`` on, raise ``BoundaryError`` on every rank of the TP
+    group unless all of them give this batch the same ``dp_num_tokens``."""
+    import os
+
+    from .plugins.discovery import _truthy
+
+    tp = topology.tp
+    if tp.size == 1 or not _truthy(os.environ.get(ENV_CHECK_DP_COUNTS), ENV_CHECK_DP_COUNTS):
+        return
+    from .errors import BoundaryError
+    from .launch import gather_objects
+
+    mine = tuple(int(c) for c in counts)
+    every = gather_objects(mine, tp.group)
+    for rank, theirs in zip(tp.ranks, every):
+        if theirs != mine:
+            raise BoundaryError(
+                f"ForwardBatch.dp_num_tokens disagrees across the TP group: rank {tp.ranks[tp.rank]} has {mine}, "
+                f"rank {rank} has {theirs}; every rank must give every DP group's row count, in DP-rank "
+                f"order, the same ({ENV_CHECK_DP_COUNTS} found this)"
+            )
 
 
 def move_input(move: Callable[[torch.Tensor], torch.Tensor], x: Any) -> Any:
