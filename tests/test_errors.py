@@ -422,6 +422,17 @@ def test_exit_publishes_flags_only_inside_the_block():
     out.finish(handoff)
 
 
+def test_finish_of_an_exit_never_entered_is_refused():
+    # A new-user trial: exit() without `with` left compute unaware of the exit's flags, and under
+    # attention DP with a reduce-scatter return finish() summed the output a second time.
+    a, f = _sparse_layer()
+    fb = started()
+    f.prepare(a.finish(a.prepare(rand(T, H), fb), fb), fb)
+    out = f.exit(fb)
+    with pytest.raises(BoundaryError, match="never entered: run the computation inside `with"):
+        out.finish(rand(T, H))
+
+
 def test_exit_restores_flags_when_compute_raises():
     a, f = _sparse_layer()
     fb = started()

@@ -300,12 +300,17 @@ def test_ranks_that_chose_differently_are_an_error_naming_the_difference(monkeyp
     ctx = BoundaryContext()
     qwen3(ctx)
     ctx.freeze()
-    rows = {(s.stage, s.variant, s.what, s.request): s.chosen for s in ctx.report.selections}
-    key = next(k for k in rows if k[2] == "norm kernels")
-    others = [{**rows, ("layer 99", "ORDINARY", "norm kernels", "only there"): "x"}]  # agrees
+    norm = next(s for s in ctx.report.selections if s.what == "norm kernels")
+    tamper = []
 
     def gather(obj, group):
-        return [obj, *others]
+        # Rank 1: the same decisions, one more that only it made (a layer of its own), and, when
+        # asked, another kernel for one of them.
+        other = {**obj, ("layer 99", "ORDINARY", "norm kernels [only there]"): [("", "x")]}
+        if tamper:
+            key = next(k for k in obj if k[0] == norm.stage and k[2].startswith("norm kernels"))
+            other[key] = [("", "vendor-norm")]
+        return [obj, other]
 
     monkeypatch.setattr(dist, "is_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -314,10 +319,42 @@ def test_ranks_that_chose_differently_are_an_error_naming_the_difference(monkeyp
     monkeypatch.setattr(dist, "get_global_rank", lambda group, i: i)
     ctx.verify_agreement()  # one rank (this context's TP group): nothing to compare, no collective
     ctx.verify_agreement(group="tp")
-    others[:] = [{**rows, key: "vendor-norm"}]
-    with pytest.raises(DeclarationError, match=rf"ranks chose differently for {re.escape(key[0])} .* rank 0 "
-                       rf"{re.escape(str(rows[key]))}, rank 1 vendor-norm; install the same plugins"):
+    tamper.append(True)
+    with pytest.raises(DeclarationError, match=rf"ranks decided differently for {re.escape(norm.stage)} .* rank 0 "
+                       rf"{re.escape(str(norm.chosen))}, rank 1 vendor-norm; build the same stages"):
         ctx.verify_agreement(group="tp")
+
+
+def test_ranks_of_the_tp_group_that_asked_or_built_differently_are_named():
+    """A trial: ranks with another reduction policy, or another layer count, passed the check (only
+    decisions both made with the same request were compared) and then aborted inside gloo. In the
+    TP group every decision must be made everywhere, asked and answered alike."""
+    from layer_boundary.launch import spawn
+
+    texts = spawn(_disagreeing_job, 2, args=("policy",))
+    assert all("ranks decided differently for" in t and "output return" in t for t in texts), texts
+    assert "[policy ar] -> ar" in texts[0] and "[policy rs] -> rs" in texts[0]
+    texts = spawn(_disagreeing_job, 2, args=("layers",))
+    assert all("made no such decision (a stage it did not build)" in t for t in texts), texts
+    assert spawn(_disagreeing_job, 2, args=("same",)) == ["agreed", "agreed"]
+
+
+def _disagreeing_job(rank, world, how):
+    from layer_boundary import Topology
+    from layer_boundary.errors import DeclarationError
+
+    import parallel_cases
+
+    topo = parallel_cases.topology(world, 2)
+    policy = "rs" if how == "policy" and rank == 1 else "ar"
+    ctx = BoundaryContext(topo, reduction=policy)
+    parallel_cases.LinearStack(3 if how == "layers" and rank == 1 else 2, ctx)
+    ctx.freeze()
+    try:
+        ctx.verify_agreement()
+    except DeclarationError as e:
+        return str(e)
+    return "agreed"
 
 
 def test_selections_are_gathered_without_numpy():

@@ -202,15 +202,19 @@ class BoundaryContext:
         return self._frozen
 
     def verify_agreement(self, group: Any = None) -> None:
-        """Check that the ranks of ``group`` (a torch.distributed group; default this context's TP
-        group, whose ranks build the same stages) chose alike: every decision two ranks both made
-        (the same stage, variant and request) names the same kernel or fusion. A collective: every
-        rank of the group calls it once, after construction. Ranks that chose differently (a plugin
-        installed, or available, on one host only) would compute different numbers or start
-        collectives that do not match; this raises DeclarationError naming the first difference
-        instead. On one rank it does nothing."""
+        """Check that the ranks of ``group`` chose alike. A collective: every rank of the group
+        calls it once, after construction. Ranks that chose differently (a plugin installed, or
+        available, on one host only; another reduction policy in one host's config) would compute
+        different numbers or start collectives that do not match; this raises DeclarationError
+        naming the first difference instead. On one rank it does nothing.
+
+        By default the group is this context's TP group, whose ranks build the same stages: every
+        decision (stage, variant and kind) must be made on every rank, asked the same and answered
+        the same. With another ``group`` (one that spans pipeline stages, whose ranks build other
+        layers) only the decisions two ranks both made with the same request are compared."""
         import torch.distributed as dist
 
+        strict = group is None
         if group is None:
             tp = self.topology.tp if self.topology is not None else None
             if tp is None or tp.size == 1:
@@ -218,23 +222,41 @@ class BoundaryContext:
             group = tp.group
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
-        mine = {(s.stage, s.variant, s.what, s.request): s.chosen for s in self.report.selections}
+        from .errors import DeclarationError
         from .launch import gather_objects
 
-        gathered = gather_objects(mine, group)
-        first: dict[tuple, tuple[int, Optional[str]]] = {}
-        for i, rows in enumerate(gathered):
-            rank = dist.get_global_rank(group, i)
-            for key, chosen in rows.items():
-                seen = first.setdefault(key, (rank, chosen))
-                if seen[1] != chosen:
-                    from .errors import DeclarationError
+        # strict: a decision per stage, variant and kind with what it was asked and what it chose, so
+        # that a rank that asked something else (another policy, another dtype) or built stages the
+        # others did not (another layer count) differs as much as one that chose another kernel.
+        mine: dict[tuple, Any] = {}
+        for sel in self.report.selections:
+            if strict:
+                mine.setdefault((sel.stage, sel.variant, sel.what), []).append((sel.request, sel.chosen or "none"))
+            else:
+                mine[(sel.stage, sel.variant, f"{sel.what} [{sel.request}]")] = [("", sel.chosen or "none")]
+        gathered = gather_objects({k: sorted(v) for k, v in mine.items()}, group)
+        ranks = [dist.get_global_rank(group, i) for i in range(len(gathered))]
+        for key in sorted(set().union(*gathered)):
+            seen = [(rank, rows[key]) if key in rows else (rank, None) for rank, rows in zip(ranks, gathered)]
+            if not strict:
+                seen = [(rank, got) for rank, got in seen if got is not None]
+            (r0, want), other = seen[0], next(((r, got) for r, got in seen[1:] if got != seen[0][1]), None)
+            if other is None:
+                continue
+            r1, got = other
+            raise DeclarationError(
+                f"ranks decided differently for {key[0]} ({key[1]}) {key[2]}: rank {r0} {_decisions(want)}, "
+                f"rank {r1} {_decisions(got)}; build the same stages with the same options on every rank "
+                "of the group, and install the same plugins (and versions) on every host, or pin them "
+                "with LAYER_BOUNDARY_PLUGINS"
+            )
 
-                    raise DeclarationError(
-                        f"ranks chose differently for {key[0]} ({key[1]}) {key[2]} [{key[3]}]: rank {seen[0]} "
-                        f"{seen[1] or 'none'}, rank {rank} {chosen or 'none'}; install the same plugins (and "
-                        "versions) on every host, or pin them with LAYER_BOUNDARY_PLUGINS"
-                    )
+
+def _decisions(rows: Optional[list[tuple[str, str]]]) -> str:
+    """``[request] -> chosen`` of one rank's decisions for a key, or that it made none."""
+    if rows is None:
+        return "made no such decision (a stage it did not build)"
+    return ", ".join(f"[{request}] -> {chosen}" if request else chosen for request, chosen in rows)
 
 
 def as_context(context: Optional[BoundaryContext], topology: Optional[Topology]) -> BoundaryContext:

@@ -99,6 +99,15 @@ class _Exit:
             raise BoundaryError(
                 "this exit was already finished; call exit() again for the next computation"
             )
+        if self._saved is None:
+            # Compute never saw this exit's flags, so its output is not what finish() would
+            # complete (under attention DP a reduce-scatter return summed it twice).
+            raise BoundaryError(
+                "exit().finish() on an exit scope that was never entered: run the computation "
+                "inside `with boundary.exit(forward_batch) as output:` (its flags reach compute "
+                "there), then call output.finish(result); an FFN run without a scope returns "
+                "through boundary.postprocess()"
+            )
         self._done = True
         owed: tuple[Owed, ...] = ()
         if isinstance(hidden_states, HandoffOutput):
