@@ -405,3 +405,12 @@ def test_make_stages_errors_describe_a_wrong_argument_briefly():
     with pytest.raises(DeclarationError, match="got Tensor") as err:
         make_stages((declare_attn(), RMSNorm(8)), terminal=torch.ones(10000))
     assert len(str(err.value)) < 250
+
+
+def test_an_option_typo_gets_the_near_name():
+    from layer_boundary import DeclarationError, declare_attn, make_stages
+    from layer_boundary.norms import RMSNorm
+
+    with pytest.raises(DeclarationError, match=r"an attn stage accepts only \['fusions', 'qkv_latent_func'\] "
+                                               r"\('fusion': did you mean 'fusions'\?\)"):
+        make_stages((declare_attn(), RMSNorm(8), {"fusion": None}))

@@ -143,9 +143,21 @@ def test_transformers_gemma_rmsnorm_reads_with_its_offset():
 
 def test_an_input_of_the_wrong_width_names_the_stage_and_the_width():
     # torch's own error was a broadcast of two sizes, with no stage named.
-    with pytest.raises(ValueError, match=r"attn #1: hidden_states has 8 columns, but the stage's norm is for "
+    with pytest.raises(ValueError, match=r"attn #1: hidden_states has 8 columns, but its norm is for "
                                          r"hidden size 16"):
         _prepared(RMSNorm(H), torch.randn(4, 8))
+
+
+def test_a_final_norm_of_the_wrong_width_is_named():
+    # A trial: the final norm gave torch's broadcast error from inside the reference kernel.
+    (stage,) = make_stages((declare_attn(), RMSNorm(H)), topology=Topology.single(), terminal=True)
+    fb = ForwardBatch.for_tokens(4)
+    residual_batch.start(fb)
+    x = torch.randn(4, H)
+    h = stage.finish(stage.prepare(x, fb), fb)
+    with pytest.raises(ValueError, match=rf"the final norm: hidden_states has {H} columns, but its norm is for "
+                                         r"hidden size 8"):
+        residual_batch.norm(h, fb, RMSNorm(8))
 
 
 def test_layer_norm_and_other_modules_are_black_boxes_with_a_warning_once(monkeypatch):

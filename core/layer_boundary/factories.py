@@ -193,9 +193,15 @@ def _split_item(i: int, item: Any) -> tuple[StageDeclaration, nn.Module, dict[st
     allowed = ATTN_OPTIONS if decl.kind is StageKind.ATTN else FFN_OPTIONS
     unknown = sorted(set(options) - allowed)
     if unknown:
+        import difflib
+
+        kind = decl.kind.value
+        hints = [f"{u!r}: did you mean {close[0]!r}?" for u in unknown
+                 for close in [difflib.get_close_matches(str(u), sorted(allowed), n=1)] if close]
         raise DeclarationError(
-            f"make_stages item {i}: {decl.kind.value} stage option(s) {unknown} are not accepted; "
-            f"a {decl.kind.value} stage accepts only {sorted(allowed)}"
+            f"make_stages item {i}: {kind} stage option(s) {unknown} are not accepted; "
+            f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} stage accepts only {sorted(allowed)}"
+            + (f" ({'; '.join(hints)})" if hints else "")
         )
     if options.get("qkv_latent_func") is not None and not callable(options["qkv_latent_func"]):
         raise TypeError(f"make_stages item {i}: qkv_latent_func must be callable")

@@ -117,8 +117,21 @@ class DpRows:
             return padded
         return torch.cat([padded[d * rows : d * rows + c] for d, c in enumerate(self.counts)])
 
+    def _check_local(self, x: torch.Tensor, what: str) -> None:
+        """A shape check before the collective: rows that are not this group's count fail there as
+        torch's copy error or as a size mismatch on the other ranks."""
+        if x.shape[0] != self.local:
+            from .errors import BoundaryError
+
+            raise BoundaryError(
+                f"{what} has {x.shape[0]} rows, but ForwardBatch.dp_num_tokens gives this DP group (rank "
+                f"{self.dp_rank}) {self.local}: pass the group's own rows (num_tokens and dp_num_tokens "
+                "count them)"
+            )
+
     def gather(self, x_local: torch.Tensor) -> torch.Tensor:
         """Every group's rows, in DP-rank order, on every rank."""
+        self._check_local(x_local, "the stage input")
         dp = self.topology.attn_dp
         rows = self.max_rows
         if x_local.shape[0] != rows:
@@ -136,6 +149,7 @@ class DpRows:
         is ``residual + Σ value`` for every group: the plain add rides on the collective. A value
         that is already complete (``partial=False``) also enters on attention-TP rank 0 only.
         """
+        self._check_local(value_local, "the attention output")
         rows = self.max_rows
         buf = value_local.new_zeros((len(self.counts) * rows, *value_local.shape[1:]))
         lo = self.dp_rank * rows

@@ -13,6 +13,7 @@ from .exit import FfnExit, MixerExit
 from .forward import active_variant
 from .ops import all_reduce
 from .prepare import publish, run_entry
+from .residual.add_norm import explain_width
 from .residual.stream import Handle, StreamState, started_stream
 
 __all__ = ["StageBoundary"]
@@ -94,7 +95,7 @@ class StageBoundary:
             )
         except RuntimeError as e:
             if isinstance(hidden_states, torch.Tensor) and not isinstance(e, BoundaryError):
-                _explain_width(self.plan, hidden_states, e)
+                explain_width(self.plan.name, self.plan.read, hidden_states, e)
             raise
 
     def branch_input(self, source: Any, hidden_states: Any, forward_batch: Any) -> Any:
@@ -308,14 +309,3 @@ def _variant(forward_batch: Any, stream: Any) -> Any:
     # Read on every call, not cached per stream: an output made in one variant must not be
     # consumed in another (a flag flipped mid-forward raises instead of moving the wrong rows).
     return active_variant(forward_batch)
-
-
-def _explain_width(plan: Any, hidden_states: torch.Tensor, error: RuntimeError) -> None:
-    """On a failed prepare: if the input's width is not the stage norm's, say that, naming the stage
-    (torch's own error is a broadcast of two sizes). Only the failure path pays for the check."""
-    weight = getattr(plan.read, "weight", None)
-    width = hidden_states.shape[-1] if hidden_states.dim() else None
-    if isinstance(weight, torch.Tensor) and weight.dim() == 1 and width != weight.shape[0]:
-        raise ValueError(f"{plan.name}: hidden_states has {width} columns, but the stage's norm is for hidden size "
-                         f"{weight.shape[0]}; pass this layer's hidden states (last dimension {weight.shape[0]})"
-                         ) from error

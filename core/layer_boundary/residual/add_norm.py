@@ -12,7 +12,7 @@ A quantized read (``AddNormReadSpec(quant="fp8_e4m3")``) returns the normalized 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -233,3 +233,17 @@ class AddNormReadSpec:
 
 
 ADD_NORM = AddNormReadSpec()
+
+
+def explain_width(where: str, read: Any, hidden_states: Any, error: RuntimeError) -> None:
+    """On a failed read: if the input's width is not the norm's, say that, naming ``where`` (a
+    stage, or the final norm); torch's own error is a broadcast of two sizes. Only the failure
+    path pays for the check."""
+    weight = getattr(read, "weight", None)
+    if not isinstance(hidden_states, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return
+    width = hidden_states.shape[-1] if hidden_states.dim() else None
+    if width != weight.shape[0]:
+        raise ValueError(f"{where}: hidden_states has {width} columns, but its norm is for hidden size "
+                         f"{weight.shape[0]}; pass this layer's hidden states (last dimension {weight.shape[0]})"
+                         ) from error

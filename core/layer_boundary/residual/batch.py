@@ -15,7 +15,7 @@ from ..errors import SNAPSHOT_PLAIN, WRITE_BEFORE_TAKE, BoundaryError
 from ..output import fusable_handoff
 from . import StageRead
 from .access import check_shape
-from .add_norm import ADD_NORM, PLAIN_ADD
+from .add_norm import ADD_NORM, PLAIN_ADD, explain_width
 from .rows import complete_on_rows, completed_copy_on_rows, to_model_rows, to_stream_rows
 from .stream import Handle, ResidualStream, StreamState, started_stream
 
@@ -162,6 +162,11 @@ def norm(
         if scattered is not None:
             out = scattered.gather_group(out)
         return out
+    except RuntimeError as e:
+        if not isinstance(e, BoundaryError):
+            width_of = stream.residual if isinstance(stream.residual, torch.Tensor) else hidden_states
+            explain_width("the final norm", _read_for(layernorm), width_of, e)
+        raise
     finally:
         stream.release()
 
