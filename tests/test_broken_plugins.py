@@ -105,6 +105,15 @@ class JunkKernels(BrokenKernels):
         return "not kernels"
 
 
+class HollowKernels(BrokenKernels):
+    name = "hollow-kernels"
+
+    def kernels(self, request):
+        from layer_boundary.residual.add_norm import NormKernels
+
+        return NormKernels("hollow", None, None)  # a trial: accepted, then the first forward crashed
+
+
 class JunkFusion:
     name = "junk-fusion"
 
@@ -120,13 +129,15 @@ def test_providers_that_return_the_wrong_thing_are_skipped_with_the_reason():
     that are not candidates: each is refused in the report, and the model builds and runs on the
     core's kernels (a trial: the last two ended ``layer-boundary run`` with an AttributeError, the
     first vanished from the report)."""
-    ctx = BoundaryContext(registry=_registry(InProcess('v', norms=[FalseRefusal(), JunkKernels()],
+    ctx = BoundaryContext(registry=_registry(InProcess('v', norms=[FalseRefusal(), JunkKernels(), HollowKernels()],
                                                        fusions=[JunkFusion()])))
     model = _qwen3(ctx)
     ctx.freeze()
     report = "\n".join(ctx.report.lines())
     assert "false-refusal (vendor): refuse() returned False: expected None (it serves) or a str" in report
     assert "junk-kernels (vendor): kernels() returned str: expected layer_boundary.residual.add_norm.NormKernels" \
+        in report
+    assert "hollow-kernels (vendor): kernels() returned a NormKernels whose rmsnorm is NoneType, not a callable" \
         in report
     assert "junk-fusion (vendor): attention_input() returned a object among its candidates" in report
     assert "junk-fusion (vendor): ffn_input() returned str: expected a list of consumer candidates" in report

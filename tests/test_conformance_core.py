@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from layer_boundary.kernels.providers import REFERENCE_PROVIDER
-from layer_boundary.kernels.reference import rmsnorm_ref
+from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
 from layer_boundary.residual.add_norm import NormKernels
 from layer_boundary.residual.semantics import PLAIN_RESIDUAL
 from layer_boundary.testing import NormKernelConformance, ResidualSemanticsConformance
@@ -60,3 +60,32 @@ def test_kit_catches_a_kernel_that_rounds_before_normalizing():
     kit.hidden_sizes = (4096,)
     with pytest.raises(AssertionError, match="closer to normalizing the rounded residual"):
         kit.test_normalizes_the_unrounded_sum(_RoundsFirst(), "cpu")
+
+
+class _AliasesBadly:
+    """Declares input_as_out but writes y into ``out`` before it reads x for the residual (a trial's
+    plugin passed the whole kit and corrupted every layer in the engine)."""
+
+    name = "aliases-badly"
+
+    def refuse(self, request):
+        return None if request.device_type == "cpu" else "cpu only"
+
+    def kernels(self, request):
+        def fused(x, r, w, eps, *, weight_offset=0.0, out=None):
+            y, summed = fused_add_rmsnorm_ref(x, r, w, eps, weight_offset=weight_offset)
+            if out is None:
+                return y, summed
+            out.copy_(y)
+            return out, (x.float() + r.float()).to(r.dtype)  # x is y by now
+
+        return NormKernels(self.name, rmsnorm_ref, fused, input_as_out=True)
+
+
+def test_kit_calls_a_table_that_declares_input_as_out_with_out():
+    kit = NormKernelConformance()
+    kit.hidden_sizes = (64,)
+    kit.test_fused_add_rmsnorm_matches_reference(_AliasesBadly(), "cpu")  # without out=: right
+    with pytest.raises(AssertionError, match=r"aliases-badly with out=x \(input_as_out\), .* residual"):
+        kit.test_declared_input_as_out(_AliasesBadly(), "cpu")
+    kit.test_declared_input_as_out(REFERENCE_PROVIDER, "cpu")  # declares nothing: nothing to call

@@ -167,10 +167,16 @@ def bound_kernels(provider: Any, request: NormRequest) -> tuple[Optional[NormKer
     """``provider.kernels(request)`` as ``(kernels, None)``, or ``(None, why)`` when it raised or
     returned something other than ``NormKernels`` (whose two callables every read calls)."""
     kernels, failed = guarded(provider, "kernels", request)
-    if failed is not None or isinstance(kernels, NormKernels):
+    if failed is not None:
         return kernels, failed
-    return None, _skipped(provider, f"kernels() returned {type(kernels).__name__}: expected "
-                                    "layer_boundary.residual.add_norm.NormKernels")
+    if not isinstance(kernels, NormKernels):
+        return None, _skipped(provider, f"kernels() returned {type(kernels).__name__}: expected "
+                                        "layer_boundary.residual.add_norm.NormKernels")
+    for member in ("rmsnorm", "fused_add_rmsnorm"):
+        if not callable(getattr(kernels, member)):
+            return None, _skipped(provider, f"kernels() returned a NormKernels whose {member} is "
+                                            f"{type(getattr(kernels, member)).__name__}, not a callable")
+    return kernels, None
 
 
 def offered_candidates(provider: Any, hook: str, plan: Any) -> tuple[Sequence[Any], Optional[str]]:

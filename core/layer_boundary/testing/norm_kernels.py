@@ -136,6 +136,26 @@ class NormKernelConformance:
                     "overwrote the residual it was given without declaring residual_in_place=True; "
                     "captures of that residual would be reported as owned")
 
+    def test_declared_input_as_out(self, provider: Any, device: str) -> None:
+        """A table that declares ``input_as_out`` is called with ``out=`` its contribution (the read
+        does that): the output written over x must still come from x + residual read before it."""
+        for r in self._accepted(provider, device):
+            k = provider.kernels(r)
+            if not k.input_as_out:
+                continue
+            for t in TOKENS:
+                x, res, w = self._tensors(r, t, seed=7)
+                want_y, want_r = fused_add_rmsnorm_ref(x, res, w, 1e-6, weight_offset=r.weight_offset)
+                contribution = x.clone()
+                got_y, got_r = k.fused_add_rmsnorm(contribution, res.clone(), w, 1e-6,
+                                                   weight_offset=r.weight_offset, out=contribution)
+                torch.testing.assert_close(got_y, want_y, **tolerance_of(provider, r.dtype),
+                                           msg=lambda m: f"{k.name} with out=x (input_as_out), {r.describe()} "
+                                                         f"T={t}: {m}")
+                torch.testing.assert_close(got_r, want_r, atol=0, rtol=0,
+                                           msg=lambda m: f"{k.name} with out=x (input_as_out), {r.describe()} "
+                                                         f"T={t} residual: {m}")
+
     def _fp8_accepted(self, provider: Any, device: str) -> list[NormRequest]:
         reqs = [r for q in self.quants for r in self._accepted(provider, device, q)]
         if not reqs:
