@@ -59,6 +59,31 @@ def test_order_is_sorted_by_name_whatever_the_install_order(plugin_site: PluginS
     assert rec.entry_point == "lbt_beta_manifest:MANIFEST"
 
 
+def test_arguments_from_a_config_file_are_checked(plugin_site: PluginSite):
+    # A trial: deny="acme" was read a character a name, strict="no" as on, autoload="false" as on.
+    plugin_site.add("acme")
+    for kwargs, text in ((dict(deny="acme"), r"deny=\.\.\.\) takes a list of plugin names, got 'acme'; write "
+                                             r"deny=\['acme'\]"),
+                         (dict(allow="acme"), r"allow=\['acme'\]"),
+                         (dict(strict="no"), r"strict=\.\.\.\) takes True or False, got 'no'"),
+                         (dict(autoload="false"), r"autoload=\.\.\.\) takes True or False")):
+        with pytest.raises(TypeError, match=text):
+            discover(**kwargs)
+    assert by_name(discover(deny=["acme"]))["acme"].status is DISABLED
+
+
+def test_a_deny_entry_that_names_no_plugin_warns(plugin_site: PluginSite, caplog):
+    # A trial: LAYER_BOUNDARY_DISABLE=acmee, =Acme or ="acme;mhc" left acme running without a word.
+    plugin_site.add("acme")
+    for deny, hint in (("acmee", ""), ("Acme", "did you mean 'acme'"), ("acme;beta", "did you mean 'acme'")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):
+            reg = discover(deny=[deny])
+        assert by_name(reg)["acme"].status is ACTIVE
+        assert f"deny names {deny!r}, which no installed plugin is called: nothing was disabled" in caplog.text
+        assert hint in caplog.text
+
+
 def test_allowlist_order_decides_and_unlisted_plugins_are_not_even_imported(plugin_site: PluginSite):
     for name in ("alpha", "beta", "gamma"):
         plugin_site.add(name)

@@ -98,6 +98,17 @@ class DiscoveryOptions:
         env: Optional[Mapping[str, str]] = None,
     ) -> "DiscoveryOptions":
         env = os.environ if env is None else env
+        # Engines pass these from config files: a bare string would be read a character a name, and
+        # any non-empty string ("no", "0") as on.
+        for name, names in (("allow", allow), ("deny", deny)):
+            if names is not None and (isinstance(names, (str, bytes)) or
+                                      not all(isinstance(n, str) for n in names)):
+                raise TypeError(f"discover({name}=...) takes a list of plugin names, got {names!r}; "
+                                f"write {name}=[{names!r}] for one name" if isinstance(names, str) else
+                                f"discover({name}=...) takes a list of plugin names (str), got {names!r}")
+        for name, flag in (("autoload", autoload), ("strict", strict)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"discover({name}=...) takes True or False, got {flag!r}")
         a = list(allow) if allow is not None else _split(env.get(ENV_ALLOW))
         d = list(deny) if deny is not None else (_split(env.get(ENV_DENY)) or [])
         auto = autoload if autoload is not None else not _truthy(env.get(ENV_NO_AUTOLOAD), ENV_NO_AUTOLOAD)
@@ -194,7 +205,20 @@ def find_plugins(options: DiscoveryOptions, group: str = ENTRY_POINT_GROUP) -> l
             rec.reason = f"autoload is off ({ENV_NO_AUTOLOAD} / autoload=False); name it in {ENV_ALLOW} to load it"
             continue
         _examine(ep, rec)
+    _warn_unknown_denied(options.deny, [ep.name for ep in eps])
     return records
+
+
+def _warn_unknown_denied(deny: Sequence[str], installed: list[str]) -> None:
+    """A deny entry that names no installed plugin (a typo, another case, ';' or ' ' between
+    names) leaves the plugin it meant running: say so."""
+    for name in deny:
+        if name in installed:
+            continue
+        near = [n for n in installed if n.lower() == name.lower() or n in name.replace(";", " ").split()]
+        hint = f"; did you mean {', '.join(repr(n) for n in near)}? (names are separated by commas)" if near else ""
+        log.warning("%s / deny names %r, which no installed plugin is called: nothing was disabled for it%s",
+                    ENV_DENY, name, hint)
 
 
 def _examine(ep: md.EntryPoint, rec: PluginRecord) -> None:
