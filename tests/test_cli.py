@@ -252,3 +252,13 @@ def test_an_output_file_that_is_a_folder_is_refused_before_the_work(tmp_path, ca
     with pytest.raises(SystemExit) as e:
         main(["run", "--save-logits", str(tmp_path)])
     assert e.value.code == 2 and "is a folder" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_ends_the_listing_quietly():
+    # A trial: `layer-boundary plugins | head -3` ended in a BrokenPipeError traceback.
+    proc = subprocess.Popen([sys.executable, "-m", "layer_boundary.cli.main", "plugins"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the listing is written
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()[-2000:]
+    assert proc.returncode == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -288,6 +289,18 @@ def _own_usage(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`layer-boundary plugins | head -3`): stop quietly, as shell tools
+        # do, rather than a traceback; stdout is pointed at /dev/null so that the interpreter's
+        # own flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     _own_usage(parser)
     args, extra = parser.parse_known_args(argv)
