@@ -275,3 +275,28 @@ def test_a_reason_of_several_lines_stays_on_its_row_of_the_listing(plugin_site: 
     main(["plugins", "--check", "wordy"])
     err = capsys.readouterr().err
     assert "first line second line third" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_strict_mode_refuses_a_provider_skipped_for_a_defect():
+    """A trial: pinned and strict, a provider whose refuse() raised was skipped with one log line and
+    the engine ran the torch reference: strict must make that an error when construction ends."""
+    from layer_boundary.plugins.discovery import DiscoveryOptions
+
+    reg = PluginRegistry([], DiscoveryOptions(strict=True))
+    reg.register(InProcess('v', norms=[BrokenKernels()]), name="vendor")
+    ctx = BoundaryContext(registry=reg)
+    _qwen3(ctx)
+    with pytest.raises(PluginError, match=r"providers skipped for a defect while the model was built: "
+                                          r"broken-kernels: kernels\(\) raised .*\[strict plugin mode"):
+        ctx.freeze()
+    lenient = BoundaryContext(registry=_registry(InProcess('v', norms=[BrokenKernels()])))
+    _qwen3(lenient)
+    lenient.freeze()  # skipped with the reason, as before
+
+
+def test_a_hook_that_returns_a_class_or_nothing_is_named():
+    # A trial: a class passed (its unbound methods are callable) and failed at the first refuse();
+    # a hook that returned None left the plugin active with nothing and no word.
+    reg = PluginRegistry([])
+    with pytest.raises(PluginError, match="returned the class BrokenKernels, not an instance of it"):
+        reg.register(InProcess('v', norms=[BrokenKernels]), name="vendor")

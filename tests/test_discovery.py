@@ -84,6 +84,22 @@ def test_a_deny_entry_that_names_no_plugin_warns(plugin_site: PluginSite, caplog
         assert hint in caplog.text
 
 
+def test_a_declared_hook_that_returns_nothing_warns(plugin_site: PluginSite, caplog):
+    # A trial: a norm_kernels hook that returned None left the plugin active, offering nothing,
+    # without a word.
+    plugin_site.add("hollow", provides=("norm_kernels",), hooks_source="""
+        from layer_boundary.plugins import hookimpl
+
+        @hookimpl
+        def layer_boundary_norm_kernels():
+            return None
+        """)
+    with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):
+        reg = discover()
+    assert by_name(reg)["hollow"].status is ACTIVE
+    assert "plugin hollow declares it provides norm_kernels but its hook returned no provider" in caplog.text
+
+
 def test_allowlist_order_decides_and_unlisted_plugins_are_not_even_imported(plugin_site: PluginSite):
     for name in ("alpha", "beta", "gamma"):
         plugin_site.add(name)

@@ -153,6 +153,12 @@ def _skipped(provider: Any, why: str) -> str:
     return why
 
 
+def defects_of(names: set[str]) -> list[tuple[str, str]]:
+    """``(provider, why)`` of the providers named in ``names`` that were skipped for a defect (they
+    raised, or returned the wrong thing) in this process: what strict plugin mode refuses."""
+    return sorted(key for key in _WARNED if key[0] in names)
+
+
 def refusal(provider: Any, *args: Any) -> Optional[str]:
     """Why ``provider.refuse(*args)`` declines (its str), ``None`` when it serves, or why the
     provider is skipped: it raised, or returned something else (``False`` would otherwise read

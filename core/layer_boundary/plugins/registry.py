@@ -103,6 +103,8 @@ class PluginRegistry:
                     raise TypeError(f"{hook} must return a list of providers, got {odd[0]!r}")
                 items = [x for r in results for x in (r or [])]
                 for x in items:
+                    if isinstance(x, type):
+                        raise TypeError(f"{hook} returned the class {x.__name__}, not an instance of it")
                     if not getattr(x, "name", None):
                         raise TypeError(f"{hook} returned {x!r}, which has no name")
                     missing = _missing_methods(hook, x)
@@ -114,6 +116,10 @@ class PluginRegistry:
             self.pm.unregister(rec.hooks)
             rec.status, rec.reason = PluginStatus.FAILED, f"a hook raised {type(e).__name__}: {e}"
             return
+        empty = [p.value for h, p in _HOOKS if p.value in rec.provides and h in implemented and not collected[h]]
+        if empty:
+            log.warning("plugin %s declares it provides %s but its hook returned no provider", rec.name,
+                        ", ".join(empty))
         self.norm_kernels += [(rec.name, x) for x in collected["layer_boundary_norm_kernels"]]
         self.fusion_providers += [(rec.name, x) for x in collected["layer_boundary_fusion_providers"]]
         for x in collected["layer_boundary_residual_semantics"]:
@@ -158,8 +164,20 @@ class PluginRegistry:
         return self._frozen
 
     def freeze(self) -> None:
-        """No registration after this; the providers bound at construction are final."""
+        """No registration after this; the providers bound at construction are final. In strict
+        mode a provider skipped for a defect during construction is an error here."""
         self._frozen = True
+        if self.options.strict:
+            from ..providers import defects_of
+
+            names = {str(x.name) for _, x in self.norm_kernels + self.fusion_providers}
+            defects = defects_of(names)
+            if defects:
+                raise PluginError(
+                    "providers skipped for a defect while the model was built: "
+                    + "; ".join(f"{name}: {why}" for name, why in defects)
+                    + " [strict plugin mode: LAYER_BOUNDARY_STRICT_PLUGINS / strict=True]"
+                )
 
     def register(self, hooks: Any, *, name: str) -> None:
         """Register a plugin object directly (tests, engines with in-process providers)."""
