@@ -239,7 +239,15 @@ def test_manifest_name_must_match_the_entry_point_name(plugin_site: PluginSite):
     rec = by_name(discover())["alias"]
     assert rec.status is FAILED
     assert "'someone_else'" in rec.reason and "'alias'" in rec.reason
+    assert rec.reason.endswith("; make the two the same")
     assert not plugin_site.hooks_imported("alias")
+
+
+def test_a_pin_in_another_case_gets_the_installed_name(plugin_site: PluginSite):
+    plugin_site.add("acme")
+    with pytest.raises(PluginError, match=r"plugin 'Acme' is asked for by name but no installed distribution "
+                                          r"registers it .* \(did you mean 'acme'\?\)"):
+        discover(allow=["Acme"])
 
 
 def test_duplicate_name_fails_every_distribution(plugin_site: PluginSite):

@@ -343,8 +343,9 @@ def test_run_chooses_the_third_party_candidate_and_skips_the_bad_plugins(with_th
                    "raised RuntimeError: acme-broken: simulated defect at import"),
     ("run incompatible",
      "plugin 'incompatible' is asked for by name but is incompatible: built for hook API 999"),
-    ("run strict", "plugin broken (acme-broken) is failed and skipped: importing 'acme_broken.hooks' raised "
-                   "RuntimeError: acme-broken: simulated defect at import [LAYER_BOUNDARY_STRICT_PLUGINS]"),
+    ("run strict", "plugin broken (acme-broken) is failed: importing 'acme_broken.hooks' raised "
+                   "RuntimeError: acme-broken: simulated defect at import [strict plugin mode: "
+                   "LAYER_BOUNDARY_STRICT_PLUGINS / strict=True]"),
 ])
 def test_a_bad_plugin_asked_for_by_name_or_under_strict_mode_stops_run_with_its_reason(with_third_party, key,
                                                                                         reason):

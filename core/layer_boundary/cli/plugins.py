@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import sys
 
@@ -22,9 +23,16 @@ def plugins_command(args: argparse.Namespace) -> int:
         # The report is still worth printing: rebuild it without the failing requirement.
         print(f"layer-boundary plugins: {e}", file=sys.stderr)
         lenient = DiscoveryOptions(options.allow, options.deny, options.autoload, strict=False)
-        # Activated too (hooks called), so that a plugin whose hooks fail shows failed here as well.
-        records = PluginRegistry(find_plugins(lenient), DiscoveryOptions(None, options.deny, options.autoload,
-                                                                         strict=False)).records
+        # Activated too (hooks called), so that a plugin whose hooks fail shows failed here as well;
+        # its warnings were said once already (the error above, or the first pass's).
+        quiet = logging.getLogger("layer_boundary.plugins")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            records = PluginRegistry(find_plugins(lenient), DiscoveryOptions(None, options.deny, options.autoload,
+                                                                             strict=False)).records
+        finally:
+            quiet.setLevel(level)
         _print(records, args.json)
         return 1
     _print(records, args.json)

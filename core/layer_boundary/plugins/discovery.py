@@ -237,7 +237,9 @@ def _examine(ep: md.EntryPoint, rec: PluginRecord) -> None:
     rec.manifest, rec.api_version, rec.provides = manifest, manifest.api_version, tuple(manifest.provides)
     if manifest.name != ep.name:
         rec.status = PluginStatus.FAILED
-        rec.reason = f"manifest name {manifest.name!r} differs from its entry point name {ep.name!r}"
+        fix = (f"rename the entry point to {manifest.name!r} (a manifest name is an identifier)"
+               if not ep.name.isidentifier() else "make the two the same")
+        rec.reason = f"manifest name {manifest.name!r} differs from its entry point name {ep.name!r}; {fix}"
         return
     if manifest.api_version != HOOK_API_VERSION:
         rec.status = PluginStatus.INCOMPATIBLE

@@ -141,19 +141,22 @@ class PluginRegistry:
             for name in self.options.allow:
                 rec = by_name.get(name)
                 if rec is None:
+                    near = [n for n in by_name if n.lower() == name.lower()]
                     raise PluginError(
                         f"plugin {name!r} is asked for by name but no installed distribution "
-                        f"registers it in the entry-point group {ENTRY_POINT_GROUP!r}; install it "
-                        "or remove it from LAYER_BOUNDARY_PLUGINS"
+                        f"registers it in the entry-point group {ENTRY_POINT_GROUP!r}"
+                        + (f" (did you mean {near[0]!r}?)" if near else "")
+                        + "; install it or remove it from LAYER_BOUNDARY_PLUGINS / allow"
                     )
                 if rec.status is not PluginStatus.ACTIVE:
                     raise PluginError(f"plugin {name!r} is asked for by name but is {rec.status.value}: {rec.reason}")
         for rec in self.records:
             if rec.status in (PluginStatus.FAILED, PluginStatus.INCOMPATIBLE):
-                msg = f"plugin {rec.name} ({rec.distribution}) is {rec.status.value} and skipped: {rec.reason}"
                 if self.options.strict:
-                    raise PluginError(msg + " [LAYER_BOUNDARY_STRICT_PLUGINS]")
-                log.warning(msg)
+                    raise PluginError(f"plugin {rec.name} ({rec.distribution}) is {rec.status.value}: "
+                                      f"{rec.reason} [strict plugin mode: LAYER_BOUNDARY_STRICT_PLUGINS / strict=True]")
+                log.warning("plugin %s (%s) is %s and skipped: %s", rec.name, rec.distribution, rec.status.value,
+                            rec.reason)
             elif rec.status is PluginStatus.UNAVAILABLE:
                 log.info("plugin %s is unavailable here: %s", rec.name, rec.reason)
 
