@@ -243,6 +243,17 @@ def test_manifest_name_must_match_the_entry_point_name(plugin_site: PluginSite):
     assert not plugin_site.hooks_imported("alias")
 
 
+def test_hooks_the_manifest_does_not_declare_warn(plugin_site: PluginSite, caplog):
+    # A trial: the listing's provides column showed norm_kernels only, while the plugin's fusion
+    # providers were chosen in the model.
+    plugin_site.add("extra", provides=("norm_kernels",))
+    with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):
+        reg = discover()
+    assert by_name(reg)["extra"].status is ACTIVE
+    assert "plugin extra implements fusion_providers, residual_semantics, which its manifest does not declare" \
+        in caplog.text
+
+
 def test_a_pin_in_another_case_gets_the_installed_name(plugin_site: PluginSite):
     plugin_site.add("acme")
     with pytest.raises(PluginError, match=r"plugin 'Acme' is asked for by name but no installed distribution "

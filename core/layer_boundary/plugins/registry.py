@@ -88,6 +88,11 @@ class PluginRegistry:
                 f"declares it provides {', '.join(rec.provides)} but implements none of the hooks "
                 f"({', '.join(h for h, _ in _HOOKS)}; each marked @hookimpl)")
             return
+        undeclared = [p.value for h, p in _HOOKS if h in implemented and p.value not in rec.provides]
+        if rec.provides and undeclared:
+            # The listing shows the manifest's claim: say what the hooks add to it.
+            log.warning("plugin %s implements %s, which its manifest does not declare in provides (%s); "
+                        "declare it", rec.name, ", ".join(undeclared), ", ".join(rec.provides))
         unmet = [h for h, p in _HOOKS if p.value in rec.provides and h not in implemented]
         if unmet:
             log.warning("plugin %s declares it provides %s but implements no %s", rec.name,

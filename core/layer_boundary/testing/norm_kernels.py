@@ -78,7 +78,7 @@ class NormKernelConformance:
                 got = k.rmsnorm(x, w, 1e-6, weight_offset=r.weight_offset)
                 want = rmsnorm_ref(x, w, 1e-6, weight_offset=r.weight_offset)
                 torch.testing.assert_close(got, want, **tolerance_of(provider, r.dtype),
-                                           msg=lambda m: f"{r.describe()} T={t}: {m}")
+                                           msg=lambda m: f"{k.name}.rmsnorm, {r.describe()} T={t}: {m}")
 
     def test_fused_add_rmsnorm_matches_reference(self, provider: Any, device: str) -> None:
         for r in self._accepted(provider, device):
@@ -86,12 +86,17 @@ class NormKernelConformance:
             for t in TOKENS:
                 x, res, w = self._tensors(r, t)
                 want_y, want_r = fused_add_rmsnorm_ref(x, res, w, 1e-6, weight_offset=r.weight_offset)
-                got_y, got_r = k.fused_add_rmsnorm(x.clone(), res.clone(), w, 1e-6, weight_offset=r.weight_offset)
+                got = k.fused_add_rmsnorm(x.clone(), res.clone(), w, 1e-6, weight_offset=r.weight_offset)
+                assert isinstance(got, (tuple, list)) and len(got) == 2, (
+                    f"{k.name}.fused_add_rmsnorm returned {type(got).__name__}"
+                    f"{'' if not isinstance(got, (tuple, list)) else f' of {len(got)}'}: expected (y, residual)")
+                got_y, got_r = got
                 torch.testing.assert_close(got_y, want_y, **tolerance_of(provider, r.dtype),
-                                           msg=lambda m: f"{r.describe()} T={t}: {m}")
+                                           msg=lambda m: f"{k.name}.fused_add_rmsnorm, {r.describe()} T={t}: {m}")
                 # The stored residual is the FP32 sum rounded once: no tolerance applies.
                 torch.testing.assert_close(got_r, want_r, atol=0, rtol=0,
-                                           msg=lambda m: f"{r.describe()} T={t} residual: {m}")
+                                           msg=lambda m: f"{k.name}.fused_add_rmsnorm, {r.describe()} T={t} "
+                                                         f"residual: {m}")
 
     def test_normalizes_the_unrounded_sum(self, provider: Any, device: str) -> None:
         """Rounding order: the output comes from the FP32 sum, not from the stored residual."""
@@ -121,7 +126,8 @@ class NormKernelConformance:
             torch.testing.assert_close(
                 k.rmsnorm(x, w, 1e-6, weight_offset=r.weight_offset),
                 rmsnorm_ref(x.contiguous(), w, 1e-6, weight_offset=r.weight_offset),
-                **tolerance_of(provider, r.dtype))
+                **tolerance_of(provider, r.dtype),
+                msg=lambda m: f"{k.name}.rmsnorm on a non-contiguous input (row stride 2H), {r.describe()}: {m}")
 
     def test_declared_in_place_residual(self, provider: Any, device: str) -> None:
         for r in self._accepted(provider, device):
