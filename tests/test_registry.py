@@ -233,3 +233,21 @@ def test_a_missing_scheme_says_why_it_is_missing(plugin_site: PluginSite):
         discover(deny=["gamma"]).semantics("gamma")
     with pytest.raises(PluginError, match="pip install"):
         discover().semantics("nowhere")
+
+
+def test_residual_semantics_that_return_the_wrong_thing_are_named():
+    # A trial: a scheme whose stage() returned a tuple failed as "'tuple' object has no attribute 'params'".
+    from layer_boundary.models import Qwen3ForCausalLM, small_random_config
+
+    class TupleScheme:
+        name = "tuples"
+
+        def stage(self, hidden_size, *, dtype, device=None):
+            return (None, None, None)
+
+        def exit(self, hidden_size, *, dtype, device=None):
+            return (None, None, None)
+
+    with pytest.raises(TypeError, match=r"residual semantics 'tuples': stage\(\) returned tuple, expected "
+                                        r"layer_boundary.providers.StageResidual"):
+        Qwen3ForCausalLM(small_random_config(), context=BoundaryContext(), residual=TupleScheme())

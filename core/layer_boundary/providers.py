@@ -116,6 +116,17 @@ class StageResidual:
     params: Optional[nn.Module] = None
 
 
+def residual_part(semantics: Any, which: str, hidden_size: int, *, dtype: torch.dtype) -> StageResidual:
+    """``semantics.stage(...)`` or ``semantics.exit(...)`` (``which``), checked: a scheme that returns
+    anything but a ``StageResidual`` is named, rather than failing later on a missing attribute."""
+    got = getattr(semantics, which)(hidden_size, dtype=dtype)
+    if not isinstance(got, StageResidual):
+        raise TypeError(f"residual semantics {getattr(semantics, 'name', type(semantics).__name__)!r}: {which}() "
+                        f"returned {type(got).__name__}, expected layer_boundary.providers.StageResidual "
+                        "(update, read, params)")
+    return got
+
+
 @runtime_checkable
 class ResidualSemantics(Protocol):
     """A named residual scheme for a whole stack (plain add, MHC, ...).

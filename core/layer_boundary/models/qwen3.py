@@ -40,7 +40,7 @@ from layer_boundary.models.layers import (
 )
 from layer_boundary.models.loader import load_checkpoint
 from layer_boundary.norms import GemmaRMSNorm, RMSNorm
-from layer_boundary.providers import ResidualSemantics
+from layer_boundary.providers import ResidualSemantics, residual_part
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.topology import GroupInfo, Topology
 
@@ -229,8 +229,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = self._make_ffn(config, layer_id, topology, dtype)
         self.input_layernorm = stack_norm(config, dtype)
         self.post_attention_layernorm = stack_norm(config, dtype)
-        attn_res = residual.stage(config.hidden_size, dtype=dtype)
-        ffn_res = residual.stage(config.hidden_size, dtype=dtype)
+        attn_res = residual_part(residual, "stage", config.hidden_size, dtype=dtype)
+        ffn_res = residual_part(residual, "stage", config.hidden_size, dtype=dtype)
         if attn_res.params is not None:
             self.attn_residual = attn_res.params
         if ffn_res.params is not None:
@@ -347,7 +347,7 @@ class Qwen3Model(nn.Module):
         self.norm = None
         if self.pp_last:
             self.norm = stack_norm(config, dtype)
-            final = residual.exit(config.hidden_size, dtype=dtype)
+            final = residual_part(residual, "exit", config.hidden_size, dtype=dtype)
             if final.params is not None:
                 self.final_residual = final.params
             residual_batch.bind_final_norm(self.norm, context=context, read=final.read)
