@@ -403,3 +403,26 @@ BoundaryMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestBoundaryMachine = BoundaryMachine.TestCase
+
+
+def test_start_over_a_forward_that_never_left_the_stack_warns():
+    # A trial: a model that applied its final norm module itself (not residual_batch.norm) lost the
+    # last residual add, and the next start() dropped the pending stream without a word.
+    import warnings
+
+    from layer_boundary import ForwardBatch, Topology, declare_attn, make_stages
+    from layer_boundary.norms import RMSNorm
+    from layer_boundary.residual import batch as residual_batch
+
+    (stage,) = make_stages((declare_attn(), RMSNorm(8)), topology=Topology.single(), terminal=True)
+    fb = ForwardBatch.for_tokens(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        residual_batch.start(fb)
+        residual_batch.start(fb)  # nothing happened in between: silent
+        h = stage.finish(stage.prepare(torch.randn(4, 8), fb), fb)
+        residual_batch.norm(h, fb, stage.plan.read.norm)
+        residual_batch.start(fb)  # left through norm(): silent
+    stage.finish(stage.prepare(torch.randn(4, 8), fb), fb)
+    with pytest.warns(UserWarning, match=r"previous forward never left the layer stack \(its stream is pending\)"):
+        residual_batch.start(fb)

@@ -64,6 +64,16 @@ def start(forward_batch: Any) -> ResidualStream:
     """Give the batch a fresh (initial) stream; any earlier stream of the batch is released."""
     old = getattr(forward_batch, "residual_stream", None)
     if old is not None:
+        if not old.released and old.state is not StreamState.INITIAL:
+            # The one place a forward that never left the stack shows: a model that normalized
+            # the last layer's output itself (not residual_batch.norm) lost the last residual add.
+            import warnings
+
+            warnings.warn(
+                f"residual_batch.start(): this batch's previous forward never left the layer stack "
+                f"(its stream is {old.state.value}); leave it through residual_batch.norm(), to_pp() or "
+                "take_output(), which complete the last layer's residual update. The old stream is dropped",
+                stacklevel=2)
         old.release()
     stream = ResidualStream()
     try:
