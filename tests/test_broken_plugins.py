@@ -300,3 +300,52 @@ def test_a_hook_that_returns_a_class_or_nothing_is_named():
     reg = PluginRegistry([])
     with pytest.raises(PluginError, match="returned the class BrokenKernels, not an instance of it"):
         reg.register(InProcess('v', norms=[BrokenKernels]), name="vendor")
+
+
+class WrongShapeKernels(BrokenKernels):
+    """Serves, and its kernels return one column short (or float64): a trial's plugin crashed in the
+    model's next matmul, with no word of the plugin."""
+
+    name = "wrong-shape"
+
+    def __init__(self, bad: str) -> None:
+        self.bad = bad
+
+    def kernels(self, request):
+        from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+        from layer_boundary.residual.add_norm import NormKernels
+
+        def spoil(y):
+            return y[:, :-1] if self.bad == "shape" else y.double()
+
+        def norm(x, w, eps, *, weight_offset=0.0):
+            return spoil(rmsnorm_ref(x, w, eps, weight_offset=weight_offset))
+
+        def fused(x, r, w, eps, *, weight_offset=0.0):
+            y, s = fused_add_rmsnorm_ref(x, r, w, eps, weight_offset=weight_offset)
+            return spoil(y), s
+
+        return NormKernels(f"spoilt-{self.bad}", norm, fused)
+
+
+@pytest.mark.parametrize("bad, shown", [("shape", r"returned y \(5, 63\) float32 for an input \(5, 64\) float32"),
+                                        ("dtype", r"returned y \(5, 64\) float64 for an input \(5, 64\) float32")])
+def test_kernels_that_return_the_wrong_shape_or_dtype_are_named_at_their_first_call(bad, shown):
+    from layer_boundary import BoundaryError
+    from layer_boundary.residual import batch as residual_batch
+
+    ctx = BoundaryContext(registry=_registry(InProcess('v', norms=[WrongShapeKernels(bad)])))
+    attn, ffn = make_stages((declare_attn(), make_norm(64, torch.float32)),
+                            (declare_ffn(), make_norm(64, torch.float32)), context=ctx)
+    ctx.freeze()
+    fb = ForwardBatch.for_tokens(5)
+    residual_batch.start(fb)
+    with pytest.raises(BoundaryError, match=rf"norm kernels 'spoilt-{bad}': rmsnorm {shown}; the plugin that "
+                                            r"provides them is defective"):
+        attn.prepare(torch.randn(5, 64), fb)
+    # The fused path is checked at its own first call (the entry read above is not it).
+    attn.plan.read._checked_read = True
+    residual_batch.start(fb)
+    attn.prepare(torch.randn(5, 64), fb)
+    with pytest.raises(BoundaryError, match=rf"'spoilt-{bad}': fused_add_rmsnorm {shown}"):
+        ffn.prepare(attn.finish(torch.randn(5, 64), fb), fb)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..errors import BoundaryError
 from ..kernels.reference import fused_add_rmsnorm_fp8_ref, fused_add_rmsnorm_ref, rmsnorm_fp8_ref, rmsnorm_ref
 from ..norms import norm_params
 from ..quant import check_quant
@@ -96,7 +97,7 @@ class RMSNormRead:
     fusion candidates inspect it and refuse reads they cannot produce.
     """
 
-    __slots__ = ("name", "norm", "offset", "kernels", "quant", "_eps", "_params")
+    __slots__ = ("name", "norm", "offset", "kernels", "quant", "_eps", "_params", "_checked_read", "_checked_fused")
     before_gather = False
     makes_update = False
     fuses_with = frozenset({PlainAdd.name})
@@ -114,6 +115,10 @@ class RMSNormRead:
         # nn.Module.__getattr__ on the hot path.
         self._eps = norm_params(norm)[1] if eps is None else eps  # as norm_params read it
         self._params = norm._parameters if "weight" in norm._parameters else None
+        # The first call's outputs are checked against their inputs (shape and dtype: metadata, no
+        # sync): a plugin's kernel that returns the wrong thing is named there, not deep in the
+        # model's next matmul. The table's own numerics are the conformance kit's.
+        self._checked_read = self._checked_fused = kernels is REFERENCE_KERNELS or quant is not None
 
     @property
     def residual_in_place(self) -> bool:
@@ -132,7 +137,21 @@ class RMSNormRead:
         return self.read(hidden), hidden
 
     def read(self, residual: torch.Tensor) -> torch.Tensor:
-        return self.kernels.rmsnorm(residual, self.weight, self._eps, weight_offset=self.offset)
+        y = self.kernels.rmsnorm(residual, self.weight, self._eps, weight_offset=self.offset)
+        if not self._checked_read:
+            self._check_first("rmsnorm", ((y, residual, "y"),))
+            self._checked_read = True
+        return y
+
+    def _check_first(self, kernel: str, pairs: tuple) -> None:
+        for got, like, what in pairs:
+            if not isinstance(got, torch.Tensor) or got.shape != like.shape or got.dtype != like.dtype:
+                desc = (f"{type(got).__name__} (not (y, residual) tensors)" if not isinstance(got, torch.Tensor)
+                        else f"{tuple(got.shape)} {str(got.dtype).replace('torch.', '')}")
+                raise BoundaryError(
+                    f"norm kernels {self.kernels.name!r}: {kernel} returned {what} {desc} for an input "
+                    f"{tuple(like.shape)} {str(like.dtype).replace('torch.', '')}; the plugin that provides "
+                    "them is defective (run its conformance kit; LAYER_BOUNDARY_DISABLE=<plugin> leaves it out)")
 
     def update_and_read(
         self, update: StageUpdate, contribution: torch.Tensor, residual: Optional[torch.Tensor]
@@ -141,12 +160,19 @@ class RMSNormRead:
             p = self._params
             k = self.kernels
             if k.input_as_out:
-                return k.fused_add_rmsnorm(contribution, residual, p["weight"] if p is not None else self.norm.weight,
-                                           self._eps, weight_offset=self.offset, out=contribution)
-            return k.fused_add_rmsnorm(
-                contribution, residual, p["weight"] if p is not None else self.norm.weight,
-                self._eps, weight_offset=self.offset
-            )
+                got = k.fused_add_rmsnorm(contribution, residual, p["weight"] if p is not None else self.norm.weight,
+                                          self._eps, weight_offset=self.offset, out=contribution)
+            else:
+                got = k.fused_add_rmsnorm(
+                    contribution, residual, p["weight"] if p is not None else self.norm.weight,
+                    self._eps, weight_offset=self.offset
+                )
+            if not self._checked_fused:
+                # In place or not, the inputs keep their shape and dtype: what the outputs should have.
+                pair = got if isinstance(got, (tuple, list)) and len(got) == 2 else (got, None)
+                self._check_first("fused_add_rmsnorm", ((pair[0], contribution, "y"), (pair[1], residual, "residual")))
+                self._checked_fused = True
+            return got
         new = update.apply(residual, contribution)
         return self.read(new), new
 
