@@ -36,17 +36,24 @@ __all__ = ["DpRows", "move_input", "check_counts_agree", "ENV_CHECK_DP_COUNTS"]
 # gather and a host sync a batch, so off by default). Ranks that disagree otherwise fail inside
 # the collective (gloo aborts on mismatched sizes) or, worse, move the wrong rows.
 ENV_CHECK_DP_COUNTS = "LAYER_BOUNDARY_CHECK_DP_COUNTS"
+_CHECKING: list[bool] = []  # the variable, read once a process (not on every forward)
+
+
+def _checking() -> bool:
+    if not _CHECKING:
+        import os
+
+        from .plugins.discovery import _truthy
+
+        _CHECKING.append(_truthy(os.environ.get(ENV_CHECK_DP_COUNTS), ENV_CHECK_DP_COUNTS))
+    return _CHECKING[0]
 
 
 def check_counts_agree(counts: Sequence[int], topology: Topology) -> None:
-    """With ``LAYER_BOUNDARY_CHECK_DP_COUNTS`` on, raise ``BoundaryError`` on every rank of the TP
-    group unless all of them give this batch the same ``dp_num_tokens``."""
-    import os
-
-    from .plugins.discovery import _truthy
-
+    """With ``LAYER_BOUNDARY_CHECK_DP_COUNTS`` on (read once a process), raise ``BoundaryError`` on
+    every rank of the TP group unless all of them give this batch the same ``dp_num_tokens``."""
     tp = topology.tp
-    if tp.size == 1 or not _truthy(os.environ.get(ENV_CHECK_DP_COUNTS), ENV_CHECK_DP_COUNTS):
+    if tp.size == 1 or not _checking():
         return
     from .errors import BoundaryError
     from .launch import gather_objects

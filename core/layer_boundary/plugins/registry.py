@@ -20,6 +20,9 @@ __all__ = ["PluginRegistry", "discover"]
 
 log = logging.getLogger("layer_boundary.plugins")
 
+# Said after every error strict mode makes of a warning: where the mode comes from.
+_STRICT = "[strict plugin mode: LAYER_BOUNDARY_STRICT_PLUGINS / strict=True]"
+
 _HOOKS = (
     ("layer_boundary_norm_kernels", Provides.NORM_KERNELS),
     ("layer_boundary_fusion_providers", Provides.FUSION_PROVIDERS),
@@ -159,7 +162,7 @@ class PluginRegistry:
             if rec.status in (PluginStatus.FAILED, PluginStatus.INCOMPATIBLE):
                 if self.options.strict:
                     raise PluginError(f"plugin {rec.name} ({rec.distribution}) is {rec.status.value}: "
-                                      f"{rec.reason} [strict plugin mode: LAYER_BOUNDARY_STRICT_PLUGINS / strict=True]")
+                                      f"{rec.reason} {_STRICT}")
                 log.warning("plugin %s (%s) is %s and skipped: %s", rec.name, rec.distribution, rec.status.value,
                             rec.reason)
             elif rec.status is PluginStatus.UNAVAILABLE:
@@ -184,7 +187,7 @@ class PluginRegistry:
                 raise PluginError(
                     "providers skipped for a defect while the model was built: "
                     + "; ".join(f"{name}: {why}" for name, why in defects)
-                    + " [strict plugin mode: LAYER_BOUNDARY_STRICT_PLUGINS / strict=True]"
+                    + f" {_STRICT}"
                 )
 
     def register(self, hooks: Any, *, name: str) -> None:
