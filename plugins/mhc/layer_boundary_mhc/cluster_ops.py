@@ -96,12 +96,6 @@ SPLIT_ENDS = 0
 # row is already free (with the Sinkhorn in the producers, no faster than without).
 SPLIT_SINKHORN_LANES = 1
 SPLIT_COPY_FIRST = 0
-# A block ready as 16 flags holding the launch's tag (``cute_ptx.launch_tag``, from %gridid) rather
-# than a count from zero: the call then has no memset before its launch (SPLIT_FLAGS). SPLIT_PDL:
-# launched as a programmatic dependent launch (implies the flags), so that its CTAs start on the
-# SMs the launch before it frees, and wait there for it to complete before reading anything.
-SPLIT_FLAGS = 0
-SPLIT_PDL = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count (the split
@@ -179,7 +173,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
     """The split variant's shape (``cluster_shape.SplitShape``; its ``problem`` says why it does not
     fit)."""
     key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS,
-           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, SPLIT_FLAGS, SPLIT_PDL, PROFILE is not None)
+           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import SplitShape
@@ -189,8 +183,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
                                               producers=SPLIT_PRODUCERS, produce_depth=SPLIT_PRODUCE_DEPTH,
                                               ends=bool(SPLIT_ENDS) and PROFILE is not None,
                                               sinkhorn_lanes=bool(SPLIT_SINKHORN_LANES),
-                                              copy_first=bool(SPLIT_COPY_FIRST), flags=bool(SPLIT_FLAGS),
-                                              pdl=bool(SPLIT_PDL))
+                                              copy_first=bool(SPLIT_COPY_FIRST))
     return shape
 
 
@@ -355,12 +348,10 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
     blocks = (t + shape.bt - 1) // shape.bt
     extra: list = []
     if shape.split:
-        # Each block's partials ([block][CTA][token][K + 1]) and its readiness, per call: stream
-        # ordered, so replays of a captured graph get their own. A count must start from zero (a
-        # memset); flags hold the launch's own tag, so whatever the memory held serves.
+        # Each block's partials ([block][CTA][token][K + 1]) and its ready count, per call: stream
+        # ordered, so replays of a captured graph get their own zeroed counts.
         part = torch.empty(blocks * 16 * shape.bt * (shape.kpad + 1), dtype=torch.float32, device=x.device)
-        cnt = (torch.empty(blocks * 16, dtype=torch.int64, device=x.device) if shape.flags
-               else torch.zeros(blocks, dtype=torch.int32, device=x.device))
+        cnt = torch.zeros(blocks, dtype=torch.int32, device=x.device)
         grid = _split_grid(x.device, blocks)
         if PROFILE is not None and PROFILE.numel() < shape.profile_values(16 * grid[0] + grid[1], blocks, t):
             raise ValueError(f"cluster_ops.PROFILE holds {PROFILE.numel()} values; the profiled split variant "

@@ -348,55 +348,6 @@ def spin_until(addr, target):
         "@p trap; bra LB_SPIN_${:uid}; LB_DONE_${:uid}: }", "l,r")
 
 
-def launch_tag():
-    """A 64-bit value of this launch alone, the same in every CTA: ``%gridid`` (the context's
-    temporal launch number, new for each launch, a graph replay's included) through an odd
-    multiplier and an offset, so that a stale word left by another launch, or other data, is not
-    taken for it: the split variant's ready flags, which then need no zeroing before the launch."""
-    return Int64(asm(T.i64(), [], "{ .reg .u64 g; mov.u64 g, %gridid; "
-                     "mad.lo.u64 $0, g, 0x9E3779B97F4A7C15, 0x6328CF559E88E019; }", "=l"))
-
-
-def st_release_u64(addr, v):
-    """Store the u64 ``v`` at ``addr`` with release semantics at GPU scope: a block's ready flag."""
-    asm(None, [addr, v], "st.release.gpu.global.u64 [$0], $1;", "l,l")
-
-
-def spin_flags(addr, tag, lane):
-    """Until all 16 u64 flags at ``addr`` hold ``tag``: lane l reads flag l % 16 with acquire
-    semantics at GPU scope, the warp votes, and ``bar.warp.sync`` then orders every lane's later
-    reads after all 16 acquires (the barrier orders memory among the warp's threads). Sleeps between
-    reads and traps 20 s into the wait, as ``spin_until``. Warp-uniform calls only."""
-    asm(None, [addr, tag, lane],
-        "{ .reg .pred p; .reg .u64 v, a, t0, t1; .reg .u32 o; and.b32 o, $2, 15; mul.wide.u32 a, o, 8; "
-        "add.u64 a, a, $0; mov.u64 t0, %globaltimer; "
-        "LB_FLAGS_${:uid}: ld.acquire.gpu.global.u64 v, [a]; setp.eq.u64 p, v, $1; "
-        "vote.sync.all.pred p, p, 0xffffffff; @p bra LB_FDONE_${:uid}; "
-        "nanosleep.u32 64; mov.u64 t1, %globaltimer; sub.u64 t1, t1, t0; setp.gt.u64 p, t1, 20000000000; "
-        "@p trap; bra LB_FLAGS_${:uid}; LB_FDONE_${:uid}: bar.warp.sync 0xffffffff; }", "l,l,r")
-
-
-def flags_ready(addr, tag, lane):
-    """1 where all 16 u64 flags at ``addr`` hold ``tag`` now (relaxed reads, no wait), the same in
-    every lane: a look, not a synchronization (``spin_flags`` before reading what they publish)."""
-    return Int32(asm(T.i32(), [addr, tag, lane],
-                     "{ .reg .pred p; .reg .u64 v, a; .reg .u32 o; and.b32 o, $3, 15; mul.wide.u32 a, o, 8; "
-                     "add.u64 a, a, $1; ld.relaxed.gpu.global.u64 v, [a]; setp.eq.u64 p, v, $2; "
-                     "vote.sync.all.pred p, p, 0xffffffff; selp.b32 $0, 1, 0, p; }", "=r,l,l,r"))
-
-
-def griddep_wait():
-    """Programmatic dependent launch: wait here until the grids this launch depends on have
-    completed and their memory is visible (a no-op for a launch without the attribute)."""
-    asm(None, [], "griddepcontrol.wait;", "")
-
-
-def griddep_launch_dependents():
-    """Programmatic dependent launch: the next launch on the stream may start its CTAs (they wait at
-    their own ``griddep_wait`` for this grid to complete)."""
-    asm(None, [], "griddepcontrol.launch_dependents;", "")
-
-
 def fence_proxy_async_global():
     """Global memory this thread has observed (another CTA's x', acquired) ordered before its later
     async-proxy reads of it (bulk copies)."""

@@ -66,8 +66,7 @@ class MhcSplit(MhcPersistent):
         s = self.s
         self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, part, cnt, tokens,
                     blocks, sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
-            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream,
-            use_pdl=s.pdl)
+            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
@@ -80,15 +79,7 @@ class MhcSplit(MhcPersistent):
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
         tid, _, warp, lane, g, q, base = self._start()
-        if cutlass.const_expr(s.pdl):
-            # Started early (programmatic dependent launch): nothing is read or written before the
-            # launch this one follows has completed, weights included (a kernel before it may have
-            # written them). The next launch may then start its CTAs on the SMs this one frees.
-            P.griddep_wait()
-            P.griddep_launch_dependents()
-        part_a = Int64(part.toint())
-        # A block's readiness: a count from zero, or (flags) 16 flags holding this launch's tag.
-        ready = (Int64(cnt.toint()), P.launch_tag() if s.flags else Int64(0))
+        part_a, cnt_a = Int64(part.toint()), Int64(cnt.toint())
         prof_a = Int64(prof.toint()) + Int64(bid) * 128  # profiled: 16 values a CTA (SplitShape.SECTIONS)
         # Profiled, after the CTAs' values: %globaltimer stamps (16 bytes each) of each block's count
         # by each of its 16 CTAs, of each token's count seen by its producer, and of each token's
@@ -104,7 +95,7 @@ class MhcSplit(MhcPersistent):
                 P.stamp(prof_a + 112)  # the CTA's start (ns, SM)
         done = Int32(0)
         if bid < sets * 16:
-            done = self._streamer(bid, sets, x, y, hp, hr, xo, phf, part_a, ready, tokens, blocks, sxt, sxn, syt,
+            done = self._streamer(bid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt,
                                   sot, son, tid, warp, lane, g, q, base, cyc, stamps)
         else:
             if cutlass.const_expr(s.update):
@@ -112,7 +103,7 @@ class MhcSplit(MhcPersistent):
             else:
                 src = (Int64(x.toint()), sxt, sxn)
             done = self._finisher(bid - sets * 16, nblk - sets * 16, src, alpha, bpre, bpost, bres, w32, out, hpo,
-                                  hro, part_a, ready, tokens, sit, eps, norm_eps, tid, warp, lane, base, cyc, stamps)
+                                  hro, part_a, cnt_a, tokens, sit, eps, norm_eps, tid, warp, lane, base, cyc, stamps)
         if cutlass.const_expr(s.profile):
             if tid == 0:
                 for k in cutlass.range_constexpr(4):
@@ -128,7 +119,7 @@ class MhcSplit(MhcPersistent):
                 P.stg_v2_u64(prof_a + 96, P.globaltimer(), Int64(0))
 
     @cute.jit
-    def _streamer(self, sid, sets, x, y, hp, hr, xo, phf, part_a, ready, tokens, blocks, sxt, sxn, syt, sot, son,
+    def _streamer(self, sid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt, sot, son,
                   tid, warp, lane, g, q, phi_s, cyc, stamps):
         """Stream CTA ``sid``: the persistent variant's stream pass over its blocks, each block's
         partials to global memory and the block counted ready."""
@@ -173,7 +164,7 @@ class MhcSplit(MhcPersistent):
             # (Its fence holds thread 0 for a third of its stream pass, ncu; no other placement
             # measured faster: PERFORMANCE.md, fourteenth pass.)
             if tid == 0 and it > 0:
-                self._mark_ready(ready, blk - sets, rank)
+                P.red_release_add(cnt_a + Int64(blk - sets) * 4, Int32(1))
                 if cutlass.const_expr(s.profile):
                     P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
             self._stream(slot, fill, blk, Int32(blk + sets < blocks), sets, tokens, phi_s, cb, xol, sot, son,
@@ -187,41 +178,14 @@ class MhcSplit(MhcPersistent):
             self._lap(cyc, 4, t0)
         P.bar_sync(1, s.threads)
         if tid == 0 and nloc > 0:
-            self._mark_ready(ready, first + (nloc - 1) * sets, rank)
+            P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * 4, Int32(1))
             if cutlass.const_expr(s.profile):
                 P.stamp(stamps[0] + (Int64(first + (nloc - 1) * sets) * 16 + Int64(rank)) * 16)
         P.cp_async_wait_all()  # the last iteration's copies (zeros past the last block) land before exit
         return nloc
 
     @cute.jit
-    def _mark_ready(self, ready, blk, rank):
-        """Thread 0 of stream CTA ``rank``: block ``blk`` ready, with release semantics (its x' and
-        partials, behind the barrier all the CTA's threads passed, come before)."""
-        if cutlass.const_expr(self.s.flags):
-            P.st_release_u64(ready[0] + (Int64(blk) * 16 + Int64(rank)) * 8, ready[1])
-        else:
-            P.red_release_add(ready[0] + Int64(blk) * 4, Int32(1))
-
-    @cute.jit
-    def _wait_ready(self, ready, blk, lane):
-        """The warp waits (acquire) until all 16 CTAs of block ``blk`` have marked it ready."""
-        if cutlass.const_expr(self.s.flags):
-            P.spin_flags(ready[0] + Int64(blk) * 128, ready[1], lane)
-        else:
-            P.spin_until(ready[0] + Int64(blk) * 4, Int32(16))
-
-    @cute.jit
-    def _ready_now(self, ready, blk, lane):
-        """1 where block ``blk`` is ready now (a relaxed look, no wait), the same in every lane."""
-        got = Int32(0)
-        if cutlass.const_expr(self.s.flags):
-            got = P.flags_ready(ready[0] + Int64(blk) * 128, ready[1], lane)
-        else:
-            got = Int32(P.count_lane0(ready[0] + Int64(blk) * 4, lane) >= 16)
-        return got
-
-    @cute.jit
-    def _finisher(self, fid, nfin, src, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, ready, tokens, sit,
+    def _finisher(self, fid, nfin, src, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a, tokens, sit,
                   eps, norm_eps, tid, warp, lane, base, cyc, stamps):
         """Finisher CTA ``fid`` of ``nfin``: tokens ``fid, fid + nfin, ...`` (the CTA's token i) through
         a ring of ``fslots`` rows in shared memory. Producer warps (``producers``; token i on warp i
@@ -244,7 +208,7 @@ class MhcSplit(MhcPersistent):
         P.bar_sync(1, s.threads)
         mine = (tokens - fid + nfin - 1) // nfin
         if warp < s.producers:
-            self._produce(fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, ready, eps, warp, lane,
+            self._produce(fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, eps, warp, lane,
                           ring, hpre_s, full, empty, cyc, stamps[1])
         else:
             self._consume(fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
@@ -252,7 +216,7 @@ class MhcSplit(MhcPersistent):
         return mine
 
     @cute.jit
-    def _produce(self, fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, ready, eps, warp, lane,
+    def _produce(self, fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, eps, warp, lane,
                  ring, hpre_s, full, empty, cyc, seen_a):
         s = self.s
         n, kpad, depth, npro = s.n, s.kpad, s.pdepth, s.producers
@@ -275,7 +239,7 @@ class MhcSplit(MhcPersistent):
                 # warp would wait anyway.
                 if skt[0] >= SK_IDLE:
                     t_first = fid + cutlass.min(warp + npro * k * depth, mine - 1) * nfin
-                    if self._ready_now(ready, t_first // s.bt, lane) == 0:
+                    if P.count_lane0(cnt_a + Int64(t_first // s.bt) * 4, lane) < 16:
                         self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
                         skt[0] = Int32(0)
             toks = []
@@ -287,7 +251,7 @@ class MhcSplit(MhcPersistent):
                 if live != 0:
                     # Every lane's acquire: lane 0's with the warp's barrier after it ran slower
                     # (246.6 against 237.3 µs, H200, T = 8192).
-                    self._wait_ready(ready, t // s.bt, lane)
+                    P.spin_until(cnt_a + Int64(t // s.bt) * 4, Int32(16))
                     if cutlass.const_expr(s.profile):
                         if lane == 0:
                             P.stamp(seen_a + Int64(t) * 16)
@@ -476,6 +440,5 @@ class MhcSplit(MhcPersistent):
 def compile_split(shape: SplitShape, ptx_dir: str = ""):
     """Compile the split variant ahead of time (no GPU needed, with ``CUTE_DSL_ARCH=sm_90a``). Called
     with the persistent variant's arguments, then the partials workspace and the blocks' ready
-    counts (int32, zeroed) or flags (``flags``: int64, 16 a block, any contents), then tokens,
-    blocks, the stream sets and the finisher CTAs."""
-    return compile_kernel(MhcSplit(shape), 10, ptx_dir, extra=(Float32, Int64 if shape.flags else Int32))
+    counts (zeroed), then tokens, blocks, the stream sets and the finisher CTAs."""
+    return compile_kernel(MhcSplit(shape), 10, ptx_dir, extra=(Float32, Int32))
