@@ -309,32 +309,6 @@ def red_release_add(addr, v):
     asm(None, [addr, v], "red.release.gpu.global.add.u32 [$0], $1;", "l,r")
 
 
-def count_read_lane0(addr, lane):
-    """Lane 0 counts itself one of the block's readers (a relaxed atomic add of 1 at GPU scope) and
-    gets the count before its add; the other lanes get 0."""
-    return Int32(asm(T.i32(), [addr, lane], "{ .reg .pred p; setp.eq.u32 p, $2, 0; mov.b32 $0, 0; "
-                     "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }", "=r,l,r"))
-
-
-def count_clear_if(addr, old, last, lane):
-    """Lane 0: the count at ``addr`` back to zero where ``old`` (its ``count_read_lane0``) is
-    ``last``: it was the block's last reader, and no one reads the count again in this launch."""
-    asm(None, [addr, old, last, lane], "{ .reg .pred p, q; setp.eq.u32 p, $3, 0; setp.eq.u32 q, $1, $2; "
-        "and.pred p, p, q; @p st.relaxed.gpu.global.u32 [$0], 0; }", "l,r,r,r")
-
-
-def griddep_wait():
-    """Programmatic dependent launch: wait until the grids this launch depends on have completed
-    and their memory is visible (no-op for a launch without the attribute)."""
-    asm(None, [], "griddepcontrol.wait;", "")
-
-
-def griddep_launch_dependents():
-    """Programmatic dependent launch: the next launch on the stream may start its CTAs (they wait at
-    their own ``griddep_wait`` until this grid completes)."""
-    asm(None, [], "griddepcontrol.launch_dependents;", "")
-
-
 def rcp(v):
     """1 / v, approximate (what ``div.full.f32`` multiplies by for operands in the normal range)."""
     return Float32(asm(T.f32(), [v], "rcp.approx.f32 $0, $1;", "=f,f", side=False))

@@ -66,8 +66,7 @@ class MhcSplit(MhcPersistent):
         s = self.s
         self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, part, cnt, tokens,
                     blocks, sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
-            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream,
-            use_pdl=s.pdl)
+            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
@@ -80,12 +79,6 @@ class MhcSplit(MhcPersistent):
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
         tid, _, warp, lane, g, q, base = self._start()
-        if cutlass.const_expr(s.pdl):
-            # Started early (programmatic dependent launch): nothing is read or written before the
-            # launch this one follows has completed, weights included (a kernel before it may
-            # have written them); the next launch may then start its CTAs on the SMs this one frees.
-            P.griddep_wait()
-            P.griddep_launch_dependents()
         part_a, cnt_a = Int64(part.toint()), Int64(cnt.toint())
         prof_a = Int64(prof.toint()) + Int64(bid) * 128  # profiled: 16 values a CTA (SplitShape.SECTIONS)
         # Profiled, after the CTAs' values: %globaltimer stamps (16 bytes each) of each block's count
@@ -215,16 +208,16 @@ class MhcSplit(MhcPersistent):
         P.bar_sync(1, s.threads)
         mine = (tokens - fid + nfin - 1) // nfin
         if warp < s.producers:
-            self._produce(fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, tokens, eps, warp,
-                          lane, ring, hpre_s, full, empty, cyc, stamps[1])
+            self._produce(fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, eps, warp, lane,
+                          ring, hpre_s, full, empty, cyc, stamps[1])
         else:
             self._consume(fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
                           cyc, stamps[2])
         return mine
 
     @cute.jit
-    def _produce(self, fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, tokens, eps, warp,
-                 lane, ring, hpre_s, full, empty, cyc, seen_a):
+    def _produce(self, fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, eps, warp, lane,
+                 ring, hpre_s, full, empty, cyc, seen_a):
         s = self.s
         n, kpad, depth, npro = s.n, s.kpad, s.pdepth, s.producers
         row_a, st, sn = src
@@ -250,24 +243,18 @@ class MhcSplit(MhcPersistent):
                         self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
                         skt[0] = Int32(0)
             toks = []
-            olds = []  # clean: each token's count before lane 0 added itself as a reader
             for d in cutlass.range_constexpr(depth):
                 i = warp + npro * (k * depth + d)
                 live = Int32(i < mine)
                 t = fid + cutlass.min(i, mine - 1) * nfin
                 toks.append((live, i, t, t // s.bt))
-                old = Int32(0)
                 if live != 0:
                     # Every lane's acquire: lane 0's with the warp's barrier after it ran slower
                     # (246.6 against 237.3 µs, H200, T = 8192).
                     P.spin_until(cnt_a + Int64(t // s.bt) * 4, Int32(16))
-                    if cutlass.const_expr(s.clean):
-                        # Issued now, looked at after the step's copies: its round trip overlaps them.
-                        old = P.count_read_lane0(cnt_a + Int64(t // s.bt) * 4, lane)
                     if cutlass.const_expr(s.profile):
                         if lane == 0:
                             P.stamp(seen_a + Int64(t) * 16)
-                olds.append(old)
             t0 = self._lap(cyc, 0, t0)
             copied = []
             if cutlass.const_expr(s.copy_first):
@@ -334,14 +321,6 @@ class MhcSplit(MhcPersistent):
                     if live != 0:
                         if lane == 0:
                             P.mbar_arrive(full + sl * 8)  # H_pre, written before the sync above
-            if cutlass.const_expr(s.clean):
-                # The block's 16 stream CTAs took the count to 16, its readers (one a token) on
-                # from there: the last reader sees 15 + the block's tokens and sets it back to zero.
-                for d in cutlass.range_constexpr(depth):
-                    live, _, _, blk = toks[d]
-                    if live != 0:
-                        last = 15 + cutlass.min(s.bt, tokens - blk * s.bt)
-                        P.count_clear_if(cnt_a + Int64(blk) * 4, olds[d], last, lane)
             if cutlass.const_expr(s.sinkhorn_lanes):
                 if skt[0] > 32 - depth:  # no room for another step's tokens
                     self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
