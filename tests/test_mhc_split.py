@@ -127,7 +127,8 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
 # The sweep's settings (benchmarks/sweeps/mhc_cluster_variants.py; measured and not kept,
 # plugins/mhc/PERFORMANCE.md, fourteenth pass), and the producers' form before it (2 of two tokens).
 KNOBS = [dict(SPLIT_SINKHORN_LANES=0), dict(SPLIT_COPY_FIRST=1), dict(SPLIT_PRODUCERS=2, SPLIT_PRODUCE_DEPTH=2),
-         dict(SPLIT_SINKHORN_LANES=0, SPLIT_COPY_FIRST=1)]
+         dict(SPLIT_SINKHORN_LANES=0, SPLIT_COPY_FIRST=1), dict(SPLIT_KEPT_COUNTS=1), dict(SPLIT_PDL=1),
+         dict(SPLIT_KEPT_COUNTS=1, SPLIT_PDL=1, SPLIT_PRODUCERS=2, SPLIT_PRODUCE_DEPTH=2)]
 
 
 def test_split_settings_make_distinct_shapes(monkeypatch):
@@ -150,7 +151,17 @@ def test_split_settings_compile_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     mod = _cute()
     ptx = {name: mod.compile_split(SplitShape(4, 4096, True, 20, **kw), str(tmp_path)).__ptx__
-           for name, kw in (("launch", {}), ("batch", dict(sinkhorn_lanes=True)), ("first", dict(copy_first=True)))}
+           for name, kw in (("launch", {}), ("batch", dict(sinkhorn_lanes=True)), ("first", dict(copy_first=True)),
+                            ("kept", dict(kept=True)), ("pdl", dict(kept=True, pdl=True)))}
+    # a kept buffer: the phase read, the CTA's arrival, the other half zeroed, the phase flipped
+    for name in ("kept", "pdl"):
+        assert ptx[name].count("st.relaxed.gpu.global.u32") == 3 and "ld.relaxed.gpu.global.u32" in ptx[name]
+        assert ptx[name].count("red.release.gpu.global.add.u32") == ptx["launch"].count(
+            "red.release.gpu.global.add.u32") + 1
+    assert "st.relaxed.gpu.global.u32" not in ptx["launch"]
+    # the programmatic dependent launch waits before any global access
+    assert "griddepcontrol" not in ptx["kept"]
+    assert ptx["pdl"].index("griddepcontrol.wait") < ptx["pdl"].index("ld.relaxed.gpu.global.u32")
     # the Sinkhorn in the producers (cluster_ops' default; "launch": a launch after the kernel): a
     # reciprocal a sum, and a relaxed look at the next count
     assert "rcp.approx.f32" in ptx["batch"] and "rcp.approx.f32" not in ptx["launch"]
@@ -224,13 +235,19 @@ def test_gpu_open_launch_form_takes_the_split_variant_from_split_tokens(monkeypa
 
 
 @pytest.mark.gpu
-def test_gpu_split_under_cuda_graph_capture(monkeypatch):
-    """Captured once and replayed twice: each replay zeroes its own ready counts (a replay that
-    found the last one's would not wait for its stream CTAs), and gives eager's bits."""
+@pytest.mark.parametrize("ready", [dict(SPLIT_KEPT_COUNTS=0), dict(SPLIT_KEPT_COUNTS=1),
+                                   dict(SPLIT_KEPT_COUNTS=1, SPLIT_PDL=1)], ids=["memset", "kept", "kept-pdl"])
+def test_gpu_split_under_cuda_graph_capture(ready, monkeypatch):
+    """Captured once and replayed: each replay finds its ready counts at zero, zeroed for it or
+    left so by the replay before (one that found the last one's would not wait for its stream
+    CTAs), and gives eager's bits, on new inputs too (the stale partials of the same inputs would
+    hide a race)."""
     _gpu_ready()
     from mhc_gpu import _inputs, _params
 
     monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 512)
+    for name, value in ready.items():
+        monkeypatch.setattr(cluster_ops, name, value)
     t, n, c = 4096, 4, 4096
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
@@ -247,6 +264,87 @@ def test_gpu_split_under_cuda_graph_capture(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(eager, outs))
+    for k in range(3):  # new inputs in place, replays back to back
+        x2, y2, _, _, _ = _inputs(t, n, c, torch.bfloat16, seed=10 + k)
+        x.copy_(x2)
+        y.copy_(y2)
+        want = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(want, outs)), f"replay on new inputs {k}"
+
+
+@pytest.mark.gpu
+def test_gpu_split_kept_counts_across_sizes_and_streams(monkeypatch):
+    """Eager calls of growing and shrinking sizes (a ragged last block among them) on two streams,
+    read and update+read: each matches the reference, and leaves its stream's buffer ready for the
+    next launch: the phase flipped, the arrivals at zero, the half the next launch takes zeroed."""
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import accuracy, counts
+
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 1)
+    monkeypatch.setattr(cluster_ops, "SPLIT_KEPT_COUNTS", 1)
+    params = _params(4, 4096)
+    side = torch.cuda.Stream()
+    for t, stream in ((1100, None), (4096, side), (37, None), (8192, None), (2000, side), (1030, None)):
+        x, y, w, h_post, h_res = _inputs(t, 4, 4096, torch.bfloat16, seed=t)
+        stream = stream or torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        cap = counts.capacity((t + 15) // 16)
+        key = (torch.cuda.current_device(), stream.cuda_stream, cap)
+        before = int(counts._EAGER[key][0]) if key in counts._EAGER else 0
+        with torch.cuda.stream(stream):
+            got = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+            read = cluster_ops.mhc_read_cluster(x, params, w, 1e-6)
+        torch.cuda.synchronize()
+        accuracy.assert_matches_reference("update+read", got, x, y=y, h_post=h_post, h_res=h_res, params=params,
+                                          norm_weight=w, norm_eps=1e-6, where=f"kept counts T={t}")
+        accuracy.assert_matches_reference("read", read, x, params=params, norm_weight=w, norm_eps=1e-6,
+                                          where=f"kept counts T={t}")
+        buf = counts._EAGER[key].cpu()
+        assert int(buf[0]) == before, f"T={t}: two launches flip the phase twice"
+        assert int(buf[1]) == 0, f"T={t}: arrivals left at {int(buf[1])}"
+        nxt = buf[4 + before * cap:4 + (before + 1) * cap]
+        assert int(nxt.abs().sum()) == 0, f"T={t}: the half the next launch takes is not zeroed"
+
+
+@pytest.mark.gpu
+def test_gpu_split_kept_counts_pool_used_up_falls_back_to_a_memset(monkeypatch):
+    """With the captured calls' counts used up, a capture warns once and zeroes its counts in the
+    graph: still right on every replay."""
+    _gpu_ready()
+    from mhc_gpu import _inputs, _params
+
+    from layer_boundary_mhc import counts
+
+    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 512)
+    monkeypatch.setattr(cluster_ops, "SPLIT_KEPT_COUNTS", 1)
+    monkeypatch.setattr(counts, "CAPTURED_WORDS", 600)  # one call of 4096 tokens (4 + 2 x 256 words)
+    monkeypatch.setattr(counts, "_POOL", {})
+    monkeypatch.setattr(counts, "_WARNED", set())
+    t, n, c = 4096, 4, 4096
+    params = _params(n, c)
+    x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
+    cluster_ops.prepare_cluster(n, c)
+    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+    outs = [[torch.empty_like(v) for v in eager] for _ in range(2)]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match="used up"):
+        with torch.cuda.graph(graph):
+            for o in outs:  # the first from the pool, the second zeroed in the graph
+                cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, streams_out=o[0], out=o[1],
+                                                    h_post_out=o[2], h_res_out=o[3])
+    for _ in range(3):
+        for o in outs:
+            for v in o:
+                v.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for o in outs:
+            assert all(torch.equal(a, b) for a, b in zip(eager, o))
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import counts
 from .coefficients import SINKHORN_ITERS
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
@@ -96,6 +97,10 @@ SPLIT_ENDS = 0
 # row is already free (with the Sinkhorn in the producers, no faster than without).
 SPLIT_SINKHORN_LANES = 1
 SPLIT_COPY_FIRST = 0
+# Counts from a buffer kept from launch to launch, two halves and a phase (``counts``), instead of a
+# memset before each launch; and a programmatic dependent launch.
+SPLIT_KEPT_COUNTS = 0
+SPLIT_PDL = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count (the split
@@ -173,7 +178,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
     """The split variant's shape (``cluster_shape.SplitShape``; its ``problem`` says why it does not
     fit)."""
     key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS,
-           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, PROFILE is not None)
+           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, SPLIT_KEPT_COUNTS, SPLIT_PDL, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import SplitShape
@@ -183,7 +188,8 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
                                               producers=SPLIT_PRODUCERS, produce_depth=SPLIT_PRODUCE_DEPTH,
                                               ends=bool(SPLIT_ENDS) and PROFILE is not None,
                                               sinkhorn_lanes=bool(SPLIT_SINKHORN_LANES),
-                                              copy_first=bool(SPLIT_COPY_FIRST))
+                                              copy_first=bool(SPLIT_COPY_FIRST), kept=bool(SPLIT_KEPT_COUNTS),
+                                              pdl=bool(SPLIT_PDL))
     return shape
 
 
@@ -306,6 +312,8 @@ def prepare_cluster(n: int, hidden: int, *, iters: int = SINKHORN_ITERS) -> None
                 _compiled(variant(n, hidden, update, iters))
     if torch.cuda.is_available():
         _sinkhorn_after(torch.zeros(1, n, n, device="cuda"), 1, n, iters)
+        if SPLIT_TOKENS and SPLIT_KEPT_COUNTS:
+            counts.reserve(torch.device("cuda", torch.cuda.current_device()))
         if PERSISTENT_TOKENS:
             _resident_clusters(torch.device("cuda"))
 
@@ -348,16 +356,16 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
     blocks = (t + shape.bt - 1) // shape.bt
     extra: list = []
     if shape.split:
-        # Each block's partials ([block][CTA][token][K + 1]) and its ready count, per call: stream
-        # ordered, so replays of a captured graph get their own zeroed counts.
+        # Each block's partials ([block][CTA][token][K + 1]), per call, and its ready count: zeroed
+        # per call, or from a buffer kept between launches (``counts``; cap: its half's counts).
         part = torch.empty(blocks * 16 * shape.bt * (shape.kpad + 1), dtype=torch.float32, device=x.device)
-        cnt = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+        cnt, cap = counts.counts(x.device, blocks, shape.kept)
         grid = _split_grid(x.device, blocks)
         if PROFILE is not None and PROFILE.numel() < shape.profile_values(16 * grid[0] + grid[1], blocks, t):
             raise ValueError(f"cluster_ops.PROFILE holds {PROFILE.numel()} values; the profiled split variant "
                              f"writes SplitShape.profile_values(...) = "
                              f"{shape.profile_values(16 * grid[0] + grid[1], blocks, t)} for this call")
-        extra = [ptr(part, part, 4), ptr(cnt, cnt, 4), t, blocks, *grid]
+        extra = [ptr(part, part, 4), ptr(cnt, cnt, 4), t, blocks, *grid, cap]
     elif shape.persistent:
         extra = [t, blocks, min(blocks, _resident_clusters(x.device))]
     else:

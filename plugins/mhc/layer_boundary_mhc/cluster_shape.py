@@ -218,7 +218,8 @@ class SplitShape(PersistentShape):
 
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
                  producers: int = 2, produce_depth: int = PRODUCE_DEPTH, ends: bool = False,
-                 sinkhorn_lanes: bool = False, copy_first: bool = False) -> None:
+                 sinkhorn_lanes: bool = False, copy_first: bool = False, kept: bool = False,
+                 pdl: bool = False) -> None:
         super().__init__(n, hidden, update, iters, warps=warps, profile=profile)
         self.producers = producers
         # ``ends``: the unprofiled kernel writing only each CTA's start and end times (global timer:
@@ -231,6 +232,13 @@ class SplitShape(PersistentShape):
         # ``copy_first``: a token's x' copy starts before its coefficients when its ring row is free
         # then (two arrivals a row: the copy's, and H_pre's).
         self.copy_first = copy_first
+        # ``kept``: the counts live in a buffer kept from launch to launch (``counts``) with two
+        # halves: a launch takes the half its phase word names and zeroes the other, which the
+        # launch before used; its last CTA flips the phase once every CTA has read it. No memset.
+        # ``pdl``: a programmatic dependent launch (its CTAs may start on the SMs the launch before
+        # frees and wait there for it to complete).
+        self.kept = kept
+        self.pdl = pdl
         # The stream role's plan (phi, slots, coefficient rows, per-warp partials, then a second
         # buffer of coefficient rows) without the
         # exchange buffers; the finisher role's ring of x' rows (n x C bf16 each, as many as fit, at

@@ -309,6 +309,27 @@ def red_release_add(addr, v):
     asm(None, [addr, v], "red.release.gpu.global.add.u32 [$0], $1;", "l,r")
 
 
+def ld_relaxed_u32(addr):
+    """The u32 at ``addr``, read at GPU scope (not from a stale L1 line)."""
+    return Int32(asm(T.i32(), [addr], "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l"))
+
+
+def st_relaxed_u32(addr, v):
+    asm(None, [addr, v], "st.relaxed.gpu.global.u32 [$0], $1;", "l,r")
+
+
+def griddep_wait():
+    """Programmatic dependent launch: wait until the grids this launch depends on have completed
+    and their memory is visible (no-op for a launch without the attribute)."""
+    asm(None, [], "griddepcontrol.wait;", "")
+
+
+def griddep_launch_dependents():
+    """Programmatic dependent launch: the next launch on the stream may start its CTAs (they wait at
+    their own ``griddep_wait`` until this grid completes)."""
+    asm(None, [], "griddepcontrol.launch_dependents;", "")
+
+
 def rcp(v):
     """1 / v, approximate (what ``div.full.f32`` multiplies by for operands in the normal range)."""
     return Float32(asm(T.f32(), [v], "rcp.approx.f32 $0, $1;", "=f,f", side=False))

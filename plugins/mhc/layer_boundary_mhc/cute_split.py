@@ -61,25 +61,41 @@ class MhcSplit(MhcPersistent):
                  phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
                  w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
                  part: cute.Pointer, cnt: cute.Pointer, tokens: Int32, blocks: Int32, sets: Int32, finishers: Int32,
-                 sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32, eps: Float32,
+                 cap: Int32, sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32, eps: Float32,
                  norm_eps: Float32, stream: cuda.CUstream):
         s = self.s
         self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, part, cnt, tokens,
-                    blocks, sets, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
-            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream)
+                    blocks, sets, cap, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
+            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream,
+            use_pdl=s.pdl)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
                w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
-               part: cute.Pointer, cnt: cute.Pointer, tokens: Int32, blocks: Int32, sets: Int32,
+               part: cute.Pointer, cnt: cute.Pointer, tokens: Int32, blocks: Int32, sets: Int32, cap: Int32,
                sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32,
                eps: Float32, norm_eps: Float32):
         s = self.s
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
         tid, _, warp, lane, g, q, base = self._start()
+        if cutlass.const_expr(s.pdl):
+            # Started early (programmatic dependent launch): nothing is read or written before the
+            # launch this one follows has completed, weights included (a kernel before it may
+            # have written them); the next launch may then start its CTAs on the SMs this one frees.
+            P.griddep_wait()
+            P.griddep_launch_dependents()
         part_a, cnt_a = Int64(part.toint()), Int64(cnt.toint())
+        head, phase = cnt_a, Int32(0)
+        if cutlass.const_expr(s.kept):
+            # [phase, arrivals, -, -, counts[0][cap], counts[1][cap]] (``counts``): this launch's
+            # counts are the phase's half; the CTA arrives once all its threads have read the phase.
+            phase = P.ld_relaxed_u32(head)
+            P.bar_sync(1, s.threads)
+            if tid == 0:
+                P.red_release_add(head + 4, Int32(1))
+            cnt_a = head + 16 + Int64(phase) * Int64(cap) * 4
         prof_a = Int64(prof.toint()) + Int64(bid) * 128  # profiled: 16 values a CTA (SplitShape.SECTIONS)
         # Profiled, after the CTAs' values: %globaltimer stamps (16 bytes each) of each block's count
         # by each of its 16 CTAs, of each token's count seen by its producer, and of each token's
@@ -102,8 +118,21 @@ class MhcSplit(MhcPersistent):
                 src = (Int64(xo.toint()), sot, son)
             else:
                 src = (Int64(x.toint()), sxt, sxn)
+            if cutlass.const_expr(s.kept):
+                # The other half, the launch before's (complete by now), zeroed for the launch after.
+                other = head + 16 + Int64(1 - phase) * Int64(cap) * 4
+                for j in cutlass.range((bid - sets * 16) * s.threads + tid, cap, (nblk - sets * 16) * s.threads,
+                                       unroll=1):
+                    P.st_relaxed_u32(other + Int64(j) * 4, Int32(0))
             done = self._finisher(bid - sets * 16, nblk - sets * 16, src, alpha, bpre, bpost, bres, w32, out, hpo,
                                   hro, part_a, cnt_a, tokens, sit, eps, norm_eps, tid, warp, lane, base, cyc, stamps)
+        if cutlass.const_expr(s.kept):
+            if bid == nblk - 1 and tid == 0:
+                # Every CTA has read the phase once all have arrived: the next launch takes the
+                # other half (zeroed above), and finds the arrivals at zero.
+                P.spin_until(head + 4, Int32(nblk))
+                P.st_relaxed_u32(head + 4, Int32(0))
+                P.st_relaxed_u32(head, 1 - phase)
         if cutlass.const_expr(s.profile):
             if tid == 0:
                 for k in cutlass.range_constexpr(4):
@@ -440,5 +469,6 @@ class MhcSplit(MhcPersistent):
 def compile_split(shape: SplitShape, ptx_dir: str = ""):
     """Compile the split variant ahead of time (no GPU needed, with ``CUTE_DSL_ARCH=sm_90a``). Called
     with the persistent variant's arguments, then the partials workspace and the blocks' ready
-    counts (zeroed), then tokens, blocks, the stream sets and the finisher CTAs."""
-    return compile_kernel(MhcSplit(shape), 10, ptx_dir, extra=(Float32, Int32))
+    counts (zeroed; with ``kept``, a ``counts`` buffer), then tokens, blocks, the stream sets, the
+    finisher CTAs and the kept buffer's counts a half (0 without)."""
+    return compile_kernel(MhcSplit(shape), 11, ptx_dir, extra=(Float32, Int32))

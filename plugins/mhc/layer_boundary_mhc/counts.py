@@ -1,0 +1,82 @@
+"""Where a launch of the split variant gets its ready counts (one int32 a block).
+
+A launch's 16 stream CTAs of a block take its count from 0 to 16, and its finishers wait for 16.
+The counts come either zeroed for the call (``torch.zeros``: a memset node before the launch, 1.2 to
+1.3 µs of an H200 call) or, with ``cluster_ops.SPLIT_KEPT_COUNTS``, from a buffer kept from launch
+to launch (``SplitShape.kept``): ``[phase, arrivals, -, -, counts[0][cap], counts[1][cap]]``. A
+launch takes the half its phase names and zeroes the other (the launch before's); its last CTA
+flips the phase once every CTA has read it.
+
+Such a buffer must never serve two launches at once:
+
+- eager calls: one buffer a (device, stream, capacity), since launches on a stream run one after
+  another (a programmatic dependent launch waits for the one before it before reading anything);
+- calls captured in a CUDA graph: a slice of a pool set aside outside the capture, each captured
+  call its own for the life of the process. Two graphs may be replayed at once on two streams
+  (two-batch overlap), and a slice is not told when its graph is freed. With the pool used up,
+  captured calls take zeroed counts again (a memset node in the graph), with a warning.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+# int32 words set aside a device for captured calls (8 MiB: 4096 captured calls of 8192 tokens).
+CAPTURED_WORDS = 1 << 21
+_HEAD = 4  # phase, arrivals, two words to keep the counts 16-byte aligned
+_EAGER: dict[tuple[int, int, int], torch.Tensor] = {}
+_POOL: dict[int, list] = {}  # device index -> [words, how many handed out]
+_WARNED: set[int] = set()
+_LOCK = threading.Lock()
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def capacity(blocks: int) -> int:
+    """Counts a half of a kept buffer for ``blocks`` blocks: a power of two, so that eager calls of
+    nearby sizes share a buffer."""
+    return max(64, 1 << (blocks - 1).bit_length())
+
+
+def reserve(device: torch.device) -> None:
+    """Set aside the pool for captured calls on ``device`` (outside any capture, once; a capture
+    starts with a device synchronize, so the zeros are in place before any replay)."""
+    idx = _index(device)
+    with _LOCK:
+        if idx not in _POOL and not torch.cuda.is_current_stream_capturing():
+            _POOL[idx] = [torch.zeros(CAPTURED_WORDS, dtype=torch.int32, device=device), 0]
+
+
+def counts(device: torch.device, blocks: int, kept: bool) -> tuple[torch.Tensor, int]:
+    """The counts for one launch of ``blocks`` blocks on the current stream, and the capacity of a
+    kept buffer's half (0: counts zeroed for this call)."""
+    if not kept:
+        return torch.zeros(blocks, dtype=torch.int32, device=device), 0
+    idx, cap = _index(device), capacity(blocks)
+    words = _HEAD + 2 * cap
+    if torch.cuda.is_current_stream_capturing():
+        with _LOCK:
+            pool = _POOL.get(idx)
+            if pool is not None and pool[1] + words <= pool[0].numel():
+                pool[1] += words
+                return pool[0][pool[1] - words:pool[1]], cap
+            first = idx not in _WARNED
+            _WARNED.add(idx)
+        if first:
+            warnings.warn(f"the MHC split variant's counts set aside for CUDA-graph capture on cuda:{idx} are "
+                          f"{'used up' if pool is not None else 'missing'} ({CAPTURED_WORDS} words a device); "
+                          "captured calls from here zero theirs with a memset (about 1.3 µs a call). Set "
+                          "layer_boundary_mhc.counts.CAPTURED_WORDS higher before the first call, or call "
+                          "cluster_ops.prepare_cluster before capturing", stacklevel=4)
+        return torch.zeros(blocks, dtype=torch.int32, device=device), 0
+    reserve(device)
+    key = (idx, torch.cuda.current_stream(device).cuda_stream, cap)
+    buf = _EAGER.get(key)
+    if buf is None:
+        buf = _EAGER[key] = torch.zeros(words, dtype=torch.int32, device=device)
+    return buf, cap
