@@ -98,8 +98,11 @@ SPLIT_ENDS = 0
 SPLIT_SINKHORN_LANES = 1
 SPLIT_COPY_FIRST = 0
 # Counts from a buffer kept from launch to launch, two halves and a phase (``counts``), instead of a
-# memset before each launch; and a programmatic dependent launch.
-SPLIT_KEPT_COUNTS = 0
+# memset before each launch: interleaved in one run (H200, n = 4, H = 4096; benchmarks/results/
+# 2026-12-01-h200-session15.md), T = 8192 227.0 and 227.6 µs against 233.7 and 231.5 (70.1 % of the
+# roofline), T = 1024 41.6 and 42.4 against 43.2 and 43.2. Not kept: a programmatic dependent
+# launch (SPLIT_PDL) on top, 234.0 and 233.4 at T = 8192.
+SPLIT_KEPT_COUNTS = 1
 SPLIT_PDL = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's

@@ -73,7 +73,8 @@ def counts(device: torch.device, blocks: int, kept: bool) -> tuple[torch.Tensor,
                           "captured calls from here zero theirs with a memset (about 1.3 µs a call). Set "
                           "layer_boundary_mhc.counts.CAPTURED_WORDS higher before the first call, or call "
                           "cluster_ops.prepare_cluster before capturing", stacklevel=4)
-        return torch.zeros(blocks, dtype=torch.int32, device=device), 0
+        # The kept layout, zeroed in the graph: the kernel was compiled for it.
+        return torch.zeros(words, dtype=torch.int32, device=device), cap
     reserve(device)
     key = (idx, torch.cuda.current_stream(device).cuda_stream, cap)
     buf = _EAGER.get(key)
