@@ -29,6 +29,11 @@ different SMs of one launch (no clusters):
   The input's bits may differ from the other kernels' by the order of that sum, within the
   tolerance table.
 
+The counts start from zero: zeroed for the call, or (``kept``, the default in ``cluster_ops``) the
+half of a buffer kept from launch to launch that the launch before zeroed (``counts``): each launch
+reads the buffer's phase, its finishers zero the other half, and its last CTA flips the phase once
+every CTA has arrived. That drops the memset before the launch (and the gap after it).
+
 A finisher spins only on blocks whose stream CTAs never wait, so the launch completes whenever its
 stream CTAs get SMs. The grid is sized so that every CTA is resident on an idle GPU (one CTA an SM:
 shared memory), and CTAs are dispatched in index order, stream CTAs first. A count or a ring row
