@@ -131,6 +131,19 @@ KNOBS = [dict(SPLIT_SINKHORN_LANES=0), dict(SPLIT_COPY_FIRST=1), dict(SPLIT_PROD
          dict(SPLIT_KEPT_COUNTS=1, SPLIT_PDL=1, SPLIT_PRODUCERS=2, SPLIT_PRODUCE_DEPTH=2)]
 
 
+def test_kept_counts_layout_and_capacity():
+    from layer_boundary_mhc import counts
+
+    # a half's capacity: a power of two of at least 64 blocks, so nearby sizes share an eager buffer
+    assert [counts.capacity(b) for b in (1, 64, 65, 69, 512, 513)] == [64, 64, 128, 128, 512, 1024]
+    # the kept layout: 4 header words (phase, arrivals, two to keep the counts 16-byte aligned),
+    # then two halves; a pool slice keeps the next one aligned too
+    assert counts._HEAD == 4 and all((counts._HEAD + 2 * counts.capacity(b)) % 4 == 0 for b in range(1, 3000, 37))
+    got, cap = counts.counts(torch.device("cpu"), 7, kept=False)  # counts zeroed for the call
+    assert cap == 0 and got.dtype == torch.int32 and got.tolist() == [0] * 7
+    assert cluster_ops.split_shape(4, 4096, True).kept and not cluster_ops.split_shape(4, 4096, True).pdl
+
+
 def test_split_settings_make_distinct_shapes(monkeypatch):
     base = cluster_ops.split_shape(4, 4096, True)
     keys = {cluster_ops._key(base)}
