@@ -391,6 +391,20 @@ def test_the_stack_entry_takes_floating_point_hidden_states():
         a.prepare(torch.tensor([[3, 1, 2, 5, 0, 0, 0, 7]] * T), started())
 
 
+def test_hf_shaped_batch_seq_hidden_rows_are_named_under_dp(fake_dist: FakeCollectives):
+    # A trial: an engine that kept transformers' [1, seq, hidden] activations ran on one rank and
+    # under TP, then under attention DP got "the attention output has 1 rows" for 3 tokens.
+    topo = fake_topology(tp=2, attn_dp=2)
+    a, f = make_stages((declare_attn(), make_norm(H, F64)), (declare_ffn(), make_norm(H, F64)), topology=topo)
+    fb = ForwardBatch.for_tokens(3, dp_num_tokens=(3, 2))
+    rb.start(fb)
+    h = a.finish(a.prepare(rand(1, 3, H), fb), fb)
+    with pytest.raises(BoundaryError, match=r"has 1 rows \(shape \(1, 3, 8\): boundaries move token rows, "
+                                            r"\[tokens, hidden\]; flatten"):
+        f.prepare(h, fb)
+    assert fake_dist.calls == []  # refused before any collective
+
+
 # -- exit scopes and get_forward() -------------------------------------------------------------
 
 

@@ -80,7 +80,7 @@ def _prepared(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, str]:
     (lambda: RMSNorm(H), "read=rmsnorm"),
     (lambda: GemmaRMSNorm(H), "read=gemma_rmsnorm"),
     (lambda: nn.RMSNorm(H, eps=1e-6), "read=rmsnorm"),
-    (lambda: nn.RMSNorm(H), "read=rmsnorm"),  # eps None: torch's default, the dtype's epsilon
+    (lambda: nn.RMSNorm(H), "read=rmsnorm"),  # eps None: torch's default, FP32's epsilon
     (lambda: LlamaStyleRMSNorm(H), "read=rmsnorm"),
     (lambda: GemmaStyleRMSNorm(H), "read=gemma_rmsnorm"),
     (lambda: nn.BatchNorm1d(H).eval(), "read=module:BatchNorm1d"),
@@ -96,6 +96,21 @@ def test_a_stage_prepares_what_the_norm_computes(make, read):
     got, desc = _prepared(norm, x)
     assert read in desc
     torch.testing.assert_close(got, norm(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_torch_rmsnorm_default_eps_is_the_compute_dtypes(dtype):
+    # A trial (a bf16 model with nn.RMSNorm(H)): the read took bf16's epsilon (7.8e-3) where torch
+    # takes FP32's for FP16/BF16 (FP64's for FP64); on activations of magnitude 0.02 (the usual
+    # init) the prepared input was off by half its size.
+    torch.manual_seed(0)
+    norm = nn.RMSNorm(H, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(4, H) * 0.02).to(dtype)
+    got, desc = _prepared(norm, x)
+    assert "read=rmsnorm" in desc
+    torch.testing.assert_close(got, norm(x))
 
 
 def test_an_unrecognized_norm_is_called_as_a_black_box_with_a_warning():

@@ -74,7 +74,10 @@ def norm_params(norm: nn.Module) -> tuple[torch.Tensor, float, float] | None:
     eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
     torch_rms = type(norm) is nn.RMSNorm
     if torch_rms and eps is None and isinstance(weight, torch.Tensor):
-        eps = torch.finfo(weight.dtype).eps  # torch's default: the input dtype's (the weight's here)
+        # torch's default is the epsilon of the dtype it computes in, not of the input's: FP32's for
+        # FP16/BF16/FP32 inputs, FP64's for FP64 (the weight's dtype stands for the input's here).
+        # BF16's own epsilon (7.8e-3) would swamp the mean square of small activations.
+        eps = torch.finfo(torch.float64 if weight.dtype == torch.float64 else torch.float32).eps
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, (int, float)):
         return _black_box(norm, "has no 1-D weight and float eps of an RMSNorm")
     if not weight.is_floating_point():

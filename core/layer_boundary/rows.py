@@ -130,10 +130,15 @@ class DpRows:
         if x.shape[0] != self.local:
             from .errors import BoundaryError
 
+            # A [batch, seq, hidden] tensor (transformers' layout) runs unnoticed on one rank and
+            # reaches this check first under DP, as "1 rows": name its shape and the fix.
+            hint = (f" (shape {tuple(x.shape)}: boundaries move token rows, [tokens, hidden]; flatten a "
+                    "[batch, seq, hidden] tensor with x.view(-1, x.shape[-1]))"
+                    if x.dim() > 2 and x.shape[:-1].numel() == self.local else "")
             raise BoundaryError(
-                f"{what} has {x.shape[0]} rows, but ForwardBatch.dp_num_tokens gives this DP group (rank "
-                f"{self.dp_rank}) {self.local}: pass the group's own rows (num_tokens and dp_num_tokens "
-                "count them)"
+                f"{what} has {x.shape[0]} rows{hint}, but ForwardBatch.dp_num_tokens gives this DP group "
+                f"(rank {self.dp_rank}) {self.local}: pass the group's own rows (num_tokens and "
+                "dp_num_tokens count them)"
             )
 
     def gather(self, x_local: torch.Tensor) -> torch.Tensor:
