@@ -138,7 +138,7 @@ def test_a_folder_without_weights_is_refused_before_the_ranks_start(tmp_path, ca
     (["run", "--seed", "99999999999999999999"], "--seed", "not a seed"),
     (["bench", "host", "--iters", "0"], "--iters", "must be at least 1"),
     (["bench", "host", "--tokens", "-1"], "--tokens", "must be at least 1"),
-    (["bench", "host", "--threads", "0"], "--threads", "must be at least 1"),
+    (["bench", "host", "--threads", "0"], "--threads", "must be 1 to"),
     (["bench", "norm", "--hidden", "0"], "--hidden", "must be at least 1"),
 ])
 def test_counts_and_sizes_are_checked_when_parsed(argv, flag, why, capsys):

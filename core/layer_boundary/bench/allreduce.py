@@ -53,7 +53,7 @@ COLUMNS = [
 
 
 def _check(got: Any, want: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, bool]:
-    from ..testing.tolerances import DEFAULT_TOLERANCE
+    from ..tolerances import DEFAULT_TOLERANCE
 
     atol, rtol = DEFAULT_TOLERANCE[want[0].dtype]
     err = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))

@@ -55,7 +55,7 @@ class NormMethod:
 
 
 def _provider_method(origin: str, provider: Any, request: NormRequest) -> NormMethod:
-    from ..testing.tolerances import tolerance_of
+    from ..tolerances import tolerance_of
 
     k = provider.kernels(request)
     fused = k.fused_add_rmsnorm
@@ -77,7 +77,7 @@ def _provider_method(origin: str, provider: Any, request: NormRequest) -> NormMe
 def _compiled_method(dtype: torch.dtype, weight_offset: float = 0.0) -> NormMethod:
     import torch._dynamo
 
-    from ..testing.tolerances import DEFAULT_TOLERANCE
+    from ..tolerances import DEFAULT_TOLERANCE
 
     # A fresh Dynamo cache per shape: shapes are static (dynamic=False, as an engine captures a
     # graph per batch size) and would otherwise run into Dynamo's recompile limit.

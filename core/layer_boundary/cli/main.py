@@ -51,6 +51,13 @@ def _bounded(lo: int, hi: Optional[int], why: str) -> Any:
     return parse
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 _positive = _bounded(1, None, "must be at least 1")  # sizes, counts, iterations
 _seed = _bounded(0, 2**63 - 1, "is not a seed torch takes (0 to 2**63 - 1)")
 
@@ -160,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     host.add_argument("--forward-iters", type=_positive, default=200, help="timed decoder forwards per measurement")
     host.add_argument("--hidden", type=_positive, nargs="+", default=[64, 1024],
                       help="decoder hidden sizes for the forward comparison (4 layers each)")
-    host.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (default 1)")
+    cpus = _usable_cpus()
+    # Far more threads than CPUs crashed torch (a segfault at 100000), and past the CPU count the
+    # figures measure contention, not the boundaries.
+    host.add_argument("--threads", type=_bounded(1, cpus, f"must be 1 to {cpus} (the CPUs this process may use)"),
+                      default=1, help=f"torch intra-op threads, 1 to {cpus} (default 1)")
     host.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     _add_gpu_benches(bsub)
     return p
@@ -258,11 +269,22 @@ def _add_gpu_benches(bsub: Any) -> None:
                      "SLICE_COLS=128,128,128 FINISH_TOKENS=4")
 
 
+def _unwritable(folder: str) -> Optional[str]:
+    """Why no file can be created in ``folder`` (``None``: one can). A real file is made and
+    removed: ``os.access`` says yes to root on a read-only file system."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
 def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Output paths are checked before any work: a results folder is created, a file's folder must
-    exist (a missing one used to surface as a traceback after the whole run)."""
-    import os
-
+    exist and take a new file (a missing or read-only one used to surface as a traceback after
+    the whole run)."""
     for flag, path in (("--save-logits", getattr(args, "save_logits", None)), ("--json", getattr(args, "json", None))):
         if isinstance(path, str):
             folder = os.path.dirname(os.path.abspath(path))
@@ -270,12 +292,37 @@ def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                 parser.error(f"{flag} {path!r}: the folder {folder!r} does not exist")
             if os.path.isdir(path):
                 parser.error(f"{flag} {path!r} is a folder; give a file path in it")
+            why = _unwritable(folder)
+            if why is not None:
+                parser.error(f"{flag} {path!r}: no file can be written in {folder!r} ({why}); "
+                             "give a path in a writable folder")
+            if os.path.exists(path) and not os.access(path, os.W_OK):
+                parser.error(f"{flag} {path!r} exists and is read-only; give another path or make it writable")
     out = getattr(args, "out", None)
     if isinstance(out, str):
         try:
             os.makedirs(out, exist_ok=True)
         except OSError as e:
             parser.error(f"--out {out!r} cannot be created ({e.strerror})")
+        why = _unwritable(out)
+        if why is not None:
+            parser.error(f"--out {out!r}: no file can be written there ({why}); give a writable folder")
+
+
+def _torch_import_problem() -> Optional[str]:
+    """Why torch cannot be imported here (``None``: it can). Every command needs it; when it fails,
+    plugin discovery used to list each plugin ``failed`` with a second-hand error ("partially
+    initialized module 'torch'") and the process could crash at exit, and ``run`` gave a traceback."""
+    try:
+        import torch  # noqa: F401
+    except Warning as e:
+        cause = "pip install numpy" if "NumPy" in str(e) else "remove its cause"
+        return (f"importing torch raised its warning {type(e).__name__}: {e}, which the warning filter "
+                f"(python -W error, PYTHONWARNINGS) makes an error; {cause}, or let that warning through "
+                f"(-W error -W 'ignore::{type(e).__name__}')")
+    except Exception as e:
+        return f"importing torch raised {type(e).__name__}: {e}; repair the torch install"
+    return None
 
 
 def _own_usage(parser: argparse.ArgumentParser) -> None:
@@ -308,6 +355,10 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     if extra:
         here.error(f"unrecognized arguments: {' '.join(extra)}")
     _check_outputs(here, args)
+    problem = _torch_import_problem()
+    if problem is not None:
+        print(f"layer-boundary {args.command}: {problem}", file=sys.stderr)
+        return 1
     if args.command == "run":
         from .run import run_command
 

@@ -150,10 +150,14 @@ class PluginRegistry:
                 rec = by_name.get(name)
                 if rec is None:
                     near = [n for n in by_name if n.lower() == name.lower()]
+                    # "mhc;flashinfer" or "mhc flashinfer" is one name: say how names are separated.
+                    parts = [n for n in name.replace(";", " ").split() if n in by_name]
+                    hint = (f" (did you mean {near[0]!r}?)" if near else
+                            f" (did you mean {','.join(parts)}? names are separated by commas)" if parts else "")
                     raise PluginError(
                         f"plugin {name!r} is asked for by name but no installed distribution "
                         f"registers it in the entry-point group {ENTRY_POINT_GROUP!r}"
-                        + (f" (did you mean {near[0]!r}?)" if near else "")
+                        + hint
                         + "; install it or remove it from LAYER_BOUNDARY_PLUGINS / allow"
                     )
                 if rec.status is not PluginStatus.ACTIVE:
