@@ -75,7 +75,8 @@ def counts(device: torch.device, blocks: int, kept: bool) -> tuple[torch.Tensor,
                           "cluster_ops.prepare_cluster before capturing", stacklevel=4)
         # The kept layout, zeroed in the graph: the kernel was compiled for it.
         return torch.zeros(words, dtype=torch.int32, device=device), cap
-    reserve(device)
+    if idx not in _POOL:
+        reserve(device)
     key = (idx, torch.cuda.current_stream(device).cuda_stream, cap)
     buf = _EAGER.get(key)
     if buf is None:
