@@ -46,7 +46,7 @@ def assert_fp8_rows_close(got: Any, want: Any, *, scale_rtol: float = FP8_SCALE_
     Checks the types and shapes (data [T, H] float8_e4m3fn, scale [T, 1] float32), the scales to
     ``scale_rtol``, and each dequantized value to one e4m3 step of the reference's.
     """
-    from ..quant import QuantizedRows
+    from .quant import QuantizedRows
 
     where = f"{what}: " if what else ""
     assert isinstance(got, QuantizedRows), f"{where}expected QuantizedRows, got {type(got).__name__}"

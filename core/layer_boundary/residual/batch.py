@@ -15,7 +15,7 @@ from ..errors import SNAPSHOT_PLAIN, WRITE_BEFORE_TAKE, BoundaryError
 from ..output import fusable_handoff
 from . import StageRead
 from .access import check_shape
-from .add_norm import ADD_NORM, PLAIN_ADD, explain_width
+from .add_norm import ADD_NORM, PLAIN_ADD, ModuleRead, RMSNormRead, explain_width
 from .rows import complete_on_rows, completed_copy_on_rows, to_model_rows, to_stream_rows
 from .stream import Handle, ResidualStream, StreamState, started_stream
 
@@ -44,6 +44,22 @@ def _read_for(module: nn.Module) -> StageRead:
         read = ADD_NORM.bind(module)
         module.__dict__[_READ_ATTR] = read
     return read
+
+
+def _check_exit_read(read: StageRead, update: Any, value: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+    """A scheme whose residual is wider than the layer output (MHC's [T, n, C] streams) needs its
+    own exit read to contract it; the plain read would normalize every stream and return the
+    residual's shape instead of the hidden rows, without any error."""
+    if (residual is None or update.plain_add or not isinstance(read, (RMSNormRead, ModuleRead))
+            or residual.shape[1:] == value.shape[1:]):
+        return
+    raise BoundaryError(
+        f"the final norm reads through the plain add+norm, but the last stage's update {update.name!r} "
+        f"keeps a residual of shape {tuple(residual.shape)} against the layer output's "
+        f"{tuple(value.shape)}: the residual scheme's exit read must contract it. Bind it at model "
+        "construction: final = semantics.exit(hidden_size, dtype=dtype); "
+        "residual_batch.bind_final_norm(norm, context=context, read=final.read)"
+    )
 
 
 def bind_final_norm(layernorm: nn.Module, *, context: Any = None, read: Any = None) -> StageRead:
@@ -151,6 +167,7 @@ def norm(
                 if stream.residual is not None and c.update.plain_add:
                     # A nonlinear update may own a residual of another shape (MHC streams).
                     check_shape("the layer output", value, stream.residual)
+                _check_exit_read(read, c.update, value, stream.residual)
                 if skip_empty and value.shape[0] == 0:
                     residual = c.update.apply(stream.residual, value)
                     out = value

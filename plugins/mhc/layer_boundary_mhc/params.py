@@ -102,6 +102,27 @@ class MhcStageParams(nn.Module):
         self.b_post.copy_(0.5 * draw(n))
         self.b_res.copy_(draw(n, n))
 
+    def check(self, dtype: torch.dtype) -> None:
+        """Raise unless every parameter has the shape of the table and ``param_dtype(dtype)``
+        for streams of ``dtype``: a wrong shape otherwise fails deep in the coefficient math (or
+        broadcasts silently), and ``model.to(torch.bfloat16)`` casts these parameters too, which
+        the coefficients' FP32 precision (and the kernels' FP32 phi) does not allow."""
+        n, c, want = self.n, self.hidden_size, param_dtype(dtype)
+        shapes = {"phi": (n * c, n * (n + 2)), "alpha": (3,), "b_pre": (n,), "b_post": (n,), "b_res": (n, n)}
+        for name, shape in shapes.items():
+            p = getattr(self, name)
+            if not isinstance(p, torch.Tensor) or tuple(p.shape) != shape:
+                got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+                raise ValueError(f"MHC parameter {name} has shape {got}, expected {shape} (n = {n} streams, "
+                                 f"hidden size {c}); load a checkpoint made for this n and hidden size, "
+                                 "or build the stage with the n the checkpoint was trained with")
+            if p.dtype != want:
+                raise ValueError(f"MHC parameter {name} is {str(p.dtype).replace('torch.', '')}, expected "
+                                 f"{str(want).replace('torch.', '')} for {str(dtype).replace('torch.', '')} "
+                                 "streams: the coefficients need it (model.to(dtype) casts MHC parameters "
+                                 "too; build the model with dtype= instead, or call .float() on the "
+                                 "MhcStageParams modules after the cast)")
+
     def extra_repr(self) -> str:
         return f"n={self.n}, hidden_size={self.hidden_size}, eps={self.eps}"
 

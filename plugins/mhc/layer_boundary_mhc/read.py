@@ -84,7 +84,7 @@ class MhcRead:
     ``kernels`` (a ``KernelSelection``) says whether a call runs the Triton kernels or the torch
     reference, and ``kernels.reason(device_type, dtype)`` why."""
 
-    __slots__ = ("params", "iters", "_norm", "name", "kernels")
+    __slots__ = ("params", "iters", "_norm", "name", "kernels", "_checked")
     before_gather = True  # coefficients are per residual row: read where the streams live
     makes_update = True
     residual_in_place = False
@@ -96,6 +96,7 @@ class MhcRead:
         self._norm = _Norm(norm)
         self.name = f"mhc(n={params.n})+{self._norm.kind}"
         self.kernels = select_kernels(kernels, params.n, self._norm.kind)
+        self._checked: tuple = ()
 
     @property
     def norm(self) -> nn.Module:
@@ -115,6 +116,15 @@ class MhcRead:
     def _triton(self, streams: torch.Tensor) -> bool:
         k = self.kernels
         if k.serves(streams):
+            # The torch path checks the parameters in the reference; the kernels would read a
+            # wrong-shaped or 16-bit phi without noticing. Checked again only when a loader
+            # replaced a parameter object, module.to() recast phi in place or the streams changed.
+            p = self.params
+            key = (streams.dtype, p.phi.dtype, p.phi.shape, id(p.phi), id(p.alpha), id(p.b_pre),
+                   id(p.b_post), id(p.b_res))
+            if key != self._checked:
+                p.check(streams.dtype)
+                self._checked = key
             return True
         if k.mode == "triton":
             raise ValueError(k.refusal(streams))

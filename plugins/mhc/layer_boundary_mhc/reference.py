@@ -53,6 +53,7 @@ def _check_streams(x: torch.Tensor, params: MhcStageParams) -> None:
     if (x.shape[1], x.shape[2]) != (params.n, params.hidden_size):
         raise ValueError(f"MHC streams [T, {x.shape[1]}, {x.shape[2]}] do not fit parameters made for n = "
                          f"{params.n} streams of hidden size {params.hidden_size}")
+    params.check(x.dtype)
 
 
 def _check_update(x: Optional[torch.Tensor], y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> None:
