@@ -198,9 +198,10 @@ def fresh(tmp_path_factory) -> FreshEnv:
     t0 = time.perf_counter()
     _check(subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")],
                           capture_output=True, text=True))
-    # torch as the README installs it, pinned to the version under test; the core's other two
-    # dependencies from the same place, so that the --no-index installs below find them present.
-    env.pip(f"torch=={torch.__version__.split('+')[0]}", "pluggy>=1.7", "safetensors>=0.4")
+    # torch as the README installs it, pinned to the version under test; the core's other
+    # dependencies (pyproject.toml's list) from the same place, so that the --no-index installs
+    # below find them present.
+    env.pip(f"torch=={torch.__version__.split('+')[0]}", "pluggy>=1.7", "safetensors>=0.4", "numpy>=1.24")
     env.timings["fresh venv + torch"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
