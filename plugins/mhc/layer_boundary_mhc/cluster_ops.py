@@ -357,12 +357,13 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
         h_post = h_post if h_post.data_ptr() % 16 == 0 else h_post.clone()
         h_res = h_res if h_res.data_ptr() % 16 == 0 else h_res.clone()
     blocks = (t + shape.bt - 1) // shape.bt
+    stream = torch.cuda.current_stream(x.device).cuda_stream  # the launch's, and its kept counts' key
     extra: list = []
     if shape.split:
         # Each block's partials ([block][CTA][token][K + 1]), per call, and its ready count: zeroed
         # per call, or from a buffer kept between launches (``counts``; cap: its half's counts).
         part = torch.empty(blocks * 16 * shape.bt * (shape.kpad + 1), dtype=torch.float32, device=x.device)
-        cnt, cap = counts.counts(x.device, blocks, shape.kept)
+        cnt, cap = counts.counts(x.device, blocks, shape.kept, stream)
         grid = _split_grid(x.device, blocks)
         if PROFILE is not None and PROFILE.numel() < shape.profile_values(16 * grid[0] + grid[1], blocks, t):
             raise ValueError(f"cluster_ops.PROFILE holds {PROFILE.numel()} values; the profiled split variant "
@@ -378,7 +379,7 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
        ptr(out, out), ptr(h_post_out, h_post_out, 4), ptr(h_res_out, h_res_out, 4),
        ptr(PROFILE if PROFILE is not None else h_res_out, h_res_out), *extra,
        x.stride(0), x.stride(1), yy.stride(0), xo.stride(0), xo.stride(1), out.stride(0), eps, norm_eps,
-       cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
+       cuda.CUstream(stream))
     if not shape.sinkhorn and not shape.sinkhorn_lanes:
         _sinkhorn_after(h_res_out, t, n, iters)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from typing import Optional
 
 import torch
 
@@ -52,9 +53,10 @@ def reserve(device: torch.device) -> None:
             _POOL[idx] = [torch.zeros(CAPTURED_WORDS, dtype=torch.int32, device=device), 0]
 
 
-def counts(device: torch.device, blocks: int, kept: bool) -> tuple[torch.Tensor, int]:
-    """The counts for one launch of ``blocks`` blocks on the current stream, and the capacity of a
-    kept buffer's half (0: counts zeroed for this call)."""
+def counts(device: torch.device, blocks: int, kept: bool, stream: Optional[int] = None) -> tuple[torch.Tensor, int]:
+    """The counts for one launch of ``blocks`` blocks on the current stream (``stream``: its handle,
+    where the caller has it already), and the capacity of a kept buffer's half (0: counts zeroed
+    for this call)."""
     if not kept:
         return torch.zeros(blocks, dtype=torch.int32, device=device), 0
     idx, cap = _index(device), capacity(blocks)
@@ -77,7 +79,7 @@ def counts(device: torch.device, blocks: int, kept: bool) -> tuple[torch.Tensor,
         return torch.zeros(words, dtype=torch.int32, device=device), cap
     if idx not in _POOL:
         reserve(device)
-    key = (idx, torch.cuda.current_stream(device).cuda_stream, cap)
+    key = (idx, torch.cuda.current_stream(device).cuda_stream if stream is None else stream, cap)
     buf = _EAGER.get(key)
     if buf is None:
         buf = _EAGER[key] = torch.zeros(words, dtype=torch.int32, device=device)
