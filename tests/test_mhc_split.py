@@ -128,7 +128,8 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
 # plugins/mhc/PERFORMANCE.md, fourteenth pass), and the producers' form before it (2 of two tokens).
 KNOBS = [dict(SPLIT_SINKHORN_LANES=0), dict(SPLIT_COPY_FIRST=1), dict(SPLIT_PRODUCERS=2, SPLIT_PRODUCE_DEPTH=2),
          dict(SPLIT_SINKHORN_LANES=0, SPLIT_COPY_FIRST=1), dict(SPLIT_KEPT_COUNTS=0), dict(SPLIT_PDL=1),
-         dict(SPLIT_KEPT_COUNTS=1, SPLIT_PDL=1, SPLIT_PRODUCERS=2, SPLIT_PRODUCE_DEPTH=2)]
+         dict(SPLIT_KEPT_COUNTS=1, SPLIT_PDL=1, SPLIT_PRODUCERS=2, SPLIT_PRODUCE_DEPTH=2),
+         dict(SPLIT_L2_HINTS=1), dict(SPLIT_L2_HINTS=2), dict(SPLIT_L2_HINTS=3)]
 
 
 def test_kept_counts_layout_and_capacity():
@@ -165,7 +166,8 @@ def test_split_settings_compile_for_sm90a(tmp_path, monkeypatch):
     mod = _cute()
     ptx = {name: mod.compile_split(SplitShape(4, 4096, True, 20, **kw), str(tmp_path)).__ptx__
            for name, kw in (("launch", {}), ("batch", dict(sinkhorn_lanes=True)), ("first", dict(copy_first=True)),
-                            ("kept", dict(kept=True)), ("pdl", dict(kept=True, pdl=True)))}
+                            ("kept", dict(kept=True)), ("pdl", dict(kept=True, pdl=True)),
+                            ("hints", dict(kept=True, l2_hints=2)))}
     # a kept buffer: the phase read, the CTA's arrival, the other half zeroed, the phase flipped
     for name in ("kept", "pdl"):
         assert ptx[name].count("st.relaxed.gpu.global.u32") == 3 and "ld.relaxed.gpu.global.u32" in ptx[name]
@@ -183,6 +185,17 @@ def test_split_settings_compile_for_sm90a(tmp_path, monkeypatch):
     assert "mbarrier.test_wait.parity" in ptx["first"] and "mbarrier.test_wait" not in ptx["launch"]
     assert ptx["first"].count("mbarrier.arrive.shared::cta.b64") > ptx["launch"].count(
         "mbarrier.arrive.shared::cta.b64")
+    # L2 priorities: x and y copied evict-first (n + 1 copies a row and half-group), x' stored
+    # evict-last, the finishers' x' copies evict-first; none without the setting
+    hints = ptx["hints"]
+    n_xy = 2 * 5 * 2  # two fills (the first block's, the loop's) x (n + 1) tiles x 2 half-groups
+    assert "createpolicy.fractional.L2::evict_first.b64" in hints
+    assert "createpolicy.fractional.L2::evict_last.b64" in hints
+    plain, hinted = "cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::cache_hint"
+    assert hints.count(hinted) == n_xy > 0 and hints.count(plain) + n_xy == ptx["launch"].count(plain)
+    assert "st.global.L2::cache_hint.v4.b32" in hints and "st.global.v4.b32 [" in hints  # the output stays plain
+    assert hints.count("complete_tx::bytes.L2::cache_hint") == ptx["launch"].count("complete_tx::bytes [")
+    assert "cache_hint" not in ptx["kept"] and "createpolicy" not in ptx["launch"]
 
 
 # -- GPU ---------------------------------------------------------------------------------------------

@@ -104,6 +104,9 @@ SPLIT_COPY_FIRST = 0
 # launch (SPLIT_PDL) on top, 234.0 and 233.4 at T = 8192.
 SPLIT_KEPT_COUNTS = 1
 SPLIT_PDL = 0
+# L2 eviction priorities in the split variant (``SplitShape.l2_hints``: 0 none, 1 x, y and the
+# finishers' x' copies evict-first, 2 that and x' stored evict-last, 3 x' stored evict-last alone).
+SPLIT_L2_HINTS = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
 # clock cycles in its chunk loop's wait, issue and compute sections and the chunk count (the split
@@ -181,7 +184,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
     """The split variant's shape (``cluster_shape.SplitShape``; its ``problem`` says why it does not
     fit)."""
     key = ("split", n, hidden, update, iters, PERSISTENT_WARPS, SPLIT_PRODUCERS, SPLIT_PRODUCE_DEPTH, SPLIT_ENDS,
-           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, SPLIT_KEPT_COUNTS, SPLIT_PDL, PROFILE is not None)
+           SPLIT_SINKHORN_LANES, SPLIT_COPY_FIRST, SPLIT_KEPT_COUNTS, SPLIT_PDL, SPLIT_L2_HINTS, PROFILE is not None)
     shape = _SHAPES.get(key)
     if shape is None:
         from .cluster_shape import SplitShape
@@ -192,7 +195,7 @@ def split_shape(n: int, hidden: int, update: bool, iters: int = SINKHORN_ITERS) 
                                               ends=bool(SPLIT_ENDS) and PROFILE is not None,
                                               sinkhorn_lanes=bool(SPLIT_SINKHORN_LANES),
                                               copy_first=bool(SPLIT_COPY_FIRST), kept=bool(SPLIT_KEPT_COUNTS),
-                                              pdl=bool(SPLIT_PDL))
+                                              pdl=bool(SPLIT_PDL), l2_hints=SPLIT_L2_HINTS)
     return shape
 
 

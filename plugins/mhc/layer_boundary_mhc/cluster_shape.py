@@ -142,8 +142,13 @@ class PersistentShape:
                 5: "coefficient loads", 6: "H_pre wait", 7: "first pass",
                 10: "partials wait (warp 0)", 11: "coefficients (warp 0)", 9: "whole iteration"}
 
-    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False) -> None:
+    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
+                 l2_hints: int = 0) -> None:
         self.n, self.c, self.update, self.iters, self.profile = n, hidden, update, iters, profile
+        # ``l2_hints`` (sweeps): x and y read evict-first (they are read once) and, the split
+        # variant, the finishers' x' copies evict-first (1); with x' stored evict-last (2, so the
+        # finishers find it in L2); x' stored evict-last alone (3).
+        self.l2_hints = l2_hints
         _sizes(self, n, hidden, self.cl, self.bt, warps)
         self.ctas = 1
         self.groups = self.nch // 2
@@ -219,8 +224,8 @@ class SplitShape(PersistentShape):
     def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
                  producers: int = 2, produce_depth: int = PRODUCE_DEPTH, ends: bool = False,
                  sinkhorn_lanes: bool = False, copy_first: bool = False, kept: bool = False,
-                 pdl: bool = False) -> None:
-        super().__init__(n, hidden, update, iters, warps=warps, profile=profile)
+                 pdl: bool = False, l2_hints: int = 0) -> None:
+        super().__init__(n, hidden, update, iters, warps=warps, profile=profile, l2_hints=l2_hints)
         self.producers = producers
         # ``ends``: the unprofiled kernel writing only each CTA's start and end times (global timer:
         # slots 14, 11 and, a finisher's consumers, 12), whose timing the sections' clocks perturb.

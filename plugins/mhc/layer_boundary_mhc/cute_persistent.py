@@ -324,10 +324,18 @@ class MhcPersistent(ClusterSteps):
             at = dst + (r + 8 * h) * 64 + (lane % 4) * 16
             xs = x0 + (Int64(blk) * xstep + gcol + x8 * h) * Int64(live)
             for a in cutlass.range_constexpr(s.n):
-                P.cp_async16_if(at + a * 16 * 64, xs + Int64(a) * nstep, live * 16, ok)
+                self._load16(at + a * 16 * 64, xs + Int64(a) * nstep, live * 16, ok)
             if cutlass.const_expr(s.update):
                 ys = y0 + (Int64(blk) * ystep + gcol + y8 * h) * Int64(live)
-                P.cp_async16_if(at + s.n * 16 * 64, ys, live * 16, ok)
+                self._load16(at + s.n * 16 * 64, ys, live * 16, ok)
+
+    @cute.jit
+    def _load16(self, dst, src, nbytes, ok):
+        """One 16-byte cp.async of x or y (read once: evict-first under ``l2_hints`` 1 and 2)."""
+        if cutlass.const_expr(self.s.l2_hints in (1, 2)):
+            P.cp_async16_if_hint(dst, src, nbytes, ok, P.l2_policy(False))
+        else:
+            P.cp_async16_if(dst, src, nbytes, ok)
 
     @cute.jit
     def _stream(self, slot, fill, blk, ok_next, ncl, tokens, phi_s, coef, xol, sot, son, warp, g, q, acc, sq):
@@ -388,8 +396,11 @@ class MhcPersistent(ClusterSteps):
                         # 16 bytes of a row a store: 8 rows of 64 bytes an instruction, where 16-column
                         # chunks stored 8 rows of 32 (PERFORMANCE-history.md, tenth pass).
                         for ri in cutlass.range_constexpr(2):
-                            P.stg_v4(xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(grp * 64),
-                                     *st[ri], lv[ri])
+                            at = xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(grp * 64)
+                            if cutlass.const_expr(s.l2_hints >= 2):  # read back soon: evict-last
+                                P.stg_v4_hint(at, *st[ri], lv[ri], P.l2_policy(True))
+                            else:
+                                P.stg_v4(at, *st[ri], lv[ri])
         P.cp_async_commit()
 
     @cute.jit

@@ -387,3 +387,32 @@ def mbar_arrive(addr):
     writes and reads come before the phase completes)."""
     asm(None, [addr], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r")
 
+
+
+# --- L2 eviction priorities (cache-policy operands; sweeps: cluster_ops.SPLIT_L2_HINTS) ---------
+
+def l2_policy(evict_last: bool):
+    """A 64-bit L2 cache policy for every line an access touches: evict-last, or evict-first."""
+    kind = "evict_last" if evict_last else "evict_first"
+    return Int64(asm(T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l", side=False))
+
+
+def cp_async16_if_hint(dst, src, nbytes, ok, pol):
+    """``cp_async16_if`` under L2 policy ``pol``."""
+    asm(None, [dst, src, nbytes, ok, pol],
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; "
+        "@p cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, $4; }", "r,l,r,r,l")
+
+
+def stg_v4_hint(addr, a, b, c, d, live, pol):
+    """``stg_v4`` under L2 policy ``pol``."""
+    asm(None, [addr, a, b, c, d, live, pol],
+        "{ .reg .pred p; setp.ne.b32 p, $5, 0; @p st.global.L2::cache_hint.v4.b32 [$0], {$1, $2, $3, $4}, $6; }",
+        "l,r,r,r,r,r,l")
+
+
+def bulk_g2s_hint(dst, src, nbytes: int, mbar, pol):
+    """``bulk_g2s`` under L2 policy ``pol``."""
+    asm(None, [dst, src, mbar, pol],
+        f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [$0], [$1], {nbytes}, "
+        "[$2], $3;", "r,l,r,l")

@@ -372,7 +372,11 @@ class MhcSplit(MhcPersistent):
         P.fence_proxy_async_global()
         P.mbar_expect_tx(mbar, s.n * s.c * 2)
         for j in cutlass.range_constexpr(s.n):
-            P.bulk_g2s(dst + j * s.c * 2, row_a + (Int64(t) * st + Int64(j) * sn) * 2, s.c * 2, mbar)
+            src = row_a + (Int64(t) * st + Int64(j) * sn) * 2
+            if cutlass.const_expr(s.l2_hints in (1, 2)):  # read once more, here: evict-first
+                P.bulk_g2s_hint(dst + j * s.c * 2, src, s.c * 2, mbar, P.l2_policy(False))
+            else:
+                P.bulk_g2s(dst + j * s.c * 2, src, s.c * 2, mbar)
 
     @cute.jit
     def _sinkhorn_lanes(self, skm, tok, live, hro):
