@@ -87,8 +87,10 @@ def test_split_tokens_send_large_update_reads_to_the_split_variant(monkeypatch):
 
     hi = cluster_ops.UPDATE_READ_TOKENS[1]
     assert [takes(t) for t in (hi, hi + 1, 1023, 1024, 32768)] == [True, False, False, True, True]
-    assert not takes(8192, update=False) and not takes(8192, c=7168)
-    assert compiled == ["ClusterShape", "SplitShape"]  # each decided once
+    # reads from SPLIT_TOKENS too (the split variant's read beats the Triton two launches there)
+    assert [takes(t, update=False) for t in (1023, 1024, 8192)] == [False, True, True]
+    assert not takes(8192, c=7168) and not takes(8192, c=7168, update=False)
+    assert compiled == ["ClusterShape", "SplitShape", "SplitShape"]  # each decided once (update+read, read)
 
 
 def _cute():
@@ -242,7 +244,8 @@ def test_gpu_split_matches_reference_and_the_persistent_variant(t, n, c, op, mon
 @pytest.mark.gpu
 def test_gpu_open_launch_form_takes_the_split_variant_from_split_tokens(monkeypatch):
     """With SPLIT_TOKENS set, cooperative=None sends update+reads from that size to the split
-    variant, bit for bit, and leaves the size below it, reads and H = 7168 to the Triton kernels."""
+    variant, bit for bit, reads too, and leaves the sizes below it and H = 7168 to the Triton
+    kernels."""
     _gpu_ready()
     from mhc_gpu import _inputs, _params, open_and_named_update_read
 
@@ -253,11 +256,16 @@ def test_gpu_open_launch_form_takes_the_split_variant_from_split_tokens(monkeypa
     for t, c, form in ((1024, 4096, "split"), (3000, 4096, "split"), (1023, 4096, False), (2048, 7168, False)):
         auto, want = open_and_named_update_read(t, 4, c, form, _params(4, c))
         assert all(torch.equal(a, b) for a, b in zip(auto, want)), f"T={t} C={c}: not the {form} result"
-    x, _, w, _, _ = _inputs(2048, 4, 4096, torch.bfloat16)
-    params = _params(4, 4096)
-    auto = triton_ops.mhc_read_triton(x, params, w, 1e-6)
-    want = triton_ops.mhc_read_triton(x, params, w, 1e-6, cooperative=False)
-    assert all(torch.equal(a, b) for a, b in zip(auto, want)), "read T=2048: not the Triton result"
+    for t, c, form in ((2048, 4096, "split"), (1023, 4096, False), (2048, 7168, False)):
+        x, _, w, _, _ = _inputs(t, 4, c, torch.bfloat16)
+        p = _params(4, c)
+        auto = triton_ops.mhc_read_triton(x, p, w, 1e-6)
+        if form:
+            assert cluster_ops._variant(t, 4, c, False, 20).split
+            want = cluster_ops.mhc_read_cluster(x, p, w, 1e-6)
+        else:
+            want = triton_ops.mhc_read_triton(x, p, w, 1e-6, cooperative=False)
+        assert all(torch.equal(a, b) for a, b in zip(auto, want)), f"read T={t} C={c}: not the {form} result"
 
 
 @pytest.mark.gpu

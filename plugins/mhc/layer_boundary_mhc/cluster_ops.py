@@ -71,11 +71,11 @@ PERSISTENT_WARPS = 8
 # Calls of at least SPLIT_TOKENS tokens (0: none; before PERSISTENT_TOKENS) run the split variant
 # where its shape fits (n = 2 to 4, H up to 4096): ``cute_split``, the persistent variant's stream
 # pass on sets of 16 CTAs, and the exchanges, the coefficients and the combination on finisher CTAs
-# on the other SMs. Open launch forms (``takes``) hand it the update+reads, where it was measured:
-# faster than the Triton two launches from 1024 tokens (H200, n = 4, H = 4096, bench mhc, same run:
-# T = 1024 46.0 against 53.2 µs, 8192 237 / 309 (67.3 % of the roofline), 32768 926 / 1189;
-# benchmarks/results/2026-11-30-h200-session12.md). The whole MHC GPU suite passed with it at 1024
-# (``benchmarks/gpu_session.sh s``: 105 tests on 2x H200).
+# on the other SMs. Open launch forms (``takes``) hand it update+reads and reads from this size:
+# faster than the Triton two launches from 1024 tokens (H200, n = 4, H = 4096, bench mhc, same run,
+# benchmarks/results/2026-12-01-h200-session16.md: update+read T = 1024 41.8 against 53.0 µs,
+# 8192 227 / 311 (70.0 % of the roofline), 32768 879 / 1192; read T = 1024 31.7 / 35.4, 8192
+# 198 / 223, 32768 766 / 858). Every MHC GPU test passed with the defaults (130, same session).
 SPLIT_TOKENS = 1024
 # The split variant's finisher CTAs: at least this many SMs are left to them (an H200's 132 SMs:
 # 6 sets of 16 stream CTAs and 36 finishers; 7 sets left 20, too few to finish 8192 tokens as fast
@@ -443,7 +443,7 @@ def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torc
     update = y is not None
     lo, hi = UPDATE_READ_TOKENS if update else READ_TOKENS
     small = lo <= t <= hi
-    large = bool(SPLIT_TOKENS) and update and t >= SPLIT_TOKENS
+    large = bool(SPLIT_TOKENS) and t >= SPLIT_TOKENS
     if not (small or large) or x.dtype != torch.bfloat16 or not x.is_cuda:
         return False
     shape = _variant(t, x.shape[1], x.shape[2], update, iters)  # the variant launch() will run
