@@ -106,6 +106,9 @@ SPLIT_KEPT_COUNTS = 1
 SPLIT_PDL = 0
 # L2 eviction priorities in the split variant (``SplitShape.l2_hints``: 0 none, 1 x, y and the
 # finishers' x' copies evict-first, 2 that and x' stored evict-last, 3 x' stored evict-last alone).
+# Not kept: at T = 8192, 232-236 µs (1), 231 (2), 227-228 (3) against 226-228; ncu finds the
+# default's DRAM bytes already at the ideal (every x' row found in L2), so there is nothing for
+# priorities to save (benchmarks/results/2026-12-01-h200-session16.md).
 SPLIT_L2_HINTS = 0
 # An int64 CUDA tensor of at least blocks x cluster x 16 values: calls then run the profiled
 # variant, each CTA writing (ns, SM id) at its phase boundaries (cluster_shape.PHASES), then warp 0's
