@@ -262,3 +262,14 @@ def test_a_reader_that_goes_away_ends_the_listing_quietly():
     _, err = proc.communicate(timeout=120)
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()[-2000:]
     assert proc.returncode == 1
+
+
+def test_plugins_command_names_a_misspelled_variable(monkeypatch, caplog, capsys):
+    """An operator's finding: LAYER_BOUNDARY_PLUGIN=mhc (one letter short) pinned nothing, silently."""
+    import logging
+
+    monkeypatch.setenv("LAYER_BOUNDARY_PLUGIN", "mhc")
+    with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):
+        assert main(["plugins"]) == 0
+    assert ("LAYER_BOUNDARY_PLUGIN is set, but nothing reads it, so it changes nothing: did you mean "
+            "LAYER_BOUNDARY_PLUGINS?") in caplog.text

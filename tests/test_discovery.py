@@ -84,6 +84,35 @@ def test_a_deny_entry_that_names_no_plugin_warns(plugin_site: PluginSite, caplog
         assert hint in caplog.text
 
 
+def test_a_variable_nothing_reads_warns_with_the_likely_name(plugin_site: PluginSite, caplog):
+    # An operator's finding: LAYER_BOUNDARY_PLUGIN=acme (one letter short) changed nothing, silently.
+    plugin_site.add("acme")
+    env = {"LAYER_BOUNDARY_PLUGIN": "acme", "LAYER_BOUNDARY_STRICT_PLUGIN": "1", "LAYER_BOUNDARY_FOO": "1",
+           "LAYER_BOUNDARY_ACME_BLOCK": "8",  # a plugin's own variable: LAYER_BOUNDARY_<NAME>_*
+           "LAYER_BOUNDARY_HANG_DUMP_S": "30", "LAYER_BOUNDARY_DISABLE": "", "OTHER_PLUGIN": "x"}
+    with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):
+        discover(env=env)
+    warned = [r.getMessage() for r in caplog.records if "nothing reads it" in r.getMessage()]
+    assert len(warned) == 3, warned
+    assert ("LAYER_BOUNDARY_PLUGIN is set, but nothing reads it, so it changes nothing: did you mean "
+            "LAYER_BOUNDARY_PLUGINS?") in warned
+    assert any(w.startswith("LAYER_BOUNDARY_STRICT_PLUGIN is set") and "LAYER_BOUNDARY_STRICT_PLUGINS?" in w
+               for w in warned)
+    assert any(w.startswith("LAYER_BOUNDARY_FOO is set") and "reads LAYER_BOUNDARY_PLUGINS," in w for w in warned)
+
+
+def test_the_core_variables_list_names_every_variable_the_sources_read():
+    import pathlib
+    import re
+
+    from layer_boundary.plugins.discovery import CORE_VARIABLES
+
+    core = pathlib.Path(__file__).resolve().parents[1] / "core" / "layer_boundary"
+    # every variable name the core spells as a whole string literal
+    used = {m for f in core.rglob("*.py") for m in re.findall(r"[\"'](LAYER_BOUNDARY_[A-Z0-9_]+)[\"']", f.read_text())}
+    assert used == set(CORE_VARIABLES), "add a new variable to discovery.CORE_VARIABLES"
+
+
 def test_a_declared_hook_that_returns_nothing_warns(plugin_site: PluginSite, caplog):
     # A trial: a norm_kernels hook that returned None left the plugin active, offering nothing,
     # without a word.

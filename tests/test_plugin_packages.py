@@ -9,7 +9,9 @@ third-party plugins are:
 
 - ``acme_fusion``: a fusion provider whose attention-input candidate accepts every stage;
 - ``broken``: its manifest loads, its hook module raises on import;
-- ``incompatible``: written for hook API 999.
+- ``incompatible``: written for hook API 999;
+- ``future``: built for a newer core (its metadata requires ``layer-boundary>=99``, its manifest
+  imports a name this core lacks), installed with ``--no-deps`` so that pip does not refuse it.
 
 Every command runs the installed ``layer-boundary`` script of the fresh environment, from a
 folder outside the repository, with no ``PYTHONPATH``: nothing of the checkout or of the test
@@ -90,6 +92,7 @@ THIRD_PARTY = (
     ("acme-broken", "broken", "acme_broken", f"api_version=1, {_FUSION}", _BROKEN_HOOKS),
     ("acme-incompatible", "incompatible", "acme_incompatible", f"api_version=999, {_FUSION}", _EMPTY_HOOKS),
 )
+FUTURE = "acme-future"
 
 
 @dataclass
@@ -154,15 +157,21 @@ def _write_third_party_wheels(wheels: Path) -> None:
             f"{module}/manifest.py": manifest,
             f"{module}/hooks.py": hooks,
         }, entry_points=f"[layer_boundary.plugins]\n{name} = {module}.manifest:MANIFEST\n")
+    _write_wheel(wheels, FUTURE, "1.0", {
+        "acme_future/__init__.py": "",
+        "acme_future/manifest.py": "from layer_boundary.plugins.manifest import PluginManifestV2\n",
+    }, entry_points="[layer_boundary.plugins]\nfuture = acme_future.manifest:MANIFEST\n",
+        requires="layer-boundary>=99")
 
 
-def _write_wheel(folder: Path, dist: str, version: str, files: dict[str, str], *, entry_points: str) -> Path:
+def _write_wheel(folder: Path, dist: str, version: str, files: dict[str, str], *, entry_points: str,
+                 requires: str = "layer-boundary") -> Path:
     stem = f"{dist.replace('-', '_')}-{version}"
     info = f"{stem}.dist-info"
     files = {
         **files,
         f"{info}/METADATA": (f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
-                             "Requires-Dist: layer-boundary\n"),
+                             f"Requires-Dist: {requires}\n"),
         f"{info}/WHEEL": ("Wheel-Version: 1.0\nGenerator: tests/test_plugin_packages.py\n"
                           "Root-Is-Purelib: true\nTag: py3-none-any\n"),
         f"{info}/entry_points.txt": entry_points,
@@ -201,7 +210,8 @@ def fresh(tmp_path_factory) -> FreshEnv:
     # torch as the README installs it, pinned to the version under test; the core's other
     # dependencies (pyproject.toml's list) from the same place, so that the --no-index installs
     # below find them present.
-    env.pip(f"torch=={torch.__version__.split('+')[0]}", "pluggy>=1.7", "safetensors>=0.4", "numpy>=1.24")
+    env.pip(f"torch=={torch.__version__.split('+')[0]}", "pluggy>=1.7", "safetensors>=0.4", "numpy>=1.24",
+            "packaging>=22")
     env.timings["fresh venv + torch"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -225,6 +235,7 @@ def with_third_party(fresh, core_only) -> dict[str, subprocess.CompletedProcess]
     """Install the three third-party plugins, then run every command the tests below read."""
     t0 = time.perf_counter()
     fresh.pip("--no-index", "--find-links", str(fresh.wheels), *(d for d, *_ in THIRD_PARTY))
+    fresh.pip("--no-index", "--find-links", str(fresh.wheels), "--no-deps", FUTURE)
     fresh.timings["third-party plugins"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     results = fresh.cli_many({
@@ -290,7 +301,7 @@ def test_plugins_json_lists_the_installed_plugin_with_its_status(core_only):
 def test_plugins_json_reports_every_plugin_with_its_status_and_reason(with_third_party):
     proc = with_third_party["plugins"]
     recs = _by_name(json.loads(proc.stdout))
-    assert list(recs) == ["acme_fusion", "broken", "flashinfer", "incompatible"]  # sorted by name
+    assert list(recs) == ["acme_fusion", "broken", "flashinfer", "future", "incompatible"]  # sorted by name
     assert all(FIELDS <= set(r) for r in recs.values())
     assert recs["acme_fusion"]["status"] == "active" and recs["acme_fusion"]["reason"] == ""
     assert recs["acme_fusion"]["distribution"] == "acme-fusion" and recs["acme_fusion"]["version"] == "1.0"
@@ -303,6 +314,12 @@ def test_plugins_json_reports_every_plugin_with_its_status_and_reason(with_third
     assert "hook API 999" in recs["incompatible"]["reason"]
     assert "acme-incompatible" in recs["incompatible"]["reason"]  # what to reinstall
     assert recs["flashinfer"]["status"] == "unavailable"
+    # pip --no-deps installed it against a core it does not support: told from its metadata, before
+    # its manifest (which would fail to import) is loaded
+    assert recs["future"]["status"] == "incompatible" and recs["future"]["api_version"] is None
+    assert recs["future"]["reason"] == (
+        "acme-future 1.0 needs layer-boundary>=99, and this is layer-boundary 0.1.0; install a "
+        "layer-boundary that meets it, or a version of acme-future built for 0.1.0")
 
 
 def test_plugins_check_exits_non_zero_naming_each_plugin_that_is_not_active(with_third_party):
@@ -322,7 +339,7 @@ def _selection(stdout: str) -> list[str]:
 def test_run_chooses_the_third_party_candidate_and_skips_the_bad_plugins(with_third_party):
     proc = _check(with_third_party["run"])
     assert "plugins:  acme_fusion (active), broken (failed), flashinfer (unavailable), " \
-           "incompatible (incompatible)" in proc.stdout
+           "future (incompatible), incompatible (incompatible)" in proc.stdout
     fusion = [ln for ln in _selection(proc.stdout) if "consumer fusion [attention_input]" in ln]
     layers = int(re.search(r"^stages: +(\d+) boundaries", proc.stdout, re.M).group(1)) // 2
     # Every attention stage but the first takes the candidate; the first, at the stack entry, has
@@ -336,6 +353,8 @@ def test_run_chooses_the_third_party_candidate_and_skips_the_bad_plugins(with_th
     # The skipped plugins are said to be skipped, with their reasons, not silently dropped.
     assert "plugin broken (acme-broken) is failed and skipped: importing 'acme_broken.hooks'" in proc.stderr
     assert "plugin incompatible (acme-incompatible) is incompatible and skipped: built for hook API 999" \
+        in proc.stderr
+    assert "plugin future (acme-future) is incompatible and skipped: acme-future 1.0 needs layer-boundary>=99" \
         in proc.stderr
 
 

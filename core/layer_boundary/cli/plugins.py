@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import json
+import os
 import sys
 
 from ..plugins import PluginError, PluginStatus
-from ..plugins.discovery import DiscoveryOptions, find_plugins
+from ..plugins.discovery import DiscoveryOptions, find_plugins, warn_unknown_variables
 from ..plugins.registry import PluginRegistry
 
 __all__ = ["plugins_command"]
@@ -19,6 +20,7 @@ def plugins_command(args: argparse.Namespace) -> int:
     try:
         registry = PluginRegistry(find_plugins(options), options)
         records = registry.records
+        warn_unknown_variables(os.environ, [r.name for r in records])
     except PluginError as e:
         # The report is still worth printing: rebuild it without the failing requirement.
         print(f"layer-boundary plugins: {e}", file=sys.stderr)

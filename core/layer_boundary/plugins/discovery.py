@@ -4,8 +4,10 @@ Order is deterministic: entry points sorted by name (then distribution), or the 
 order when one is given. For each plugin, in this order:
 
 1. the denylist and the allowlist decide ``disabled``;
-2. the entry point is loaded (a light module holding the manifest);
-3. the manifest's hook-API version decides ``incompatible``;
+2. the distribution's declared ``layer-boundary`` requirement (read from its metadata, before
+   the manifest is loaded) decides ``incompatible``;
+3. the entry point is loaded (a light module holding the manifest), and its hook-API version
+   decides ``incompatible``;
 4. declared hardware, then declared distributions, then the plugin's own check decide
    ``unavailable`` (the check's reason wins when it gives one);
 5. the hook module is imported and registered: ``active``, or ``failed`` if anything raises.
@@ -13,6 +15,7 @@ order when one is given. For each plugin, in this order:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as md
 import logging
@@ -24,12 +27,16 @@ from .manifest import ENTRY_POINT_GROUP, HOOK_API_VERSION, PluginManifest, Plugi
 
 log = logging.getLogger("layer_boundary.plugins")
 
-__all__ = ["PluginRecord", "PluginError", "DiscoveryOptions", "find_plugins", "load_hooks"]
+__all__ = ["PluginRecord", "PluginError", "DiscoveryOptions", "find_plugins", "load_hooks", "warn_unknown_variables"]
 
 ENV_ALLOW = "LAYER_BOUNDARY_PLUGINS"
 ENV_DENY = "LAYER_BOUNDARY_DISABLE"
 ENV_NO_AUTOLOAD = "LAYER_BOUNDARY_DISABLE_PLUGIN_AUTOLOAD"
 ENV_STRICT = "LAYER_BOUNDARY_STRICT_PLUGINS"
+# Every variable the core reads (tests/test_discovery.py checks the sources against this list). A
+# plugin reads its own under LAYER_BOUNDARY_<NAME>_ (LAYER_BOUNDARY_FLASHINFER_MAX_TOKENS).
+CORE_VARIABLES = (ENV_ALLOW, ENV_DENY, ENV_NO_AUTOLOAD, ENV_STRICT, "LAYER_BOUNDARY_CHECK_DP_COUNTS",
+                  "LAYER_BOUNDARY_HANG_DUMP_S")
 
 
 class PluginError(RuntimeError):
@@ -221,7 +228,66 @@ def _warn_unknown_denied(deny: Sequence[str], installed: list[str]) -> None:
                     ENV_DENY, name, hint)
 
 
+def _core_version() -> str:
+    try:
+        return md.version("layer-boundary")
+    except md.PackageNotFoundError:  # run from a source tree without installing
+        from .. import __version__
+
+        return __version__
+
+
+def _core_mismatch(ep: md.EntryPoint) -> Optional[str]:
+    """Why the plugin's distribution cannot run on this core: its declared ``layer-boundary``
+    requirement, which ``pip install --no-deps`` (or a constraints file) does not enforce. Read
+    from the distribution's metadata, before its manifest is imported: a plugin built for a newer
+    core may not even import here."""
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    for line in dist.requires or ():
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if canonicalize_name(req.name) != "layer-boundary" or not req.specifier:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        have = _core_version()
+        if not req.specifier.contains(have, prereleases=True):
+            return (f"{dist.metadata['Name']} {dist.version} needs layer-boundary{req.specifier}, and this is "
+                    f"layer-boundary {have}; install a layer-boundary that meets it, or a "
+                    f"version of {dist.metadata['Name']} built for {have}")
+    return None
+
+
+def warn_unknown_variables(env: Mapping[str, str], plugin_names: Iterable[str]) -> None:
+    """A ``LAYER_BOUNDARY_*`` variable that nothing reads (``LAYER_BOUNDARY_PLUGIN``, one letter
+    short) would leave the setting it meant unset without a word: say so, with the likely name."""
+    prefixes = tuple(f"LAYER_BOUNDARY_{n.upper()}_" for n in plugin_names)
+    for key in sorted(env):
+        if not key.startswith("LAYER_BOUNDARY_") or key in CORE_VARIABLES or (prefixes and key.startswith(prefixes)):
+            continue
+        near = difflib.get_close_matches(key, CORE_VARIABLES, n=1, cutoff=0.8)
+        hint = (f"did you mean {near[0]}?" if near else
+                f"layer-boundary reads {', '.join(CORE_VARIABLES)}; an installed plugin NAME reads its "
+                "own LAYER_BOUNDARY_NAME_* variables")
+        log.warning("%s is set, but nothing reads it, so it changes nothing: %s", key, hint)
+
+
 def _examine(ep: md.EntryPoint, rec: PluginRecord) -> None:
+    try:
+        mismatch = _core_mismatch(ep)
+    except Exception as e:  # unreadable metadata: the manifest's hook-API version still decides
+        log.debug("plugin %s: its layer-boundary requirement could not be read: %s", ep.name, _describe_exc(e))
+        mismatch = None
+    if mismatch:
+        rec.status, rec.reason = PluginStatus.INCOMPATIBLE, mismatch
+        return
     try:
         manifest = ep.load()
     except BaseException as e:  # a plugin may raise anything, SystemExit included

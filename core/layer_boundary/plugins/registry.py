@@ -8,11 +8,12 @@ nothing can be registered and no hook is called again.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Mapping, Optional, Sequence
 
 import pluggy
 
-from .discovery import DiscoveryOptions, PluginError, PluginRecord, find_plugins
+from .discovery import DiscoveryOptions, PluginError, PluginRecord, find_plugins, warn_unknown_variables
 from .hookspecs import PROJECT, LayerBoundarySpecs
 from .manifest import ENTRY_POINT_GROUP, PluginStatus, Provides
 
@@ -257,4 +258,6 @@ def discover(
 ) -> PluginRegistry:
     """Find, check and register plugins; arguments override the environment variables."""
     options = DiscoveryOptions.resolve(allow=allow, deny=deny, autoload=autoload, strict=strict, env=env)
-    return PluginRegistry(find_plugins(options, group), options)
+    records = find_plugins(options, group)
+    warn_unknown_variables(os.environ if env is None else env, [r.name for r in records])
+    return PluginRegistry(records, options)
