@@ -94,3 +94,19 @@ def test_parameters_cast_to_bf16_are_refused_before_the_kernels():
     params.to(torch.bfloat16)
     with pytest.raises(ValueError, match="phi is bfloat16"):
         read.read(streams)
+
+
+@pytest.mark.parametrize("name", ["alpha", "b_pre", "b_res"])
+def test_a_parameter_recast_through_data_is_refused_before_the_kernels(name):
+    """A ``.data`` assignment keeps the parameter object: the kernels' check, done once per set of
+    parameters, must still see a recast alpha or bias (found by review: only phi's was keyed)."""
+    params = _params()
+    read = MhcSemantics(4, kernels="torch").stage(H, dtype=torch.float32).read
+    read = type(read)(params, read.iters, "torch").bind(RMSNorm(H))
+    read.kernels = KernelSelection("auto", object(), "cpu", None)  # kernels that would serve the call
+    streams = torch.randn(2, 4, H).to(torch.bfloat16)
+    assert read._triton(streams)  # checked once: float32 parameters pass
+    t = getattr(params, name)
+    t.data = t.data.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"MHC parameter {name} is bfloat16, expected float32"):
+        read._triton(streams)

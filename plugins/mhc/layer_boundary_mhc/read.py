@@ -117,11 +117,12 @@ class MhcRead:
         k = self.kernels
         if k.serves(streams):
             # The torch path checks the parameters in the reference; the kernels would read a
-            # wrong-shaped or 16-bit phi without noticing. Checked again only when a loader
-            # replaced a parameter object, module.to() recast phi in place or the streams changed.
+            # wrong-shaped or 16-bit parameter without noticing. Checked again only when a loader
+            # replaced a parameter object, module.to() or a .data assignment recast or reshaped
+            # one in place, or the streams changed.
             p = self.params
-            key = (streams.dtype, p.phi.dtype, p.phi.shape, id(p.phi), id(p.alpha), id(p.b_pre),
-                   id(p.b_post), id(p.b_res))
+            key = (streams.dtype,) + tuple((id(t), t.dtype, t.shape) for t in (p.phi, p.alpha, p.b_pre, p.b_post,
+                                                                                p.b_res))
             if key != self._checked:
                 p.check(streams.dtype)
                 self._checked = key
