@@ -151,3 +151,31 @@ def test_qwen3_under_sequence_parallel_matches_one_rank(spawned):
         n = r["layers"]
         # + the embedding's sum, the final norm's gather and the LM head's vocabulary gather.
         assert r["collectives"] == {"all_reduce": 1, "all_gather": 2 * n + 2, "reduce_scatter": 2 * n}, (rank, r)
+
+
+@pytest.mark.parametrize("shape, said", [
+    ((12, H), "the stage input has 12 rows, but ForwardBatch.num_tokens is 14: pass the batch's rows, "
+              "all of them on every attention-TP rank: the boundary scatters them"),
+    ((1, 14, H), "the stage input has 1 rows (shape (1, 14, 4): boundaries move token rows, [tokens, hidden]; "
+                 "flatten a [batch, seq, hidden] tensor with x.view(-1, x.shape[-1])), but "
+                 "ForwardBatch.num_tokens is 14: pass the batch's rows, all of them on every attention-TP "
+                 "rank: the boundary scatters them"),
+])
+def test_a_sequence_parallel_input_of_the_wrong_rows_is_refused_before_the_slice(shape, said):
+    # Before: 12 rows were zero-padded to 14 and a [1, 14, H] tensor sliced as one padded row,
+    # silently, on every rank.
+    a, _ = layer(fake_topology(tp=2))
+    fb = ForwardBatch(num_tokens=14, sequence_parallel=True)
+    rb.start(fb)
+    with raises_exact(BoundaryError, said):
+        a.prepare(torch.randn(*shape), fb)
+
+
+def test_an_input_scattered_group_of_the_wrong_rows_names_its_dp_group():
+    a, _ = layer(fake_topology(tp=4, attn_dp=2))
+    fb = ForwardBatch(num_tokens=3, input_scattered=True, dp_num_tokens=(3, 2))
+    rb.start(fb)
+    with raises_exact(BoundaryError, "the stage input has 2 rows, but ForwardBatch.dp_num_tokens gives this "
+                                     "DP group (rank 0) 3: pass the group's own rows (num_tokens and "
+                                     "dp_num_tokens count them)"):
+        a.prepare(torch.randn(2, H), fb)

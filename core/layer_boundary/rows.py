@@ -30,7 +30,7 @@ from . import ops
 from .quant import QuantizedRows
 from .topology import Topology
 
-__all__ = ["DpRows", "move_input", "check_counts_agree", "ENV_CHECK_DP_COUNTS"]
+__all__ = ["DpRows", "ScatterRows", "check_rows", "move_input", "check_counts_agree", "ENV_CHECK_DP_COUNTS"]
 
 # On: every batch's dp_num_tokens is compared across the TP group before its first row move (a
 # gather and a host sync a batch, so off by default). Ranks that disagree otherwise fail inside
@@ -67,6 +67,23 @@ def check_counts_agree(counts: Sequence[int], topology: Topology) -> None:
                 f"rank {rank} has {theirs}; every rank must give every DP group's row count, in DP-rank "
                 f"order, the same ({ENV_CHECK_DP_COUNTS} found this)"
             )
+
+
+def check_rows(x: torch.Tensor, expected: int, what: str, source: str, fix: str) -> None:
+    """A row-count check before a row move: wrong rows otherwise fail inside the collective (as
+    torch's copy error, or a size mismatch on the other ranks) or, where the move pads, are
+    silently zero-padded or cut. Trailing dimensions are the caller's (an MHC stream is
+    [tokens, n, hidden])."""
+    if x.shape[0] == expected:
+        return
+    from .errors import BoundaryError
+
+    # A [batch, seq, hidden] tensor (transformers' layout) runs unnoticed on one rank and reaches
+    # the first row move as "1 rows": name its shape and the fix.
+    hint = (f" (shape {tuple(x.shape)}: boundaries move token rows, [tokens, hidden]; flatten a "
+            "[batch, seq, hidden] tensor with x.view(-1, x.shape[-1]))"
+            if x.dim() > 2 and x.shape[:-1].numel() == expected else "")
+    raise BoundaryError(f"{what} has {x.shape[0]} rows{hint}, but {source} {expected}: {fix}")
 
 
 def move_input(move: Callable[[torch.Tensor], torch.Tensor], x: Any) -> Any:
@@ -125,21 +142,8 @@ class DpRows:
         return torch.cat([padded[d * rows : d * rows + c] for d, c in enumerate(self.counts)])
 
     def _check_local(self, x: torch.Tensor, what: str) -> None:
-        """A shape check before the collective: rows that are not this group's count fail there as
-        torch's copy error or as a size mismatch on the other ranks."""
-        if x.shape[0] != self.local:
-            from .errors import BoundaryError
-
-            # A [batch, seq, hidden] tensor (transformers' layout) runs unnoticed on one rank and
-            # reaches this check first under DP, as "1 rows": name its shape and the fix.
-            hint = (f" (shape {tuple(x.shape)}: boundaries move token rows, [tokens, hidden]; flatten a "
-                    "[batch, seq, hidden] tensor with x.view(-1, x.shape[-1]))"
-                    if x.dim() > 2 and x.shape[:-1].numel() == self.local else "")
-            raise BoundaryError(
-                f"{what} has {x.shape[0]} rows{hint}, but ForwardBatch.dp_num_tokens gives this DP group "
-                f"(rank {self.dp_rank}) {self.local}: pass the group's own rows (num_tokens and "
-                "dp_num_tokens count them)"
-            )
+        check_rows(x, self.local, what, f"ForwardBatch.dp_num_tokens gives this DP group (rank {self.dp_rank})",
+                   "pass the group's own rows (num_tokens and dp_num_tokens count them)")
 
     def gather(self, x_local: torch.Tensor) -> torch.Tensor:
         """Every group's rows, in DP-rank order, on every rank."""
@@ -234,6 +238,18 @@ class ScatterRows:
     def local(self) -> int:
         return self.counts[self.d]
 
+    def _check(self, x: torch.Tensor, what: str, *, every_group: bool = False) -> None:
+        if self.topology.attn_dp.size > 1:
+            source = ("ForwardBatch.dp_num_tokens sums to" if every_group else
+                      f"ForwardBatch.dp_num_tokens gives this DP group (rank {self.d})")
+            fix = ("pass every group's rows, in DP-rank order" if every_group else
+                   "pass the group's own rows (num_tokens and dp_num_tokens count them)")
+        else:
+            source = "ForwardBatch.num_tokens is"
+            fix = ("pass the batch's rows, all of them on every attention-TP rank: the boundary "
+                   "scatters them")
+        check_rows(x, self.offsets[-1] if every_group else self.local, what, source, fix)
+
     def _pad_group(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.topology.attn_tp.size * self.slice_rows
         if x.shape[0] == rows:
@@ -242,7 +258,8 @@ class ScatterRows:
         out[: x.shape[0]] = x
         return out
 
-    def my_slice(self, x_group: torch.Tensor) -> torch.Tensor:
+    def my_slice(self, x_group: torch.Tensor, what: str = "the stage input") -> torch.Tensor:
+        self._check(x_group, what)
         s = self.slice_rows
         return self._pad_group(x_group)[self.a * s : (self.a + 1) * s]
 
@@ -257,9 +274,16 @@ class ScatterRows:
         return torch.cat([full[d * span : d * span + c] for d, c in enumerate(self.counts)])
 
     def reduce_scatter_group(self, partial_group: torch.Tensor) -> torch.Tensor:
+        self._check(partial_group, "the stage output")
         return ops.reduce_scatter_rows(self._pad_group(partial_group), self.topology.attn_tp)
 
+    def take_group(self, x_all: torch.Tensor, what: str = "the stage output") -> torch.Tensor:
+        """This group's rows of every group's rows."""
+        self._check(x_all, what, every_group=True)
+        return x_all[self.offsets[self.d] : self.offsets[self.d + 1]]
+
     def reduce_scatter_all(self, partial_all: torch.Tensor) -> torch.Tensor:
+        self._check(partial_all, "the stage output", every_group=True)
         span = self.topology.attn_tp.size * self.slice_rows
         padded = partial_all.new_zeros((len(self.counts) * span, *partial_all.shape[1:]))
         for d, c in enumerate(self.counts):

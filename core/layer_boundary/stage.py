@@ -148,7 +148,7 @@ class StageBoundary:
             from .prepare import scatter_rows
 
             rows = scatter_rows(stream, self.plan, forward_batch)
-            value = rows.my_slice(value[rows.offsets[rows.d] : rows.offsets[rows.d + 1]])
+            value = rows.my_slice(rows.take_group(value, "the postprocess input"))
         elif path.cp_return is not None:  # fully reduced on every token's rows: keep this rank's
             from .cp import checked_split
 
