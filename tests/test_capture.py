@@ -324,3 +324,20 @@ def test_capture_output_refuses_a_handoff():
     with pytest.raises(BoundaryError, match="handoff"):
         _consumer(previous=declare_ffn(sparse=True)).capture_output(h, fb)
     assert runs == []
+
+
+def test_an_in_place_kernel_never_overwrites_the_models_input():
+    """The entry aliases the stack's input as the residual; before, the first in-place fused add
+    + norm wrote the updated residual over the model's tensor (the reference kernels do not), so a
+    caller reusing its input (a comparison, a second run) got different numbers by plugin."""
+    spec = AddNormReadSpec(_inplace_kernels())
+    a0, f0 = layer(ffn_read=spec)
+    fb = started()
+    x = rand(T, H)
+    kept = x.clone()
+    inp = f0.prepare(a0.finish(a0.prepare(x, fb) * 2, fb), fb)
+    assert torch.equal(x, kept)
+    r = fb.residual_stream.residual
+    torch.testing.assert_close(r, kept + 2 * a0.plan.read.read(kept), **TOL)
+    # Copied once: the next in-place update writes the boundary's own residual.
+    assert not fb.residual_stream.borrowed

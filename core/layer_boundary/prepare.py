@@ -82,6 +82,17 @@ def _enter(read: Any, hidden: torch.Tensor) -> tuple[Any, Any, Any]:
     return out if getattr(read, "makes_update", False) else (out[0], out[1], None)
 
 
+def _in_place(read: Any) -> bool:
+    # A read that does not say is taken to write the residual in place (the safe assumption).
+    return getattr(read, "residual_in_place", True)
+
+
+def _aliases(residual: Any, hidden: Any) -> bool:
+    """Whether the residual an entry made is (a view of) the model's input tensor."""
+    return (isinstance(residual, torch.Tensor) and isinstance(hidden, torch.Tensor)
+            and residual.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr())
+
+
 def _reread(read: Any, residual: Any) -> tuple[Any, Any]:
     out = read.read(residual)
     return out if getattr(read, "makes_update", False) else (out, None)
@@ -142,8 +153,9 @@ def run_entry(
             # A capture completes the owed sum unfused (the spec's rule): a fused kernel may
             # never materialize the updated residual outside its communication buffers.
             fusable = _fusable(c) if entry.candidates and capture is None else None
+            residual = stream.writable_residual(fusable is not None or _in_place(read))
             if fusable is not None:
-                fused = _try_candidates(entry, c, fusable, stream.residual, read, forward_batch)
+                fused = _try_candidates(entry, c, fusable, residual, read, forward_batch)
                 if fused is not None:
                     x, residual = fused  # only reads without makes_update fuse
                     if capture is not None:
@@ -156,10 +168,11 @@ def run_entry(
             value = complete(c)
             if was_handoff and stream.residual is not None and c.update.plain_add:
                 check_shape("the finalized layer output", value, stream.residual)
-            x, residual, upd = _update_read(read, c.update, value, stream.residual)
+            x, residual, upd = _update_read(read, c.update, value, residual)
         if capture is not None:
             capture(residual, owned=entry.capture_owned)
     stream.write(residual)
+    stream.borrowed = state is StreamState.INITIAL and _aliases(residual, hidden)
     stream.next_update = upd
     if collector is not None:
         # At stack entry the residual is the model's own input tensor: never owned.
@@ -318,7 +331,8 @@ def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, 
             check_edge(plan, entry, c)
             stream.consume()
             value = complete_scattered(c, rows)
-            x, residual, upd = _update_read(read, c.update, value, stream.residual)
+            residual = stream.writable_residual(_in_place(read))
+            x, residual, upd = _update_read(read, c.update, value, residual)
         if capture is not None or collector is not None:
             # Both want the group's rows (the producer's rows, and the attention's compute-input
             # rows after its gather): one gather, which allocates, serves both.
@@ -328,6 +342,7 @@ def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, 
             if collector is not None:
                 collector.capture(mine, owned=True)
     stream.write(residual)
+    stream.borrowed = state is StreamState.INITIAL and _aliases(residual, hidden)
     stream.next_update = upd
     if entry.scatter == "group":
         return move_input(rows.gather_group, x)

@@ -376,6 +376,7 @@ def split_stream(hidden_states: Any, forward_batch: Any, children: Sequence[Any]
                 v = child_rows.my_slice(v) if v is not None else None
             s, h = ResidualStream.arrive(residual=r, output=v, update=update, owed=owed)
             s.scatter_rows = child_rows
+            s.borrowed = stream.borrowed and rows is None  # views of the model's input still
             _install(child, s)
             handles.append(h)
         return tuple(handles)

@@ -11,6 +11,9 @@ Capabilities are declared, not inferred, and boundary paths are chosen from them
                           (required to leave a nonlinear update pending)
 ``before_gather``         (read) must run on the source rows before a DP gather
 ``fuses_with``            (read) update names ``update_and_read`` truly fuses with
+``residual_in_place``     (read) ``update_and_read`` overwrites the residual it is given
+                          (absent: assumed True); the stack's input is copied once before
+                          such a read would overwrite the model's tensor
 ========================  ============================================================
 """
 

@@ -41,7 +41,7 @@ class ResidualStream:
     """Residual and pending contribution of one forward (or one microbatch of it)."""
 
     __slots__ = ("residual", "pending", "handle", "released", "next_update", "dp_rows", "scatter_rows",
-                 "branches", "__weakref__")
+                 "branches", "borrowed", "__weakref__")
 
     def __init__(self) -> None:
         self.residual: Optional[torch.Tensor] = None
@@ -58,6 +58,9 @@ class ResidualStream:
         self.scatter_rows: Any = None
         # Branch outputs set aside and not merged yet (see adapters.branch).
         self.branches: tuple[Any, ...] = ()
+        # True while the residual is (a view of) the stack's input tensor: the model's own, which
+        # an in-place kernel must not overwrite (see writable_residual).
+        self.borrowed = False
 
     @property
     def state(self) -> StreamState:
@@ -129,6 +132,18 @@ class ResidualStream:
         self.pending = None
         self.residual = residual
         self.handle = handle
+        self.borrowed = False
+
+    def writable_residual(self, in_place: bool) -> Optional[torch.Tensor]:
+        """The residual to hand an update that writes it in place when ``in_place``: a copy while
+        it is still the stack's input. The entry aliases the model's input rather than copying it
+        (out-of-place kernels never need the copy), so the copy is paid once a forward, and only
+        where an in-place kernel (a plugin's fused add + norm, a fused all-reduce) follows."""
+        r = self.residual
+        if self.borrowed and in_place and r is not None:
+            r = self.residual = r.clone()
+            self.borrowed = False
+        return r
 
     def release(self) -> None:
         """Drop every tensor; later use of this stream reports that the stack was not started."""
