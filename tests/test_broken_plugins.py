@@ -13,6 +13,7 @@ from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stag
 from layer_boundary.forward import ForwardBatch
 from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 from layer_boundary.plugins import PluginError, PluginRegistry, PluginStatus, discover
+from layer_boundary.providers import NormRequest
 from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
 from test_registry import InProcess
 
@@ -303,49 +304,158 @@ def test_a_hook_that_returns_a_class_or_nothing_is_named():
 
 
 class WrongShapeKernels(BrokenKernels):
-    """Serves, and its kernels return one column short (or float64): a trial's plugin crashed in the
-    model's next matmul, with no word of the plugin."""
+    """Serves, and its kernels return one column short, float64, or raise at their first call: a
+    trial's plugin crashed in the model's next matmul, with no word of the plugin."""
 
     name = "wrong-shape"
 
-    def __init__(self, bad: str) -> None:
+    def __init__(self, bad: str, quant: bool = False) -> None:
         self.bad = bad
+        self.quant = quant
 
     def kernels(self, request):
         from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-        from layer_boundary.residual.add_norm import NormKernels
+        from layer_boundary.quant import QuantizedRows
+        from layer_boundary.residual.add_norm import NormKernels, reference_kernels
+
+        ref = reference_kernels(request.quant)
 
         def spoil(y):
+            if self.bad == "raises":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            if isinstance(y, QuantizedRows):  # codes right, scales one per row short of [T, 1]
+                return QuantizedRows(y.data, y.scale.view(-1))
             return y[:, :-1] if self.bad == "shape" else y.double()
 
         def norm(x, w, eps, *, weight_offset=0.0):
-            return spoil(rmsnorm_ref(x, w, eps, weight_offset=weight_offset))
+            return spoil(ref.rmsnorm(x, w, eps, weight_offset=weight_offset))
 
         def fused(x, r, w, eps, *, weight_offset=0.0):
-            y, s = fused_add_rmsnorm_ref(x, r, w, eps, weight_offset=weight_offset)
+            r.add_(1.0)  # an in-place kernel that writes its residual before it fails
+            y, s = ref.fused_add_rmsnorm(x, r, w, eps, weight_offset=weight_offset)
             return spoil(y), s
 
-        return NormKernels(f"spoilt-{self.bad}", norm, fused)
+        return NormKernels(f"spoilt-{self.bad}", norm, fused, residual_in_place=True)
 
 
-@pytest.mark.parametrize("bad, shown", [("shape", r"returned y \(5, 63\) float32 for an input \(5, 64\) float32"),
-                                        ("dtype", r"returned y \(5, 64\) float64 for an input \(5, 64\) float32")])
-def test_kernels_that_return_the_wrong_shape_or_dtype_are_named_at_their_first_call(bad, shown):
-    from layer_boundary import BoundaryError
+def _broken_layer(bad, *, strict=False, quant=None):
+    from layer_boundary.plugins.discovery import DiscoveryOptions
+    from layer_boundary.residual.add_norm import AddNormReadSpec
+
+    reg = PluginRegistry([], DiscoveryOptions(strict=strict))
+    reg.register(InProcess('v', norms=[WrongShapeKernels(bad)]), name="vendor")
+    ctx = BoundaryContext(registry=reg)
+    read = {"read": AddNormReadSpec(quant=quant)} if quant else {}
+    attn, ffn = make_stages((declare_attn(**read), make_norm(64, torch.float32)),
+                            (declare_ffn(**read), make_norm(64, torch.float32)), context=ctx)
+    ctx.freeze()
+    return ctx, attn, ffn
+
+
+def _run_layer(attn, ffn, x, c):
     from layer_boundary.residual import batch as residual_batch
 
-    ctx = BoundaryContext(registry=_registry(InProcess('v', norms=[WrongShapeKernels(bad)])))
-    attn, ffn = make_stages((declare_attn(), make_norm(64, torch.float32)),
-                            (declare_ffn(), make_norm(64, torch.float32)), context=ctx)
-    ctx.freeze()
+    fb = ForwardBatch.for_tokens(x.shape[0])
+    residual_batch.start(fb)
+    a = attn.prepare(x, fb)
+    f = ffn.prepare(attn.finish(c, fb), fb)
+    return a, f, fb.residual_stream.residual
+
+
+SHOWN = {"shape": "rmsnorm returned y (5, 63) float32 for an input (5, 64) float32",
+         "dtype": "rmsnorm returned y (5, 64) float64 for an input (5, 64) float32",
+         "raises": "rmsnorm raised RuntimeError: CUDA error: an illegal memory access was encountered "
+                   "(the torch reference runs this input)"}
+
+
+@pytest.mark.parametrize("bad", sorted(SHOWN))
+def test_kernels_defective_at_their_first_call_are_reported_and_replaced(bad, caplog):
+    """Never a crash of the engine: the first call's check names the plugin, the next provider
+    serves every stage from then on, and the forward's numbers are the reference's."""
+    ctx, attn, ffn = _broken_layer(bad)
+    _, want_attn, want_ffn = _broken_layer(bad)  # built for the reference below
+    x, c = torch.randn(5, 64), torch.randn(5, 64)
+    with caplog.at_level("WARNING", logger="layer_boundary"):
+        got = _run_layer(attn, ffn, x, c)
+    said = [r.getMessage() for r in caplog.records if "spoilt" in r.getMessage()]
+    assert said == [f"provider wrong-shape skipped: its kernels 'spoilt-{bad}' (plugin vendor) are defective at "
+                    f"their first call in attn #1: {SHOWN[bad]}; torch-reference serves instead, for every stage of "
+                    "this model (run the plugin's conformance kit; LAYER_BOUNDARY_DISABLE=vendor leaves it out)"]
+    from layer_boundary.residual.add_norm import REFERENCE_KERNELS
+
+    # One warning: the FFN's read was switched before its first call, never running the kernels.
+    for stage in (attn, ffn):
+        assert stage.plan.read.kernels is REFERENCE_KERNELS  # core-triton refuses CPU
+    report = "\n".join(ctx.report.lines())
+    assert "norm kernels (after a defect) [rmsnorm cpu float32 H=64] -> torch-reference" in report
+    assert "defective at a first call in this model" in report
+    # The reference's numbers (the defective fused kernel's in-place write never happened).
+    for stage in (want_attn, want_ffn):
+        stage.plan.read._set_kernels(REFERENCE_KERNELS)
+    for g, w in zip(got, _run_layer(want_attn, want_ffn, x, c)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_a_fused_kernel_defective_at_its_first_call_is_rerun_on_untouched_inputs():
+    ctx, attn, ffn = _broken_layer("shape")
+    ffn.plan.read._checked_read = True  # as if its rmsnorm had passed: the fused call is first
+    x, c = torch.randn(5, 64), torch.randn(5, 64)
+    from layer_boundary.residual import batch as residual_batch
+    from layer_boundary.residual.add_norm import REFERENCE_KERNELS
+    from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
+
     fb = ForwardBatch.for_tokens(5)
     residual_batch.start(fb)
-    with pytest.raises(BoundaryError, match=rf"norm kernels 'spoilt-{bad}': rmsnorm {shown}; the plugin that "
-                                            r"provides them is defective"):
-        attn.prepare(torch.randn(5, 64), fb)
-    # The fused path is checked at its own first call (the entry read above is not it).
-    attn.plan.read._checked_read = True
+    attn.plan.read._set_kernels(REFERENCE_KERNELS)
+    attn.prepare(x, fb)
+    f = ffn.prepare(attn.finish(c, fb), fb)
+    assert ffn.plan.read.kernels is REFERENCE_KERNELS
+    # The defective kernel added 1.0 to the residual it was given before failing its check: a copy.
+    want_y, want_r = fused_add_rmsnorm_ref(c, x, ffn.plan.read.weight, ffn.plan.read.eps)
+    torch.testing.assert_close(fb.residual_stream.residual, want_r, rtol=0, atol=0)
+    torch.testing.assert_close(f, want_y, rtol=0, atol=0)
+
+
+def test_a_defective_kernel_in_strict_mode_or_given_to_the_read_is_an_error():
+    from layer_boundary import BoundaryError
+
+    _, attn, ffn = _broken_layer("shape", strict=True)
+    with pytest.raises(BoundaryError, match=r"norm kernel provider wrong-shape: its kernels 'spoilt-shape' \(plugin "
+                                            r"vendor\) are defective at their first call in attn #1: rmsnorm "
+                                            r"returned y \(5, 63\) float32 .* \[strict plugin mode"):
+        _run_layer(attn, ffn, torch.randn(5, 64), torch.randn(5, 64))
+    from layer_boundary.residual.add_norm import AddNormReadSpec
+
+    given = WrongShapeKernels("dtype").kernels(NormRequest("cpu", torch.float32, 64, 0.0, None))
+    attn, ffn = make_stages((declare_attn(read=AddNormReadSpec(kernels=given)), make_norm(64, torch.float32)),
+                            (declare_ffn(), make_norm(64, torch.float32)))
+    with pytest.raises(BoundaryError, match=r"norm kernels 'spoilt-dtype': rmsnorm returned y \(5, 64\) float64 for "
+                                            r"an input \(5, 64\) float32; the plugin that provides them is defective"):
+        _run_layer(attn, ffn, torch.randn(5, 64), torch.randn(5, 64))
+
+
+def test_an_input_the_reference_refuses_too_is_the_callers_error_not_a_defect(caplog):
+    _, attn, ffn = _broken_layer("raises")
+    from layer_boundary.residual import batch as residual_batch
+
+    fb = ForwardBatch.for_tokens(5)
     residual_batch.start(fb)
-    attn.prepare(torch.randn(5, 64), fb)
-    with pytest.raises(BoundaryError, match=rf"'spoilt-{bad}': fused_add_rmsnorm {shown}"):
-        ffn.prepare(attn.finish(torch.randn(5, 64), fb), fb)
+    with caplog.at_level("WARNING", logger="layer_boundary"), \
+            pytest.raises(ValueError, match="attn #1: hidden_states has 32 columns, but its norm is for hidden size 64"):
+        attn.prepare(torch.randn(5, 32), fb)  # not the norm's width
+    assert not any("defective" in r.getMessage() for r in caplog.records)
+
+
+def test_a_quantized_read_is_checked_at_its_first_call_too(caplog):
+    """Before, FP8 reads skipped the check: scales of the wrong shape reached the GEMM."""
+    from layer_boundary.residual import batch as residual_batch
+    from layer_boundary.residual.add_norm import REFERENCE_FP8_KERNELS
+
+    _, attn, _ = _broken_layer("shape", quant="fp8_e4m3")
+    fb = ForwardBatch.for_tokens(5)
+    residual_batch.start(fb)
+    with caplog.at_level("WARNING", logger="layer_boundary"):
+        q = attn.prepare(torch.randn(5, 64), fb)
+    assert attn.plan.read.kernels is REFERENCE_FP8_KERNELS and q.scale.shape == (5, 1)
+    assert any("rmsnorm returned y scale (5,) float32 (want (5, 1) float32) for an input (5, 64) float32 "
+               "(a fp8_e4m3 read)" in r.getMessage() for r in caplog.records)

@@ -14,12 +14,27 @@ from typing import Any, Callable, Optional
 import torch
 
 from .kernels.providers import core_norm_providers
+from .errors import BoundaryError
 from .providers import NormRequest, bound_kernels, refusal
 from .residual.add_norm import NormKernels
 from .selection import Candidate, Selection, SelectionReport
 from .topology import Topology
 
 __all__ = ["BoundaryContext", "BuiltStage"]
+
+
+def _out_of_place(kernels: NormKernels) -> NormKernels:
+    """In-place kernels standing in for out-of-place ones: the residual they are given may be one
+    the boundary promised not to overwrite (a capture kept without a copy), so they get a copy."""
+    fused = kernels.fused_add_rmsnorm
+
+    def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return fused(x, residual.clone(), *args, **kwargs)
+
+    from dataclasses import replace
+
+    return replace(kernels, name=f"{kernels.name} (residual copied)", fused_add_rmsnorm=fused_add_rmsnorm,
+                   residual_in_place=False)
 
 log = logging.getLogger("layer_boundary")
 
@@ -71,6 +86,10 @@ class BoundaryContext:
             self._core_fusions = tuple(core_fusion_providers())
         self._stage_count = 0
         self._peeked: dict[NormRequest, tuple[Any, NormKernels]] = {}
+        # The kernels each recorded selection gave (by identity), and the providers whose kernels
+        # failed their first-call check: skipped by every later selection of this model.
+        self._given: dict[int, tuple[Any, NormKernels]] = {}
+        self._defective: set[Any] = set()
         # The last stage built, in construction order, and what it declared about its consumer:
         # the next stage's previous= is checked against it (see factories._check_neighbours).
         self.last_stage: Optional[BuiltStage] = None
@@ -112,53 +131,102 @@ class BoundaryContext:
 
     def kernel_selector(self, stage: str, variant: str, *, record: bool = True) -> Callable[[NormRequest], NormKernels]:
         """Selection for one stage's read; ``record=False`` answers what would be chosen without
-        a report row (to judge a neighbour's kernels at construction)."""
+        a report row (to judge a neighbour's kernels at construction).
+
+        The selector's ``after_defect(request, kernels, why)`` is what a read calls when the
+        kernels it was given fail their first-call check (see ``RMSNormRead``): the provider is
+        reported and skipped, and the next one's kernels replace them."""
 
         def select(request: NormRequest) -> NormKernels:
             self._check_open()
-            if self.device is not None and request.device_type != self.device.type:
-                # The model is built here and moved to its device afterwards: select for where
-                # it will run.
-                from dataclasses import replace
-
-                request = replace(request, device_type=self.device.type)
-            cands: list[Candidate] = []
-            chosen = kernels = None
-            for origin, prov in self.norm_candidates():
-                if chosen is not None:
-                    cands.append(Candidate(prov.name, origin, f"{chosen[1].name} comes first"))
-                    continue
-                why, failed = refusal(prov, request), None
-                if why is None:
-                    # A peek at this stage (record=False, below) may have asked this provider already.
-                    peeked = self._peeked.pop(request, None) if record else None
-                    if peeked is not None and peeked[0] is prov:
-                        kernels = peeked[1]
-                    else:
-                        kernels, failed = bound_kernels(prov, request)
-                if failed is not None or why is not None:
-                    cands.append(Candidate(prov.name, origin, failed or why))
-                    continue
-                chosen = (origin, prov)
-                cands.append(Candidate(prov.name, origin))
-            if chosen is None:
-                from .errors import DeclarationError
-
-                refusals = "; ".join(f"{c.name}: {c.refused}" for c in cands)
-                raise DeclarationError(
-                    f"{stage}: no norm kernel serves {request.describe()} ({refusals}); install a "
-                    "plugin that provides it"
-                )
+            request = self._for_device(request)
+            prov, kernels, cands = self._choose(stage, request, peeked=record)
             if not record:
                 # A peek at the next stage's kernels: keep them for that stage's own selection,
                 # so a provider is asked once per norm.
-                self._peeked[request] = (chosen[1], kernels)
+                self._peeked[request] = (prov, kernels)
                 return kernels
-            self.report.add(Selection(stage, variant, "norm kernels", request.describe(), chosen[1].name,
-                                      tuple(cands)))
+            self._given[id(kernels)] = (prov, kernels)
+            self.report.add(Selection(stage, variant, "norm kernels", request.describe(), prov.name, tuple(cands)))
             return kernels
 
+        def after_defect(request: NormRequest, bad: NormKernels, why: Optional[str]) -> Optional[NormKernels]:
+            """The kernels that replace ``bad``, defective for ``why``; ``why=None`` asks (before a
+            first call) whether ``bad``'s provider was already found defective by another stage,
+            so that each stage does not run it once to find out. ``None``: keep (or, with a
+            ``why``, not this context's choice: the read reports an error)."""
+            prov, _ = self._given.get(id(bad), (None, bad))
+            if prov is None or (why is None and prov not in self._defective):
+                return None
+            request = self._for_device(request)
+            if why is not None:
+                origin = next((o for o, p in self.norm_candidates() if p is prov), "core")
+                self._defective.add(prov)
+                said = (f"its kernels {bad.name!r} (plugin {origin}) are defective at their first call in "
+                        f"{stage}: {why}")
+                if self.registry is not None and self.registry.options.strict:
+                    from .plugins.registry import _STRICT
+
+                    raise BoundaryError(f"norm kernel provider {prov.name}: {said} {_STRICT}")
+            nxt, kernels, cands = self._choose(stage, request, peeked=False)
+            if why is not None:
+                # Logged here, once a model and provider: not through providers._skipped, whose
+                # record is of defects found while the model was built.
+                log.warning("provider %s skipped: %s; %s serves instead, for every stage of this model (run "
+                            "the plugin's conformance kit; LAYER_BOUNDARY_DISABLE=%s leaves it out)", prov.name,
+                            said, nxt.name, origin)
+            self._given[id(kernels)] = (nxt, kernels)
+            self.report.add(Selection(stage, variant, "norm kernels (after a defect)", request.describe(), nxt.name,
+                                      tuple(cands)))
+            return _out_of_place(kernels) if kernels.residual_in_place and not bad.residual_in_place else kernels
+
+        select.after_defect = after_defect  # type: ignore[attr-defined]
         return select
+
+    def _for_device(self, request: NormRequest) -> NormRequest:
+        if self.device is not None and request.device_type != self.device.type:
+            # The model is built here and moved to its device afterwards: select for where it
+            # will run.
+            from dataclasses import replace
+
+            return replace(request, device_type=self.device.type)
+        return request
+
+    def _choose(self, stage: str, request: NormRequest, *, peeked: bool) -> tuple[Any, NormKernels, list[Candidate]]:
+        """The first provider that serves ``request`` (skipping those found defective), its
+        kernels and every candidate's line for the report."""
+        cands: list[Candidate] = []
+        chosen = kernels = None
+        for origin, prov in self.norm_candidates():
+            if chosen is not None:
+                cands.append(Candidate(prov.name, origin, f"{chosen.name} comes first"))
+                continue
+            if prov in self._defective:
+                cands.append(Candidate(prov.name, origin, "defective at a first call in this model (see the warning)"))
+                continue
+            why, failed = refusal(prov, request), None
+            if why is None:
+                # A peek at this stage (record=False) may have asked this provider already.
+                got = self._peeked.pop(request, None) if peeked else None
+                if got is not None and got[0] is prov:
+                    kernels = got[1]
+                else:
+                    kernels, failed = bound_kernels(prov, request)
+            if failed is not None or why is not None:
+                cands.append(Candidate(prov.name, origin, failed or why))
+                continue
+            chosen = prov
+            cands.append(Candidate(prov.name, origin))
+        if chosen is None:
+            from .errors import DeclarationError
+
+            refusals = "; ".join(f"{c.name}: {c.refused}" for c in cands)
+            raise DeclarationError(
+                f"{stage}: no norm kernel serves {request.describe()} ({refusals}); install a "
+                "plugin that provides it"
+            )
+        assert kernels is not None
+        return chosen, kernels, cands
 
     def fusion_providers(self) -> tuple[Any, ...]:
         plugin = tuple(p for _, p in self.registry.fusion_providers) if self.registry is not None else ()

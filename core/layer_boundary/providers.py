@@ -14,9 +14,14 @@ import torch
 from torch import nn
 
 from .residual import ReadSpec, StageUpdate
+from .quant import QuantizedRows
 from .residual.add_norm import NormKernels
 
+# NormKernels (what kernels() returns) and QuantizedRows (what a quantized request's kernels
+# return) are re-exported: a plugin finds everything it implements or returns here.
 __all__ = [
+    "NormKernels",
+    "QuantizedRows",
     "NormRequest",
     "NormKernelProvider",
     "ConsumerCandidate",

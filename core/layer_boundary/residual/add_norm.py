@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import BoundaryError
 from ..kernels.reference import fused_add_rmsnorm_fp8_ref, fused_add_rmsnorm_ref, rmsnorm_fp8_ref, rmsnorm_ref
 from ..norms import norm_params
-from ..quant import check_quant
+from ..quant import QuantizedRows, check_quant
 from . import StageRead, StageUpdate
 
 __all__ = [
@@ -88,6 +88,25 @@ def reference_kernels(quant: Optional[str] = None) -> NormKernels:
     return REFERENCE_KERNELS if quant is None else REFERENCE_FP8_KERNELS
 
 
+def _meta(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+def _quantized_problem(got: Any, like: torch.Tensor) -> Optional[str]:
+    """What is wrong with a quantized read's output, against ``quant``'s table (None: nothing)."""
+    if not isinstance(got, QuantizedRows):
+        return f"{type(got).__name__} (not QuantizedRows(data, scale))"
+    data, scale = got
+    want_scale = (like.shape[0], 1)
+    if not isinstance(data, torch.Tensor) or data.shape != like.shape or data.dtype != torch.float8_e4m3fn:
+        return f"data {_meta(data) if isinstance(data, torch.Tensor) else type(data).__name__} " \
+               f"(want {tuple(like.shape)} float8_e4m3fn)"
+    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != want_scale or scale.dtype != torch.float32:
+        return f"scale {_meta(scale) if isinstance(scale, torch.Tensor) else type(scale).__name__} " \
+               f"(want {want_scale} float32)"
+    return None
+
+
 class RMSNormRead:
     """Read ``y = RMSNorm(r)`` with weight ``w + offset`` (offset 1 for Gemma).
 
@@ -97,13 +116,15 @@ class RMSNormRead:
     fusion candidates inspect it and refuse reads they cannot produce.
     """
 
-    __slots__ = ("name", "norm", "offset", "kernels", "quant", "_eps", "_params", "_checked_read", "_checked_fused")
+    __slots__ = ("name", "norm", "offset", "kernels", "quant", "_eps", "_params", "_checked_read", "_checked_fused",
+                 "_on_defect")
     before_gather = False
     makes_update = False
     fuses_with = frozenset({PlainAdd.name})
 
     def __init__(self, norm: nn.Module, offset: float, kernels: NormKernels, quant: Optional[str] = None,
-                 eps: Optional[float] = None) -> None:
+                 eps: Optional[float] = None,
+                 on_defect: Optional[Callable[[NormKernels, Optional[str]], Optional[NormKernels]]] = None) -> None:
         check_quant(quant)
         self.norm = norm
         self.offset = offset
@@ -115,10 +136,17 @@ class RMSNormRead:
         # nn.Module.__getattr__ on the hot path.
         self._eps = norm_params(norm)[1] if eps is None else eps  # as norm_params read it
         self._params = norm._parameters if "weight" in norm._parameters else None
-        # The first call's outputs are checked against their inputs (shape and dtype: metadata, no
-        # sync): a plugin's kernel that returns the wrong thing is named there, not deep in the
-        # model's next matmul. The table's own numerics are the conformance kit's.
-        self._checked_read = self._checked_fused = kernels is REFERENCE_KERNELS or quant is not None
+        # Each kernel's first call is checked (shape and dtype of what it returns: metadata, no
+        # sync; or that it did not raise where the reference does not): a plugin's kernel that is
+        # defective is reported there and replaced through on_defect (the selection's next
+        # provider), not found deep in the model's next matmul. Without on_defect (kernels given
+        # to the read spec) it is an error. The table's own numerics are the conformance kit's.
+        self._on_defect = on_defect
+        self._set_kernels(kernels)
+
+    def _set_kernels(self, kernels: NormKernels) -> None:
+        self.kernels = kernels
+        self._checked_read = self._checked_fused = kernels is REFERENCE_KERNELS or kernels is REFERENCE_FP8_KERNELS
 
     @property
     def residual_in_place(self) -> bool:
@@ -137,44 +165,91 @@ class RMSNormRead:
         return self.read(hidden), hidden
 
     def read(self, residual: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.rmsnorm(residual, self.weight, self._eps, weight_offset=self.offset)
         if not self._checked_read:
-            self._check_first("rmsnorm", ((y, residual, "y"),))
-            self._checked_read = True
-        return y
-
-    def _check_first(self, kernel: str, pairs: tuple) -> None:
-        for got, like, what in pairs:
-            if not isinstance(got, torch.Tensor) or got.shape != like.shape or got.dtype != like.dtype:
-                desc = (f"{type(got).__name__} (not (y, residual) tensors)" if not isinstance(got, torch.Tensor)
-                        else f"{tuple(got.shape)} {str(got.dtype).replace('torch.', '')}")
-                raise BoundaryError(
-                    f"norm kernels {self.kernels.name!r}: {kernel} returned {what} {desc} for an input "
-                    f"{tuple(like.shape)} {str(like.dtype).replace('torch.', '')}; the plugin that provides "
-                    "them is defective (run its conformance kit; LAYER_BOUNDARY_DISABLE=<plugin> leaves it out)")
+            return self._first_call("rmsnorm", residual)
+        return self.kernels.rmsnorm(residual, self.weight, self._eps, weight_offset=self.offset)
 
     def update_and_read(
         self, update: StageUpdate, contribution: torch.Tensor, residual: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None and update.name in self.fuses_with:
-            p = self._params
-            k = self.kernels
-            if k.input_as_out:
-                got = k.fused_add_rmsnorm(contribution, residual, p["weight"] if p is not None else self.norm.weight,
-                                          self._eps, weight_offset=self.offset, out=contribution)
-            else:
-                got = k.fused_add_rmsnorm(
-                    contribution, residual, p["weight"] if p is not None else self.norm.weight,
-                    self._eps, weight_offset=self.offset
-                )
             if not self._checked_fused:
-                # In place or not, the inputs keep their shape and dtype: what the outputs should have.
-                pair = got if isinstance(got, (tuple, list)) and len(got) == 2 else (got, None)
-                self._check_first("fused_add_rmsnorm", ((pair[0], contribution, "y"), (pair[1], residual, "residual")))
-                self._checked_fused = True
-            return got
+                return self._first_call("fused_add_rmsnorm", contribution, residual)
+            return self._fused(self.kernels, contribution, residual)
         new = update.apply(residual, contribution)
         return self.read(new), new
+
+    def _fused(self, k: NormKernels, contribution: torch.Tensor, residual: torch.Tensor) -> Any:
+        p = self._params
+        weight = p["weight"] if p is not None else self.norm.weight
+        if k.input_as_out:
+            return k.fused_add_rmsnorm(contribution, residual, weight, self._eps, weight_offset=self.offset,
+                                       out=contribution)
+        return k.fused_add_rmsnorm(contribution, residual, weight, self._eps, weight_offset=self.offset)
+
+    def _run(self, k: NormKernels, kernel: str, args: tuple) -> Any:
+        if kernel == "rmsnorm":
+            return k.rmsnorm(args[0], self.weight, self._eps, weight_offset=self.offset)
+        return self._fused(k, *args)
+
+    def _first_call(self, kernel: str, *args: torch.Tensor) -> Any:
+        """A kernel's first call, checked; a defective one is replaced and the call rerun."""
+        k = self.kernels
+        known = self._on_defect(k, None) if self._on_defect is not None else None
+        if known is not None:  # another stage found this provider defective
+            self._set_kernels(known)
+            return self._again(kernel, args)
+        # An in-place kernel may write its inputs before it fails: it works on copies this once,
+        # so that its replacement reruns on what the stream holds.
+        given = tuple(a.clone() for a in args) if kernel != "rmsnorm" and (k.residual_in_place or k.input_as_out) \
+            else args
+        try:
+            got = self._run(k, kernel, given)
+        except Exception as e:
+            try:  # the reference on the same input: if it fails too, the input is at fault
+                self._run(reference_kernels(self.quant), kernel, tuple(a.clone() for a in args))
+            except Exception:
+                raise e from None
+            problem = f"{kernel} raised {type(e).__name__}: {e} (the torch reference runs this input)"
+        else:
+            if kernel == "rmsnorm":
+                problem = self._problem(kernel, ((got, args[0], "y"),))
+            else:
+                pair = got if isinstance(got, (tuple, list)) and len(got) == 2 else (got, None)
+                problem = self._problem(kernel, ((pair[0], args[0], "y"), (pair[1], args[1], "residual")))
+            if problem is None:
+                if kernel == "rmsnorm":
+                    self._checked_read = True
+                else:
+                    self._checked_fused = True
+                return got
+        replacement = self._on_defect(k, problem) if self._on_defect is not None else None
+        if replacement is None:
+            raise BoundaryError(
+                f"norm kernels {k.name!r}: {problem}; the plugin that provides them is defective (run its "
+                "conformance kit; LAYER_BOUNDARY_DISABLE=<plugin> leaves it out)")
+        self._set_kernels(replacement)
+        return self._again(kernel, args)
+
+    def _again(self, kernel: str, args: tuple) -> Any:
+        checked = self._checked_read if kernel == "rmsnorm" else self._checked_fused
+        return self._run(self.kernels, kernel, args) if checked else self._first_call(kernel, *args)
+
+    def _problem(self, kernel: str, pairs: tuple) -> Optional[str]:
+        """What is wrong with a first call's outputs (None: nothing), against their inputs."""
+        for got, like, what in pairs:
+            if what == "y" and self.quant is not None:
+                problem = _quantized_problem(got, like)
+            elif not isinstance(got, torch.Tensor):
+                problem = f"{type(got).__name__} (not (y, residual) tensors)"
+            elif got.shape != like.shape or got.dtype != like.dtype:
+                problem = _meta(got)
+            else:
+                problem = None
+            if problem is not None:
+                fmt = f" (a {self.quant} read)" if self.quant is not None and what == "y" else ""
+                return f"{kernel} returned {what} {problem} for an input {_meta(like)}{fmt}"
+        return None
 
     def __repr__(self) -> str:
         q = f", quant={self.quant}" if self.quant else ""
@@ -250,8 +325,15 @@ class AddNormReadSpec:
             else:
                 from ..providers import NormRequest
 
-                kernels = select(NormRequest(weight.device.type, weight.dtype, weight.shape[0], offset, self.quant))
-        return RMSNormRead(norm, offset, kernels, self.quant, eps)
+                request = NormRequest(weight.device.type, weight.dtype, weight.shape[0], offset, self.quant)
+                kernels = select(request)
+        on_defect = None
+        if self.kernels is None and select is not None:
+            after = getattr(select, "after_defect", None)
+            if after is not None:
+                def on_defect(bad: NormKernels, why: Optional[str], _request: Any = request) -> Optional[NormKernels]:
+                    return after(_request, bad, why)
+        return RMSNormRead(norm, offset, kernels, self.quant, eps, on_defect)
 
     def __repr__(self) -> str:
         q = f", quant={self.quant!r}" if self.quant else ""
