@@ -89,3 +89,43 @@ def test_kit_calls_a_table_that_declares_input_as_out_with_out():
     with pytest.raises(AssertionError, match=r"aliases-badly with out=x \(input_as_out\), .* residual"):
         kit.test_declared_input_as_out(_AliasesBadly(), "cpu")
     kit.test_declared_input_as_out(REFERENCE_PROVIDER, "cpu")  # declares nothing: nothing to call
+
+
+class _FixedEps:
+    """Ignores the eps it is given (compiled with 1e-6): a trial's kernel passed the kit, whose
+    every call used eps=1e-6 on rows of rms ~1."""
+
+    name = "fixed-eps"
+
+    def refuse(self, request):
+        return None if request.device_type == "cpu" else "cpu only"
+
+    def kernels(self, request):
+        def norm(x, w, eps, *, weight_offset=0.0):
+            return rmsnorm_ref(x, w, 1e-6, weight_offset=weight_offset)
+
+        def fused(x, r, w, eps, *, weight_offset=0.0):
+            return fused_add_rmsnorm_ref(x, r, w, 1e-6, weight_offset=weight_offset)
+
+        return NormKernels(self.name, norm, fused)
+
+
+def test_kit_catches_a_kernel_that_ignores_eps():
+    kit = NormKernelConformance()
+    kit.hidden_sizes = (64,)
+    kit.test_rmsnorm_matches_reference(_FixedEps(), "cpu")  # eps=1e-6 everywhere: it passed
+    with pytest.raises(AssertionError, match=r"fixed-eps.rmsnorm, .*rows of rms ~0.01, eps=0.01"):
+        kit.test_eps_and_row_magnitude_are_honoured(_FixedEps(), "cpu")
+    kit.test_eps_and_row_magnitude_are_honoured(REFERENCE_PROVIDER, "cpu")
+
+
+def test_kit_caps_a_providers_own_tolerance():
+    class Loose(_FixedEps):
+        name = "loose"
+        tolerance = {torch.bfloat16: (0.5, 0.5)}
+
+    kit = NormKernelConformance()
+    with pytest.raises(AssertionError, match=r"loose declares tolerance \(atol=0.5, rtol=0.5\) for torch.bfloat16, "
+                                             r"looser than the kit's cap \(atol=0.032, rtol=0.032\)"):
+        kit.test_declared_tolerance_is_within_the_cap(Loose())
+    kit.test_declared_tolerance_is_within_the_cap(_RoundsFirst())

@@ -10,7 +10,7 @@ import torch
 from ..kernels.reference import fused_add_rmsnorm_fp8_ref, fused_add_rmsnorm_ref, rmsnorm_fp8_ref, rmsnorm_ref
 from ..providers import NormRequest
 from ..quant import FP8_SCALE_FLOOR
-from .tolerances import assert_fp8_rows_close, tolerance_of
+from .tolerances import MAX_TOLERANCE, assert_fp8_rows_close, tolerance_of
 
 __all__ = ["NormKernelConformance"]
 
@@ -62,6 +62,38 @@ class NormKernelConformance:
             self._accepted(provider, device, q)  # checks the form of every refusal
         if not self._accepted(provider, device):
             pytest.skip(f"{provider.name} accepts none of the requests tried on {device}")
+
+    def test_declared_tolerance_is_within_the_cap(self, provider: Any) -> None:
+        """A provider's own tolerance table is a claim about its rounding, not a licence: one
+        looser than ``tolerances.MAX_TOLERANCE`` would pass any kernel."""
+        for dtype, (atol, rtol) in (getattr(provider, "tolerance", None) or {}).items():
+            cap = MAX_TOLERANCE.get(dtype)
+            assert cap is None or (atol <= cap[0] and rtol <= cap[1]), (
+                f"{provider.name} declares tolerance (atol={atol}, rtol={rtol}) for {dtype}, looser than the "
+                f"kit's cap (atol={cap[0]}, rtol={cap[1]}); fix the kernel's numerics rather than the bound")
+
+    def test_eps_and_row_magnitude_are_honoured(self, provider: Any, device: str) -> None:
+        """Rows whose mean square is near eps (small activations) and large rows, with two eps:
+        a kernel that fixes eps, or squares in the activation dtype, differs here by far more than
+        the tolerance (at mean square 1e-4, eps=1e-2 scales the output by ~0.1)."""
+        for r in self._accepted(provider, device):
+            k = provider.kernels(r)
+            x, res, w = self._tensors(r, 3, seed=7)
+            for scale in (1e-2, 1.0, 1e2):
+                xs = (x.float() * scale).to(r.dtype)
+                for eps in (1e-6, 1e-2):
+                    tol = tolerance_of(provider, r.dtype)
+                    where = f"{r.describe()}, rows of rms ~{scale:g}, eps={eps:g}"
+                    torch.testing.assert_close(
+                        k.rmsnorm(xs, w, eps, weight_offset=r.weight_offset),
+                        rmsnorm_ref(xs, w, eps, weight_offset=r.weight_offset), **tol,
+                        msg=lambda m: f"{k.name}.rmsnorm, {where}: {m}")
+                    got_y, _ = k.fused_add_rmsnorm(xs.clone(), (res.float() * scale).to(r.dtype), w, eps,
+                                                   weight_offset=r.weight_offset)
+                    want_y, _ = fused_add_rmsnorm_ref(xs, (res.float() * scale).to(r.dtype), w, eps,
+                                                      weight_offset=r.weight_offset)
+                    torch.testing.assert_close(got_y, want_y, **tol,
+                                               msg=lambda m: f"{k.name}.fused_add_rmsnorm, {where}: {m}")
 
     def test_refuses_an_unknown_quantized_output(self, provider: Any, device: str) -> None:
         """A provider that ignores ``quant`` would be chosen for outputs it does not produce."""
