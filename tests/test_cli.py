@@ -273,3 +273,22 @@ def test_plugins_command_names_a_misspelled_variable(monkeypatch, caplog, capsys
         assert main(["plugins"]) == 0
     assert ("LAYER_BOUNDARY_PLUGIN is set, but nothing reads it, so it changes nothing: did you mean "
             "LAYER_BOUNDARY_PLUGINS?") in caplog.text
+
+
+def test_a_residual_scheme_is_any_registered_name_and_an_unknown_one_says_which_exist(capsys):
+    # Before, argparse allowed only plain and mhc: a vendor's registered scheme could not be run.
+    assert main(["run", "--residual", "Mhc", "--input-ids", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "no active plugin provides residual semantics 'Mhc' (available: ['plain', 'mhc']); names are " \
+           "case-sensitive: residual='mhc'" in err and "Traceback" not in err
+
+
+def test_a_plugins_scheme_is_never_described_with_the_plain_formula():
+    from layer_boundary.cli.run import _describe_residual
+    from layer_boundary.residual.semantics import PLAIN_RESIDUAL
+
+    class Vendor:
+        name = "vendor-hc"
+
+    assert _describe_residual(Vendor()) == "vendor-hc (a plugin's scheme; it has no describe())"
+    assert _describe_residual(PLAIN_RESIDUAL).endswith("r' = r + y, add+RMSNorm reads")

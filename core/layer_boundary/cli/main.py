@@ -140,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(one that starts with '-' is given with '=': --pattern=-M*-)",
     )
     run.add_argument(
-        "--residual", choices=("plain", "mhc"), default="plain",
-        help="residual scheme: plain add (built in) or mhc, manifold-constrained hyper-connections "
-        "from the layer-boundary-mhc plugin (default: plain)",
+        "--residual", default="plain", metavar="SCHEME",
+        help="residual scheme: plain add (built in), mhc (manifold-constrained hyper-connections, "
+        "from the layer-boundary-mhc plugin) or any scheme an active plugin registers (an unknown "
+        "name is refused with those available) (default: plain)",
     )
 
     plugins = sub.add_parser(

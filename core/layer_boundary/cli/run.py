@@ -321,7 +321,13 @@ def _describe_tbo(model: Any, spec: RunSpec) -> list[str]:
 
 def _describe_residual(semantics: Any) -> str:
     describe = getattr(semantics, "describe", None)
-    return describe() if callable(describe) else f"{semantics.name}: r' = r + y, add+RMSNorm reads"
+    if callable(describe):
+        return describe()
+    from ..residual.semantics import PLAIN_RESIDUAL
+
+    # A plugin's scheme that does not describe itself is named, never given the plain formula.
+    return (f"{semantics.name}: r' = r + y, add+RMSNorm reads" if semantics is PLAIN_RESIDUAL
+            else f"{semantics.name} (a plugin's scheme; it has no describe())")
 
 
 def _sync(device: str) -> None:
