@@ -84,6 +84,18 @@ def test_a_deny_entry_that_names_no_plugin_warns(plugin_site: PluginSite, caplog
         assert hint in caplog.text
 
 
+def test_a_deny_entry_with_dashes_or_the_distributions_name_hints_the_plugin(plugin_site: PluginSite, caplog):
+    # A trial: LAYER_BOUNDARY_DISABLE=rocm-aiter (the plugin is rocm_aiter) warned with no hint.
+    plugin_site.add("acme_gpu")
+    for deny in ("acme-gpu", "ACME.GPU", "layer-boundary-acme-gpu", "layer_boundary_acme_gpu"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):
+            reg = discover(deny=[deny])
+        assert by_name(reg)["acme_gpu"].status is ACTIVE
+        assert f"deny names {deny!r}, which no installed plugin is called" in caplog.text
+        assert "did you mean 'acme_gpu'" in caplog.text
+
+
 def test_a_variable_nothing_reads_warns_with_the_likely_name(plugin_site: PluginSite, caplog):
     # An operator's finding: LAYER_BOUNDARY_PLUGIN=acme (one letter short) changed nothing, silently.
     plugin_site.add("acme")

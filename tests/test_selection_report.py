@@ -376,3 +376,15 @@ def _gather_job(rank, world):
 
     torch.Tensor.numpy = no_numpy
     return gather_objects({"rank": rank, "x": "a" * (10 + rank)}, dist.group.WORLD)
+
+
+def test_a_chosen_name_two_plugins_share_says_whose():
+    from layer_boundary.selection import Candidate, Selection
+
+    same = Selection("attn #1", "ORDINARY", "norm kernels", "rmsnorm cuda bfloat16 H=64", "fast-norm",
+                     (Candidate("fast-norm", "vendor_a", "refuses H=64"), Candidate("fast-norm", "vendor_b"),
+                      Candidate("core-triton", "core", "fast-norm comes first")))
+    assert same.text().startswith("norm kernels [rmsnorm cuda bfloat16 H=64] -> fast-norm (vendor_b)   refused: "
+                                  "fast-norm (vendor_a): refuses H=64")
+    alone = Selection("attn #1", "ORDINARY", "norm kernels", "r", "fast-norm", (Candidate("fast-norm", "vendor_b"),))
+    assert alone.text() == "norm kernels [r] -> fast-norm"

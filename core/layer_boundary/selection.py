@@ -29,6 +29,10 @@ class Selection:
     def text(self) -> str:
         refused = "; ".join(f"{c.name} ({c.origin}): {c.refused}" for c in self.candidates if c.refused)
         chosen = self.chosen or "none"
+        if sum(c.name == self.chosen for c in self.candidates) > 1:
+            # Two plugins' providers of one name: say whose was chosen.
+            origin = next(c.origin for c in self.candidates if c.name == self.chosen and not c.refused)
+            chosen = f"{chosen} ({origin})"
         line = f"{self.what} [{self.request}] -> {chosen}"
         return line + (f"   refused: {refused}" if refused else "")
 

@@ -216,13 +216,22 @@ def find_plugins(options: DiscoveryOptions, group: str = ENTRY_POINT_GROUP) -> l
     return records
 
 
+def _loose(name: str) -> str:
+    """A name as an operator may misremember it: any case, '-' or '_', or the distribution's name
+    (layer-boundary-rocm-aiter for rocm_aiter)."""
+    import re
+
+    n = re.sub(r"[-_.]+", "-", name.strip().lower())
+    return n[len("layer-boundary-"):] if n.startswith("layer-boundary-") else n
+
+
 def _warn_unknown_denied(deny: Sequence[str], installed: list[str]) -> None:
     """A deny entry that names no installed plugin (a typo, another case, ';' or ' ' between
     names) leaves the plugin it meant running: say so."""
     for name in deny:
         if name in installed:
             continue
-        near = [n for n in installed if n.lower() == name.lower() or n in name.replace(";", " ").split()]
+        near = [n for n in installed if _loose(n) == _loose(name) or n in name.replace(";", " ").split()]
         hint = f"; did you mean {', '.join(repr(n) for n in near)}? (names are separated by commas)" if near else ""
         log.warning("%s / deny names %r, which no installed plugin is called: nothing was disabled for it%s",
                     ENV_DENY, name, hint)
