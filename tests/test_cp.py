@@ -240,6 +240,18 @@ def test_cp_batch_needs_its_split_for_this_topology():
     assert context_parallel_split(ForwardBatch(num_tokens=1, context_parallel=True, input_scattered=True)) is None
 
 
+def test_whole_sequences_given_as_a_cp_batchs_seq_lens_say_where_they_go():
+    # A trial: ForwardBatch(num_tokens=3, seq_lens=(6,), context_parallel=True) said only that
+    # the lengths must sum to num_tokens.
+    with pytest.raises(ValueError, match=r"seq_lens \(6,\) must be non-negative and sum to num_tokens=3 \(under "
+                                         r"context_parallel num_tokens counts this rank's rows: give the batch's "
+                                         r"whole sequences to cp_split"):
+        ForwardBatch(num_tokens=3, seq_lens=(6,), context_parallel=True)
+    with pytest.raises(ValueError) as plain:
+        ForwardBatch(num_tokens=3, seq_lens=(6,))
+    assert "context_parallel" not in str(plain.value)
+
+
 def test_two_batch_overlap_refuses_a_cp_batch():
     from layer_boundary.adapters.tbo import TboSplit, split_batch
 

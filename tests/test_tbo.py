@@ -171,6 +171,30 @@ def test_a_stage_that_yields_inside_an_exit_scope_is_refused():
     with pytest.raises(BoundaryError, match="across a two-batch-overlap yield point"):
         interleave([stages(ForwardBatch.for_tokens(2)), stages(ForwardBatch.for_tokens(2))])
     assert get_forward().snapshot() == (False, False, False)  # closing the stages closed the scope
+    assert get_forward().open_scopes == 0
+
+
+def test_a_yield_inside_a_scope_whose_flags_are_all_false_is_refused_too():
+    # A trial: an exit() scope that publishes nothing (one rank, no deferral) changed no flag, so
+    # the yield inside it passed; on TP ranks the same code publishes flags the other microbatch
+    # would compute under.
+    from layer_boundary import get_forward
+
+    a, f = make_stages((declare_attn(), make_norm(H, torch.float64)), (declare_ffn(), make_norm(H, torch.float64)),
+                       terminal=True)
+
+    def stages(fb):
+        rb.start(fb)
+        x = f.prepare(a.finish(a.prepare(rand(2, H), fb), fb), fb)
+        with f.exit(fb) as out:
+            assert get_forward().snapshot() == (False, False, False)
+            yield "ffn"
+            y = x * 2
+        return out.finish(y)
+
+    with pytest.raises(BoundaryError, match=r"microbatch 0 yielded at 'ffn' inside an exit\(\) scope"):
+        interleave([stages(ForwardBatch.for_tokens(2)), stages(ForwardBatch.for_tokens(2))])
+    assert get_forward().open_scopes == 0
 
 
 # -- streams: identity, release, owed work --------------------------------------------------------

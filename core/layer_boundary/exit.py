@@ -69,11 +69,13 @@ class _Exit:
     def __enter__(self) -> "_Exit":
         self._saved = _FLAGS.snapshot()
         _FLAGS.restore((self._defer_sum, self.mlp_reduce_scatter, self._defer_finalize))
+        _FLAGS.open_scopes += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
         assert self._saved is not None
         _FLAGS.restore(self._saved)
+        _FLAGS.open_scopes -= 1
 
     @property
     def fuse_mlp_allreduce(self) -> bool:

@@ -85,8 +85,12 @@ class ForwardBatch:
         if self.seq_lens is not None:
             self.seq_lens = tuple(int(s) for s in self.seq_lens)
             if sum(self.seq_lens) != self.num_tokens or any(s < 0 for s in self.seq_lens):
+                # Under CP, num_tokens is this rank's share: the whole sequences are the split's.
+                cp = (" (under context_parallel num_tokens counts this rank's rows: give the batch's whole "
+                      "sequences to cp_split, CpSplit.zigzag(seq_lens, topology), and leave seq_lens unset)"
+                      if self.context_parallel or self.cp_split is not None else "")
                 raise ValueError(
-                    f"seq_lens {self.seq_lens} must be non-negative and sum to num_tokens={self.num_tokens}"
+                    f"seq_lens {self.seq_lens} must be non-negative and sum to num_tokens={self.num_tokens}{cp}"
                 )
 
     @classmethod
@@ -128,12 +132,15 @@ class ForwardFlags:
     ``defer_moe_finalize``: a MoE may return a ``HandoffOutput`` instead of finalizing.
     """
 
-    __slots__ = ("fuse_mlp_allreduce", "mlp_reduce_scatter", "defer_moe_finalize")
+    __slots__ = ("fuse_mlp_allreduce", "mlp_reduce_scatter", "defer_moe_finalize", "open_scopes")
 
     def __init__(self) -> None:
         self.fuse_mlp_allreduce = False
         self.mlp_reduce_scatter = False
         self.defer_moe_finalize = False
+        # exit() scopes open now: one whose flags are all False changes no flag, and a
+        # two-batch-overlap yield inside it is still an error (adapters.tbo.interleave).
+        self.open_scopes = 0
 
     def snapshot(self) -> tuple[bool, bool, bool]:
         return (self.fuse_mlp_allreduce, self.mlp_reduce_scatter, self.defer_moe_finalize)

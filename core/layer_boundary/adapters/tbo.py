@@ -185,6 +185,13 @@ class TboSplit:
     ``dp_num_tokens``: under attention DP, the rows of every DP group in microbatch A and in B
     (DP-rank order); each group splits its own sequences, and the FFN's row moves need all of
     them. ``trace``: a list the schedule appends ``(microbatch, layer, stage label)`` to.
+
+    Every rank of a TP group must split the same way (the same ``seq_index`` of the same
+    sequences): the microbatches' collectives are sized by their rows, and ranks that split
+    differently issue collectives of different sizes (gloo aborts the process, NCCL hangs).
+    Engines derive the split from the scheduler's batch, which every rank shares; with
+    ``LAYER_BOUNDARY_CHECK_DP_COUNTS`` on, each microbatch's DP row counts are compared across
+    the TP group at its first row move.
     """
 
     seq_index: int
@@ -463,14 +470,14 @@ def interleave(stages: Sequence[Stages], trace: Optional[list] = None) -> list[H
     try:
         while live:
             for m in list(live):
-                before = flags.snapshot()
+                before = flags.snapshot(), flags.open_scopes
                 try:
                     label = next(stages[m])
                 except StopIteration as stop:
                     results[m] = stop.value
                     live.remove(m)
                     continue
-                if flags.snapshot() != before:
+                if (flags.snapshot(), flags.open_scopes) != before:
                     raise BoundaryError(
                         f"microbatch {m} yielded at {label!r} inside an exit() scope ({flags!r}); "
                         "do not hold an exit() scope open across a two-batch-overlap yield point: "
