@@ -328,12 +328,13 @@ class WrongShapeKernels(BrokenKernels):
             return y[:, :-1] if self.bad == "shape" else y.double()
 
         def norm(x, w, eps, *, weight_offset=0.0):
-            return spoil(ref.rmsnorm(x, w, eps, weight_offset=weight_offset))
+            y = ref.rmsnorm(x, w, eps, weight_offset=weight_offset)
+            return y if self.bad == "fused_shape" else spoil(y)
 
         def fused(x, r, w, eps, *, weight_offset=0.0):
             r.add_(1.0)  # an in-place kernel that writes its residual before it fails
             y, s = ref.fused_add_rmsnorm(x, r, w, eps, weight_offset=weight_offset)
-            return spoil(y), s
+            return spoil(y) if self.bad != "fused_shape" else y[:, :-1], s
 
         return NormKernels(f"spoilt-{self.bad}", norm, fused, residual_in_place=True)
 
@@ -389,6 +390,7 @@ def test_kernels_defective_at_their_first_call_are_reported_and_replaced(bad, ca
     report = "\n".join(ctx.report.lines())
     assert "norm kernels (after a defect) [rmsnorm cpu float32 H=64] -> torch-reference" in report
     assert "defective at a first call in this model" in report
+    assert "-> wrong-shape" not in report  # the rows of the replaced choice are gone
     # The reference's numbers (the defective fused kernel's in-place write never happened).
     for stage in (want_attn, want_ffn):
         stage.plan.read._set_kernels(REFERENCE_KERNELS)
@@ -441,7 +443,8 @@ def test_an_input_the_reference_refuses_too_is_the_callers_error_not_a_defect(ca
     fb = ForwardBatch.for_tokens(5)
     residual_batch.start(fb)
     with caplog.at_level("WARNING", logger="layer_boundary"), \
-            pytest.raises(ValueError, match="attn #1: hidden_states has 32 columns, but its norm is for hidden size 64"):
+            pytest.raises(ValueError, match="attn #1: hidden_states has 32 columns, but its norm is for hidden "
+                                            "size 64"):
         attn.prepare(torch.randn(5, 32), fb)  # not the norm's width
     assert not any("defective" in r.getMessage() for r in caplog.records)
 
@@ -459,3 +462,19 @@ def test_a_quantized_read_is_checked_at_its_first_call_too(caplog):
     assert attn.plan.read.kernels is REFERENCE_FP8_KERNELS and q.scale.shape == (5, 1)
     assert any("rmsnorm returned y scale (5,) float32 (want (5, 1) float32) for an input (5, 64) float32 "
                "(a fp8_e4m3 read)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_defect_found_at_a_later_path_replaces_the_kernels_of_reads_already_past_their_first_call(caplog):
+    # A trial: the fused kernel failed at the FFN; the attention's read, whose rmsnorm had passed
+    # its check, kept the defective provider's kernels while the warning said "every stage".
+    from layer_boundary.residual.add_norm import REFERENCE_KERNELS
+
+    ctx, attn, ffn = _broken_layer("fused_shape")
+    x, c = torch.randn(5, 64), torch.randn(5, 64)
+    with caplog.at_level("WARNING", logger="layer_boundary"):
+        _run_layer(attn, ffn, x, c)
+    assert attn.plan.read.kernels is REFERENCE_KERNELS and ffn.plan.read.kernels is REFERENCE_KERNELS
+    assert [r.getMessage().split(": ", 1)[0] for r in caplog.records if "spoilt" in r.getMessage()] == [
+        "provider wrong-shape skipped"]
+    assert "defective at their first call in ffn #2: fused_add_rmsnorm returned y (5, 63) float32" in caplog.text
+    assert sum("(after a defect)" in line for line in ctx.report.lines()) == 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from layer_boundary import ForwardBatch, Topology, declare_attn, make_stages
+from layer_boundary import ForwardBatch, Topology, declare_attn, declare_ffn, make_stages
 from layer_boundary.norms import GemmaRMSNorm, RMSNorm, norm_params
 from layer_boundary.residual import batch as residual_batch
 
@@ -111,6 +111,28 @@ def test_torch_rmsnorm_default_eps_is_the_compute_dtypes(dtype):
     got, desc = _prepared(norm, x)
     assert "read=rmsnorm" in desc
     torch.testing.assert_close(got, norm(x))
+
+
+@pytest.mark.parametrize("built, run", [(torch.float64, torch.float32), (torch.float32, torch.float64)])
+def test_torch_rmsnorm_default_eps_follows_a_cast_after_construction(built, run):
+    # A trial: the stage was built, then the model cast (.float() / .double()); torch's module took
+    # the new dtype's epsilon, the read kept the old one (off by up to 58% on small activations).
+    torch.manual_seed(0)
+    norm = nn.RMSNorm(H, dtype=built)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    (attn, ffn) = make_stages((declare_attn(), norm), (declare_ffn(), nn.RMSNorm(H, dtype=built)),
+                              topology=Topology.single())
+    norm.to(run)
+    ffn.plan.read.norm.to(run)
+    x = (torch.randn(4, H, dtype=torch.float64) * 3e-4).to(run)
+    fb = ForwardBatch.for_tokens(4)
+    residual_batch.start(fb)
+    torch.testing.assert_close(attn.prepare(x, fb), norm(x))
+    c = (torch.randn(4, H, dtype=torch.float64) * 3e-4).to(run)
+    got = ffn.prepare(attn.finish(c, fb), fb)
+    torch.testing.assert_close(got, ffn.plan.read.norm((x.double() + c.double()).to(run)))
+    assert attn.plan.read.eps == torch.finfo(run).eps
 
 
 def test_an_unrecognized_norm_is_called_as_a_black_box_with_a_warning():

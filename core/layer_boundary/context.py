@@ -8,6 +8,7 @@ construction (the registry accepts nothing more) and logs the report once.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -90,6 +91,8 @@ class BoundaryContext:
         # failed their first-call check: skipped by every later selection of this model.
         self._given: dict[int, tuple[Any, NormKernels]] = {}
         self._defective: set[Any] = set()
+        # Every read bound to a recorded selection (weakly): (read, request, stage, variant).
+        self._bound: list[tuple[Any, NormRequest, str, str]] = []
         # The last stage built, in construction order, and what it declared about its consumer:
         # the next stage's previous= is checked against it (see factories._check_neighbours).
         self.last_stage: Optional[BuiltStage] = None
@@ -133,9 +136,9 @@ class BoundaryContext:
         """Selection for one stage's read; ``record=False`` answers what would be chosen without
         a report row (to judge a neighbour's kernels at construction).
 
-        The selector's ``after_defect(request, kernels, why)`` is what a read calls when the
-        kernels it was given fail their first-call check (see ``RMSNormRead``): the provider is
-        reported and skipped, and the next one's kernels replace them."""
+        A read bound to the selected kernels registers with ``select.register_read(read,
+        request)``: when kernels of a provider fail a first-call check (see ``RMSNormRead``), the
+        provider is reported and skipped, and every such read gets the next provider's."""
 
         def select(request: NormRequest) -> NormKernels:
             self._check_open()
@@ -150,38 +153,55 @@ class BoundaryContext:
             self.report.add(Selection(stage, variant, "norm kernels", request.describe(), prov.name, tuple(cands)))
             return kernels
 
-        def after_defect(request: NormRequest, bad: NormKernels, why: Optional[str]) -> Optional[NormKernels]:
-            """The kernels that replace ``bad``, defective for ``why``; ``why=None`` asks (before a
-            first call) whether ``bad``'s provider was already found defective by another stage,
-            so that each stage does not run it once to find out. ``None``: keep (or, with a
-            ``why``, not this context's choice: the read reports an error)."""
-            prov, _ = self._given.get(id(bad), (None, bad))
-            if prov is None or (why is None and prov not in self._defective):
-                return None
-            request = self._for_device(request)
-            if why is not None:
-                origin = next((o for o, p in self.norm_candidates() if p is prov), "core")
-                self._defective.add(prov)
-                said = (f"its kernels {bad.name!r} (plugin {origin}) are defective at their first call in "
-                        f"{stage}: {why}")
-                if self.registry is not None and self.registry.options.strict:
-                    from .plugins.registry import _STRICT
+        def register_read(read: Any, request: NormRequest) -> None:
+            """A read bound to this selection's kernels: told to replace them when their provider
+            is found defective at any stage's first call (see ``_replace_defective``)."""
+            if not record:  # a peek's read is thrown away
+                return
+            self._bound.append((weakref.ref(read), request, stage, variant))
+            read._on_defect = lambda bad, why: self._replace_defective(stage, bad, why)
 
-                    raise BoundaryError(f"norm kernel provider {prov.name}: {said} {_STRICT}")
-            nxt, kernels, cands = self._choose(stage, request, peeked=False)
-            if why is not None:
-                # Logged here, once a model and provider: not through providers._skipped, whose
-                # record is of defects found while the model was built.
-                log.warning("provider %s skipped: %s; %s serves instead, for every stage of this model (run "
-                            "the plugin's conformance kit; LAYER_BOUNDARY_DISABLE=%s leaves it out)", prov.name,
-                            said, nxt.name, origin)
-            self._given[id(kernels)] = (nxt, kernels)
-            self.report.add(Selection(stage, variant, "norm kernels (after a defect)", request.describe(), nxt.name,
-                                      tuple(cands)))
-            return _out_of_place(kernels) if kernels.residual_in_place and not bad.residual_in_place else kernels
-
-        select.after_defect = after_defect  # type: ignore[attr-defined]
+        select.register_read = register_read  # type: ignore[attr-defined]
         return select
+
+    def _replace_defective(self, stage: str, bad: NormKernels, why: str) -> Optional[NormKernels]:
+        """``bad`` (this context's choice) failed its first-call check in ``stage`` for ``why``:
+        report its provider, skip it from now on and give every read bound to its kernels the
+        next provider's, replacing their rows of the report. Returns the calling read's (``None``:
+        not this context's choice, which the read reports as an error)."""
+        prov, _ = self._given.get(id(bad), (None, bad))
+        if prov is None:
+            return None
+        origin = next((o for o, p in self.norm_candidates() if p is prov), "core")
+        said = f"its kernels {bad.name!r} (plugin {origin}) are defective at their first call in {stage}: {why}"
+        if self.registry is not None and self.registry.options.strict:
+            from .plugins.registry import _STRICT
+
+            raise BoundaryError(f"norm kernel provider {prov.name}: {said} {_STRICT}")
+        self._defective.add(prov)
+        mine: Optional[NormKernels] = None
+        nxt_name = "the next provider"
+        for ref, request, stg, variant in self._bound:
+            read = ref()
+            if read is None or self._given.get(id(read.kernels), (None,))[0] is not prov:
+                continue
+            nxt, kernels, cands = self._choose(stg, self._for_device(request), peeked=False)
+            nxt_name = nxt.name
+            self._given[id(kernels)] = (nxt, kernels)
+            if kernels.residual_in_place and not read.kernels.residual_in_place:
+                kernels = _out_of_place(kernels)
+            if read.kernels is bad:
+                mine = kernels
+            read._set_kernels(kernels)
+            self.report.replace(stg, "norm kernels", Selection(stg, variant, "norm kernels (after a defect)",
+                                                                request.describe(), nxt.name, tuple(cands)))
+        # Logged here, once a provider: not through providers._skipped, whose record is of defects
+        # found while the model was built.
+        log.warning("provider %s skipped: %s; %s serves instead, for every stage of this model (run the "
+                    "plugin's conformance kit; LAYER_BOUNDARY_DISABLE=%s leaves it out)", prov.name, said,
+                    nxt_name, origin)
+        return mine
+
 
     def _for_device(self, request: NormRequest) -> NormRequest:
         if self.device is not None and request.device_type != self.device.type:

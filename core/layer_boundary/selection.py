@@ -51,6 +51,14 @@ class SelectionReport:
     def add(self, selection: Selection) -> None:
         self.selections.append(selection)
 
+    def replace(self, stage: str, what: str, selection: Selection) -> None:
+        """Put ``selection`` in place of ``stage``'s ``what`` row (added when there is none)."""
+        for i, s in enumerate(self.selections):
+            if s.stage == stage and s.what == what:
+                self.selections[i] = selection
+                return
+        self.selections.append(selection)
+
     def for_stage(self, stage: str) -> list[Selection]:
         return [s for s in self.selections if s.stage == stage]
 

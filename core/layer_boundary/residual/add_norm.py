@@ -117,14 +117,14 @@ class RMSNormRead:
     """
 
     __slots__ = ("name", "norm", "offset", "kernels", "quant", "_eps", "_params", "_checked_read", "_checked_fused",
-                 "_on_defect")
+                 "_on_defect", "_eps64", "__weakref__")
     before_gather = False
     makes_update = False
     fuses_with = frozenset({PlainAdd.name})
 
     def __init__(self, norm: nn.Module, offset: float, kernels: NormKernels, quant: Optional[str] = None,
                  eps: Optional[float] = None,
-                 on_defect: Optional[Callable[[NormKernels, Optional[str]], Optional[NormKernels]]] = None) -> None:
+                 on_defect: Optional[Callable[[NormKernels, str], Optional[NormKernels]]] = None) -> None:
         check_quant(quant)
         self.norm = norm
         self.offset = offset
@@ -135,6 +135,12 @@ class RMSNormRead:
         # the module's parameter table (a loader may replace the Parameter object), which skips
         # nn.Module.__getattr__ on the hot path.
         self._eps = norm_params(norm)[1] if eps is None else eps  # as norm_params read it
+        # torch.nn.RMSNorm(eps=None) uses the epsilon of the dtype it computes in, at each call:
+        # FP64's for FP64 inputs, FP32's for the rest. A model cast after construction
+        # (.double(), .float()) changes it, so such a norm keeps both.
+        self._eps64: Optional[float] = None
+        if type(norm) is nn.RMSNorm and getattr(norm, "eps", 0.0) is None:
+            self._eps, self._eps64 = torch.finfo(torch.float32).eps, torch.finfo(torch.float64).eps
         self._params = norm._parameters if "weight" in norm._parameters else None
         # Each kernel's first call is checked (shape and dtype of what it returns: metadata, no
         # sync; or that it did not raise where the reference does not): a plugin's kernel that is
@@ -159,7 +165,11 @@ class RMSNormRead:
 
     @property
     def eps(self) -> float:
-        return self._eps
+        """The eps for inputs of the weight's dtype (the model's)."""
+        return self._eps_of(self.weight)
+
+    def _eps_of(self, x: torch.Tensor) -> float:
+        return self._eps64 if self._eps64 is not None and x.dtype == torch.float64 else self._eps
 
     def enter(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(hidden), hidden
@@ -167,7 +177,8 @@ class RMSNormRead:
     def read(self, residual: torch.Tensor) -> torch.Tensor:
         if not self._checked_read:
             return self._first_call("rmsnorm", residual)
-        return self.kernels.rmsnorm(residual, self.weight, self._eps, weight_offset=self.offset)
+        eps = self._eps if self._eps64 is None else self._eps_of(residual)
+        return self.kernels.rmsnorm(residual, self.weight, eps, weight_offset=self.offset)
 
     def update_and_read(
         self, update: StageUpdate, contribution: torch.Tensor, residual: Optional[torch.Tensor]
@@ -182,27 +193,23 @@ class RMSNormRead:
     def _fused(self, k: NormKernels, contribution: torch.Tensor, residual: torch.Tensor) -> Any:
         p = self._params
         weight = p["weight"] if p is not None else self.norm.weight
+        eps = self._eps if self._eps64 is None else self._eps_of(residual)
         if k.input_as_out:
-            return k.fused_add_rmsnorm(contribution, residual, weight, self._eps, weight_offset=self.offset,
+            return k.fused_add_rmsnorm(contribution, residual, weight, eps, weight_offset=self.offset,
                                        out=contribution)
-        return k.fused_add_rmsnorm(contribution, residual, weight, self._eps, weight_offset=self.offset)
+        return k.fused_add_rmsnorm(contribution, residual, weight, eps, weight_offset=self.offset)
 
     def _run(self, k: NormKernels, kernel: str, args: tuple) -> Any:
         if kernel == "rmsnorm":
-            return k.rmsnorm(args[0], self.weight, self._eps, weight_offset=self.offset)
+            return k.rmsnorm(args[0], self.weight, self._eps_of(args[0]), weight_offset=self.offset)
         return self._fused(k, *args)
 
     def _first_call(self, kernel: str, *args: torch.Tensor) -> Any:
         """A kernel's first call, checked; a defective one is replaced and the call rerun."""
         k = self.kernels
-        known = self._on_defect(k, None) if self._on_defect is not None else None
-        if known is not None:  # another stage found this provider defective
-            self._set_kernels(known)
-            return self._again(kernel, args)
-        # An in-place kernel may write its inputs before it fails: it works on copies this once,
-        # so that its replacement reruns on what the stream holds.
-        given = tuple(a.clone() for a in args) if kernel != "rmsnorm" and (k.residual_in_place or k.input_as_out) \
-            else args
+        # A kernel may write its inputs (declared or not) before it fails: it works on copies
+        # this once, so that its replacement reruns on what the stream holds.
+        given = tuple(a.clone() for a in args)
         try:
             got = self._run(k, kernel, given)
         except Exception as e:
@@ -327,13 +334,11 @@ class AddNormReadSpec:
 
                 request = NormRequest(weight.device.type, weight.dtype, weight.shape[0], offset, self.quant)
                 kernels = select(request)
-        on_defect = None
-        if self.kernels is None and select is not None:
-            after = getattr(select, "after_defect", None)
-            if after is not None:
-                def on_defect(bad: NormKernels, why: Optional[str], _request: Any = request) -> Optional[NormKernels]:
-                    return after(_request, bad, why)
-        return RMSNormRead(norm, offset, kernels, self.quant, eps, on_defect)
+        read = RMSNormRead(norm, offset, kernels, self.quant, eps)
+        register = getattr(select, "register_read", None) if self.kernels is None else None
+        if register is not None:  # a defective table is replaced through it (see RMSNormRead)
+            register(read, request)
+        return read
 
     def __repr__(self) -> str:
         q = f", quant={self.quant!r}" if self.quant else ""
