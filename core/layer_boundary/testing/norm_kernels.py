@@ -37,7 +37,10 @@ class NormKernelConformance:
     def device(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def _accepted(self, provider: Any, device: str, quant: Optional[str] = None) -> list[NormRequest]:
+    def _accepted(self, provider: Any, device: str, quant: Optional[str] = None, *,
+                  skip_if_none: bool = True) -> list[NormRequest]:
+        """The requests tried that ``provider`` serves; none skips the calling test (a numeric
+        test over no request would pass without a kernel call)."""
         reqs = [NormRequest(device, dt, h, off, quant) for dt in self.dtypes for h in self.hidden_sizes
                 for off in self.offsets]
         ok = []
@@ -47,6 +50,10 @@ class NormKernelConformance:
                 f"refuse() must return None or a non-empty reason, got {why!r} for {r.describe()}")
             if why is None:
                 ok.append(r)
+        if not ok and skip_if_none:
+            pytest.skip(f"{provider.name} accepts none of the {'' if quant is None else quant + ' '}requests "
+                        f"tried on {device} ({len(reqs)}: dtypes {[str(d) for d in self.dtypes]}, hidden sizes "
+                        f"{list(self.hidden_sizes)}); run the kit where it serves")
         return ok
 
     def _tensors(self, r: NormRequest, tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -59,8 +66,8 @@ class NormKernelConformance:
     def test_refuses_with_reasons_and_accepts_something(self, provider: Any, device: str) -> None:
         assert isinstance(provider.name, str) and provider.name
         for q in self.quants:
-            self._accepted(provider, device, q)  # checks the form of every refusal
-        if not self._accepted(provider, device):
+            self._accepted(provider, device, q, skip_if_none=False)  # checks the form of every refusal
+        if not self._accepted(provider, device, skip_if_none=False):
             pytest.skip(f"{provider.name} accepts none of the requests tried on {device}")
 
     def test_declared_tolerance_is_within_the_cap(self, provider: Any) -> None:
@@ -161,6 +168,23 @@ class NormKernelConformance:
                 **tolerance_of(provider, r.dtype),
                 msg=lambda m: f"{k.name}.rmsnorm on a non-contiguous input (row stride 2H), {r.describe()}: {m}")
 
+    def test_inputs_are_written_only_where_declared(self, provider: Any, device: str) -> None:
+        """``rmsnorm`` never writes its input (the residual, which the stream keeps); the fused
+        kernel writes ``x`` only with ``input_as_out`` (and then only through ``out=``). A kernel
+        that writes an input it was not given to write corrupts the residual or a capture."""
+        for r in self._accepted(provider, device):
+            k = provider.kernels(r)
+            x, res, w = self._tensors(r, 3, seed=11)
+            kept = x.clone()
+            k.rmsnorm(x, w, 1e-6, weight_offset=r.weight_offset)
+            assert torch.equal(x, kept), (
+                f"{k.name}.rmsnorm wrote into its input x ({r.describe()}); the input is the residual, which "
+                "the boundary keeps: write the output to a new tensor")
+            k.fused_add_rmsnorm(x, res, w, 1e-6, weight_offset=r.weight_offset)  # without out=
+            assert torch.equal(x, kept), (
+                f"{k.name}.fused_add_rmsnorm wrote into x without out= ({r.describe()}); only a table "
+                "that declares input_as_out=True is given out=x, and only then may it write there")
+
     def test_declared_in_place_residual(self, provider: Any, device: str) -> None:
         for r in self._accepted(provider, device):
             k = provider.kernels(r)
@@ -195,7 +219,7 @@ class NormKernelConformance:
                                                          f"T={t} residual: {m}")
 
     def _fp8_accepted(self, provider: Any, device: str) -> list[NormRequest]:
-        reqs = [r for q in self.quants for r in self._accepted(provider, device, q)]
+        reqs = [r for q in self.quants for r in self._accepted(provider, device, q, skip_if_none=False)]
         if not reqs:
             pytest.skip(f"{provider.name} accepts no quantized request ({', '.join(self.quants)}) on {device}")
         return reqs

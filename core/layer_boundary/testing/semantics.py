@@ -12,6 +12,7 @@ from ..errors import SNAPSHOT_PLAIN, BoundaryError
 from ..factories import declare_attn, declare_ffn, make_stages
 from ..forward import ForwardBatch
 from ..norms import RMSNorm
+from ..providers import residual_part
 from ..residual import batch as residual_batch
 from ..residual.stream import StreamState
 from .tolerances import tolerance_of
@@ -30,7 +31,7 @@ class _Stack(nn.Module):
         with torch.no_grad():
             for n in self.norms:
                 n.weight.uniform_(0.5, 1.5, generator=g)
-        parts = [semantics.stage(hidden, dtype=dtype) for _ in range(2 * layers)]
+        parts = [residual_part(semantics, "stage", hidden, dtype=dtype) for _ in range(2 * layers)]
         self.params = nn.ModuleList(p.params for p in parts if p.params is not None)
         self.stages = []
         for i in range(layers):
@@ -40,7 +41,7 @@ class _Stack(nn.Module):
                 (declare_attn(update=a.update, read=a.read), self.norms[2 * i]),
                 (declare_ffn(update=f.update, read=f.read), self.norms[2 * i + 1]),
                 previous=prev, terminal=i == layers - 1)
-        exit_ = semantics.exit(hidden, dtype=dtype)
+        exit_ = residual_part(semantics, "exit", hidden, dtype=dtype)
         if exit_.params is not None:
             self.exit_params = exit_.params
         residual_batch.bind_final_norm(self.norms[-1], read=exit_.read)
@@ -50,16 +51,26 @@ class _Stack(nn.Module):
         h = x
         for i in range(0, len(self.stages), 2):
             attn, ffn = self.stages[i], self.stages[i + 1]
-            h = attn.prepare(h, fb)
+            h = _input_like(attn.prepare(h, fb), x, f"{attn.plan.name}'s read")
             _record(states, fb)
             h = attn.finish(h @ self.weights[i], fb)
             _record(states, fb)
-            h = ffn.prepare(h, fb)
+            h = _input_like(ffn.prepare(h, fb), x, f"{ffn.plan.name}'s update and read")
             with ffn.exit(fb) as out:
                 y = h @ self.weights[i + 1]
             h = out.finish(y)
             _record(states, fb)
         return residual_batch.norm(h, fb, self.norms[-1])
+
+
+def _input_like(got: Any, x: torch.Tensor, what: str) -> torch.Tensor:
+    """A compute input has the stack input's rows, width and dtype: the model's next matmul takes
+    it (a read that returns FP32 under bfloat16 fails there, far from the scheme)."""
+    assert isinstance(got, torch.Tensor) and got.shape == x.shape and got.dtype == x.dtype, (
+        f"{what} returned {tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__} "
+        f"{getattr(got, 'dtype', '')} for an input {tuple(x.shape)} {x.dtype}: a stage's compute input must "
+        "have the stack input's shape and dtype")
+    return got
 
 
 def _record(states: list | None, fb: Any) -> None:
@@ -76,9 +87,9 @@ class ResidualSemanticsConformance:
     def hidden_size(self) -> int:
         return 32
 
-    @pytest.fixture
-    def dtype(self) -> torch.dtype:
-        return torch.float32
+    @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+    def dtype(self, request: Any) -> torch.dtype:
+        return request.param
 
     @pytest.fixture
     def reference(self) -> Any:
@@ -101,7 +112,13 @@ class ResidualSemanticsConformance:
             pytest.skip("not declared plain")
         g = torch.Generator().manual_seed(2)
         r, c = torch.randn(5, hidden_size, generator=g).to(dtype), torch.randn(5, hidden_size, generator=g).to(dtype)
-        assert torch.equal(u.apply(r, c), (r.float() + c.float()).to(dtype))
+        got, want = u.apply(r, c), (r.float() + c.float()).to(dtype)
+        same = isinstance(got, torch.Tensor) and got.shape == want.shape
+        assert same and torch.equal(got, want), (
+            f"update {u.name!r} declares plain_add=True but apply(r, c) is not r + c, the FP32 sum rounded "
+            f"once (largest difference {(got.float() - want.float()).abs().max().item() if same else 'n/a'}): "
+            "plain_add lets the boundary join the sum to a reduction on one rank and snapshot it, so a "
+            "nonlinear update that claims it gives wrong results under TP; declare plain_add=False")
 
     def test_stream_transitions(self, semantics: Any, hidden_size: int, dtype: torch.dtype) -> None:
         stack = _Stack(semantics, hidden_size, dtype)
@@ -109,8 +126,11 @@ class ResidualSemanticsConformance:
         fb = ForwardBatch(num_tokens=6)
         states: list = []
         out = stack.run(x, fb, states)
-        assert states == [StreamState.WRITTEN, StreamState.PENDING, StreamState.PENDING] * 2
-        assert fb.residual_stream.released and out.shape == x.shape and torch.isfinite(out).all()
+        assert states == [StreamState.WRITTEN, StreamState.PENDING, StreamState.PENDING] * 2, (
+            f"stream states after (attention read, attention finish, FFN finish) x 2: {states}")
+        assert fb.residual_stream.released, "the final norm did not end the stream"
+        _input_like(out, x, "the final norm (exit read)")
+        assert bool(torch.isfinite(out).all()), "the stack's output holds NaN or inf"
 
     def test_microbatches_do_not_share_state(self, semantics: Any, hidden_size: int, dtype: torch.dtype) -> None:
         """Two streams interleaved through the same stages give what each gives alone."""
@@ -133,7 +153,10 @@ class ResidualSemanticsConformance:
         ha, hb = oa.finish(ya), ob.finish(yb)
         out_b = residual_batch.norm(hb, fbb, stack.norms[-1])
         out_a = residual_batch.norm(ha, fa, stack.norms[-1])
-        assert torch.equal(out_a, alone_a) and torch.equal(out_b, alone_b)
+        assert torch.equal(out_a, alone_a) and torch.equal(out_b, alone_b), (
+            "two microbatches interleaved through the same stages differ from each run alone: the "
+            "scheme keeps per-forward state on the update, the read or their modules (it belongs to the "
+            "stream: a read with makes_update returns the update that carries it)")
 
     def test_snapshot_only_for_plain(self, semantics: Any, hidden_size: int, dtype: torch.dtype) -> None:
         stack = _Stack(semantics, hidden_size, dtype, layers=1)
