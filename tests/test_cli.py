@@ -292,3 +292,19 @@ def test_a_plugins_scheme_is_never_described_with_the_plain_formula():
 
     assert _describe_residual(Vendor()) == "vendor-hc (a plugin's scheme; it has no describe())"
     assert _describe_residual(PLAIN_RESIDUAL).endswith("r' = r + y, add+RMSNorm reads")
+
+
+def test_non_finite_logits_name_the_plugin_kernels_the_model_ran_as_suspects():
+    # A trial: a plugin kernel that produced NaN was blamed on the checkpoint's weights alone.
+    from types import SimpleNamespace
+
+    from layer_boundary.cli.run import _plugin_suspects
+    from layer_boundary.selection import Selection, SelectionReport
+
+    norm = SimpleNamespace(name="acme-norm")
+    report = SelectionReport([Selection("attn #1", "ORDINARY", "norm kernels", "r", "acme-norm", ()),
+                              Selection("ffn #2", "ORDINARY", "norm kernels", "r", "torch-reference", ())])
+    ctx = SimpleNamespace(registry=SimpleNamespace(norm_kernels=[("acme", norm)], fusion_providers=[]), report=report)
+    assert _plugin_suspects(ctx) == ("; or a plugin's kernel: this model runs acme-norm (plugin acme) (rerun with "
+                                     "LAYER_BOUNDARY_DISABLE=<plugin> to tell them apart)")
+    assert _plugin_suspects(SimpleNamespace(registry=None, report=report)) == ""

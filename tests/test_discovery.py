@@ -86,8 +86,9 @@ def test_a_deny_entry_that_names_no_plugin_warns(plugin_site: PluginSite, caplog
 
 def test_a_deny_entry_with_dashes_or_the_distributions_name_hints_the_plugin(plugin_site: PluginSite, caplog):
     # A trial: LAYER_BOUNDARY_DISABLE=rocm-aiter (the plugin is rocm_aiter) warned with no hint.
-    plugin_site.add("acme_gpu")
-    for deny in ("acme-gpu", "ACME.GPU", "layer-boundary-acme-gpu", "layer_boundary_acme_gpu"):
+    plugin_site.add("acme_gpu", dist="acme-boundary")
+    for deny in ("acme-gpu", "ACME.GPU", "layer-boundary-acme-gpu", "layer_boundary_acme_gpu", "acme-boundary",
+                 "acme_boundary"):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):
             reg = discover(deny=[deny])

@@ -388,3 +388,27 @@ def test_a_chosen_name_two_plugins_share_says_whose():
                                   "fast-norm (vendor_a): refuses H=64")
     alone = Selection("attn #1", "ORDINARY", "norm kernels", "r", "fast-norm", (Candidate("fast-norm", "vendor_b"),))
     assert alone.text() == "norm kernels [r] -> fast-norm"
+
+
+def test_a_candidate_that_raises_in_forward_is_named_in_the_error(monkeypatch):
+    # A trial: a plugin's fused kernel raised through stage.prepare as a bare traceback, naming
+    # neither the candidate nor where it came from.
+    install_fake_dist(monkeypatch)
+    ctx, plugin = vendor_context(topology=fake_topology(tp=2))
+    stages = _two_layers(ctx)
+    ctx.freeze()
+
+    def boom(*args):
+        raise RuntimeError("acme fused kernel: illegal address")
+
+    monkeypatch.setattr(type(plugin.fusion.ffn[0]), "__call__", lambda self, *a: boom())
+    fb = ForwardBatch.for_tokens(3)
+    from layer_boundary.residual import batch as residual_batch
+
+    residual_batch.start(fb)
+    h = stages[0].finish(stages[0].prepare(torch.randn(3, 64), fb) * 0.5, fb)
+    with pytest.raises(RuntimeError, match="illegal address") as info:
+        stages[1].prepare(h, fb)
+    assert info.value.__notes__ == [
+        "raised by the consumer fusion candidate 'ffn-fused' (plugin_fixtures.Candidate); if its plugin is at "
+        "fault, LAYER_BOUNDARY_DISABLE=<plugin> leaves it out (layer-boundary plugins lists them)"]

@@ -59,7 +59,7 @@ def _try_candidates(entry: EntryPath, c: Contribution, value: Any, residual: Any
         # Finalize candidates sum what the handoff records it owes (owed_sum), or nothing.
         for cand in entry.candidates:
             if getattr(cand, "takes_handoff", False):
-                out = cand(value, residual, read, forward_batch)
+                out = _call_candidate(cand, value, residual, read, forward_batch)
                 if out is not None:
                     return out
         return None
@@ -68,10 +68,22 @@ def _try_candidates(entry: EntryPath, c: Contribution, value: Any, residual: Any
         # A candidate completes the sum group it declares, and no other.
         if getattr(cand, "takes_handoff", False) or getattr(cand, "sum_group", owed_group) not in (owed_group, None):
             continue
-        out = cand(value, residual, read, forward_batch)
+        out = _call_candidate(cand, value, residual, read, forward_batch)
         if out is not None:
             return out
     return None
+
+
+def _call_candidate(cand: Any, *args: Any) -> Any:
+    """A consumer candidate's call; what it raises is named after it. It is not replaced: a
+    candidate may have started a collective the other ranks are in, so a rerun could pair wrong."""
+    try:
+        return cand(*args)
+    except Exception as e:
+        e.add_note(f"raised by the consumer fusion candidate {getattr(cand, 'name', cand)!r} "
+                   f"({type(cand).__module__}.{type(cand).__qualname__}); if its plugin is at fault, "
+                   "LAYER_BOUNDARY_DISABLE=<plugin> leaves it out (layer-boundary plugins lists them)")
+        raise
 
 
 # A read with makes_update returns, beside its input, the update this stage's output will use

@@ -106,7 +106,7 @@ def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, A
     idx, logits, first = rank_forward(model, spec, device)
     if not bool(torch.isfinite(logits).all()):
         raise ValueError("the logits hold NaN or inf values: check the checkpoint's weights "
-                         "(a NaN or inf weight) and --dtype")
+                         f"(a NaN or inf weight) and --dtype{_plugin_suspects(model.context)}")
     times = []
     for _ in range(repeats):
         idx2, again, t = rank_forward(model, spec, device)
@@ -317,6 +317,21 @@ def _describe_tbo(model: Any, spec: RunSpec) -> list[str]:
         lines.append("          microbatch tokens per DP group: " + ", ".join(
             f"{x} + {y}" for x, y in zip(a, b)))
     return lines
+
+
+def _plugin_suspects(context: Any) -> str:
+    """The plugins' providers this model chose, for a bad result's message: a kernel can be the
+    cause as well as a weight (LAYER_BOUNDARY_DISABLE=<plugin> tells them apart)."""
+    registry = context.registry
+    if registry is None:
+        return ""
+    origins = {p.name: o for o, p in list(registry.norm_kernels) + list(registry.fusion_providers)}
+    chosen = sorted({f"{s.chosen} (plugin {origins[s.chosen]})" for s in context.report.selections
+                     if s.chosen in origins})
+    if not chosen:
+        return ""
+    return (f"; or a plugin's kernel: this model runs {', '.join(chosen)} (rerun with "
+            "LAYER_BOUNDARY_DISABLE=<plugin> to tell them apart)")
 
 
 def _describe_residual(semantics: Any) -> str:

@@ -212,7 +212,8 @@ def find_plugins(options: DiscoveryOptions, group: str = ENTRY_POINT_GROUP) -> l
             rec.reason = f"autoload is off ({ENV_NO_AUTOLOAD} / autoload=False); name it in {ENV_ALLOW} to load it"
             continue
         _examine(ep, rec)
-    _warn_unknown_denied(options.deny, [ep.name for ep in eps])
+    _warn_unknown_denied(options.deny, [ep.name for ep in eps],
+                         {ep.name: getattr(getattr(ep, "dist", None), "name", None) or "" for ep in eps})
     return records
 
 
@@ -225,13 +226,15 @@ def _loose(name: str) -> str:
     return n[len("layer-boundary-"):] if n.startswith("layer-boundary-") else n
 
 
-def _warn_unknown_denied(deny: Sequence[str], installed: list[str]) -> None:
+def _warn_unknown_denied(deny: Sequence[str], installed: list[str], dists: Optional[dict[str, str]] = None) -> None:
     """A deny entry that names no installed plugin (a typo, another case, ';' or ' ' between
     names) leaves the plugin it meant running: say so."""
     for name in deny:
         if name in installed:
             continue
-        near = [n for n in installed if _loose(n) == _loose(name) or n in name.replace(";", " ").split()]
+        dist_of = dists or {}
+        near = [n for n in installed if _loose(n) == _loose(name) or n in name.replace(";", " ").split()
+                or (dist_of.get(n) and _loose(dist_of[n]) == _loose(name))]
         hint = f"; did you mean {', '.join(repr(n) for n in near)}? (names are separated by commas)" if near else ""
         log.warning("%s / deny names %r, which no installed plugin is called: nothing was disabled for it%s",
                     ENV_DENY, name, hint)
