@@ -51,6 +51,24 @@ def test_finalize_kernel_under_the_triton_interpreter():
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
+def test_auto_kernel_takes_the_reference_for_a_model_on_the_cpu_of_a_cuda_machine(monkeypatch):
+    # On the H200 the CPU model's candidate chose Triton (CUDA was available) and handed it CPU
+    # tensors ("Pointer argument cannot be accessed from Triton"); float64 was declined outright.
+    from layer_boundary.topology import GroupInfo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    auto, triton = MoeFinalizeFusion(kernel="auto"), MoeFinalizeFusion(kernel="triton")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert auto.kernel == "triton" and not auto._triton_on(cpu) and auto._triton_on(cuda)
+    assert auto._group_refusal(GroupInfo.solo(), torch.float64, 64, cpu) is None  # the reference serves
+    assert triton._group_refusal(GroupInfo.solo(), torch.bfloat16, 64, cpu) == (
+        "kernel='triton' runs on CUDA tensors; this norm's weight is on cpu")
+    # The whole one-rank model as on that machine: every handoff fused, on the reference path.
+    for r in finalize_cases.fused_matrix(0, 1, [dict(sequences=SEQS, dtype="float64")]):
+        _check(r)
+        assert r["kernel"] == "triton"
+
+
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
 def test_one_rank_fused_finalize_matches_the_unfused_model(dtype):
     config = ALL_EXPERTS if dtype == "bfloat16" else {}
@@ -243,6 +261,7 @@ def test_cutedsl_prepares_one_rank_variants_and_serves_only_what_it_built(caplog
     p._norms.add((2, 256, torch.bfloat16, 1.0))  # a two-rank consumer: the core kernel's
     p.prepare(top_k=(2,))
     assert built == [(256, "bfloat16", 1.0, 2, False), (256, "bfloat16", 1.0, 2, True)]
+    launched.clear()  # where CUDA is, prepare's self-check launched each variant once
     h = make_handoff(4, 256, torch.bfloat16, "cpu")  # top-4: not prepared
     p_ = h.payload
     r = torch.randn(4, 256).to(torch.bfloat16)

@@ -114,6 +114,9 @@ class MoeFinalizeFusion:
                  workspace_bytes: int = 256 << 20) -> None:
         if kernel not in ("auto", "triton", "reference"):
             raise ValueError(f"kernel must be 'auto', 'triton' or 'reference', got {kernel!r}")
+        # "auto" is decided per norm weight's device as well: a model built on the CPU of a CUDA
+        # machine (tests, a CPU run) takes the torch reference there, not Triton on CPU tensors.
+        self._auto = kernel == "auto"
         if kernel == "auto":
             kernel = "triton" if torch.cuda.is_available() else "reference"
         self.kernel = kernel
@@ -181,10 +184,11 @@ class MoeFinalizeFusion:
             return "the final norm is not a Gemma RMSNorm (the fused finalize reads gemma_weight)"
         owed = plan.exits[BatchVariant.ORDINARY].skip_owed
         group = owed.group if owed is not None else GroupInfo.solo()
-        why = self._group_refusal(group, params[0].dtype, int(params[0].shape[0]))
+        why = self._group_refusal(group, params[0].dtype, int(params[0].shape[0]), params[0].device)
         if why is None:
             self._finals[id(params[0])] = (weakref.ref(params[0]), group, params[1])
-            self._want(group, int(params[0].shape[0]), params[0].dtype, 1.0)
+            if self._triton_on(params[0].device):
+                self._want(group, int(params[0].shape[0]), params[0].dtype, 1.0)
         return why
 
     def prepare(self) -> None:
@@ -243,7 +247,7 @@ class MoeFinalizeFusion:
         local = self.local_kernel(expert_out, weights, shared, residual, norm) if group.size == 1 else None
         if local is not None:
             local(out)
-        elif self.kernel == "reference":
+        elif not self._triton_on(residual.device):
             partial = finalize_partial_ref(expert_out, weights, shared)
             if group.size > 1:
                 dist.all_reduce(partial, group=group.group)
@@ -285,17 +289,25 @@ class MoeFinalizeFusion:
             return (RefusedCandidate(name, f"read {read.name} is not an unquantized RMSNorm read"),)
         owed = owed_sum(plan)
         group = owed[1] if owed is not None else GroupInfo.solo()
-        why = agree(group, self._group_refusal(group, weight.dtype, int(weight.shape[0])))
+        why = agree(group, self._group_refusal(group, weight.dtype, int(weight.shape[0]), weight.device))
         if why is not None:
             return (RefusedCandidate(name, why),)
-        self._want(group, int(weight.shape[0]), weight.dtype, float(read.offset))
+        if self._triton_on(weight.device):
+            self._want(group, int(weight.shape[0]), weight.dtype, float(read.offset))
         return (FinalizeCandidate(name, self, group, (weight, read.eps, float(read.offset))),)
 
-    def _group_refusal(self, group: GroupInfo, dtype: torch.dtype, hidden: int) -> Optional[str]:
-        if self.kernel == "reference":
-            return None
+    def _triton_on(self, device: torch.device) -> bool:
+        """Whether rows on ``device`` take the Triton kernel (else the torch reference)."""
+        return self.kernel == "triton" and (not self._auto or device.type == "cuda")
+
+    def _group_refusal(self, group: GroupInfo, dtype: torch.dtype, hidden: int,
+                       device: torch.device) -> Optional[str]:
+        if not self._triton_on(device):
+            return None  # the torch reference: any device, any backend
         if not torch.cuda.is_available():
             return "no CUDA device in this process"
+        if device.type != "cuda":
+            return f"kernel='triton' runs on CUDA tensors; this norm's weight is on {device.type}"
         if group.size > 1 and group_backend(group) != "nccl":
             return f"the Triton kernel needs an nccl group; this one uses {group_backend(group)}"
         return limits_refusal(self, group.size, dtype, hidden)
