@@ -407,6 +407,22 @@ def matrix(rank: int, world: int, linear: list[dict[str, Any]], qwen: list[dict[
             "pipeline": pipeline_matrix(rank, world, list(pipeline))}
 
 
+def disagreeing_tp_batches(rank: int, world: int, sequence_parallel: bool) -> str:
+    """TP=2 without attention DP, rank 1 given 4 rows and rank 0 six (a trial: gloo aborted in
+    its pair transport, "Received data size doesn't match expected size"); with the check on, every
+    rank's stack entry raises naming both counts. Returns the error text."""
+    from layer_boundary import BoundaryError
+
+    topo = topology(world, 1)
+    n = 4 if rank == 1 else 6
+    model = LinearStack(1, BoundaryContext(topo), False)
+    try:
+        model(dyadic((n, H), 3), ForwardBatch(num_tokens=n, sequence_parallel=sequence_parallel))
+    except BoundaryError as e:
+        return str(e)
+    return "no error"
+
+
 def disagreeing_dp_counts(rank: int, world: int) -> str:
     """Ranks of one TP=2 x DP=2 layout give the batch different dp_num_tokens (rank 1 believes
     group 1 has 4 rows, not 3); with LAYER_BOUNDARY_CHECK_DP_COUNTS on, every rank's first row

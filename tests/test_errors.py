@@ -522,3 +522,43 @@ def test_a_second_final_norm_says_the_stack_already_ended():
     with pytest.raises(BoundaryError, match="start the layer stack before entering a stage") as e:
         rb.norm(out, fb, RMSNorm(16))
     assert any("already ended" in n for n in e.value.__notes__)
+
+
+def test_a_call_order_mistake_names_the_stage_and_the_missing_call():
+    # A trial: prepare() twice, an attention output passed on without finish(), and an FFN output
+    # without exit() all printed one generic text; the reason is the note, now led by the stage.
+    attn, ffn = make_stages((declare_attn(), make_norm(H, F64)), (declare_ffn(), make_norm(H, F64)))
+    fb = ForwardBatch.for_tokens(T)
+    rb.start(fb)
+    x = attn.prepare(rand(T, H), fb)
+    with raises_exact(BoundaryError, FOREIGN_OUTPUT) as info:
+        ffn.prepare(x * 2, fb)  # no attn.finish()
+    assert info.value.__notes__ == [
+        "ffn #2 prepare(): the stream holds no layer output: the last call was a read (prepare). Call the "
+        "stage's finish() or exit().finish() on the compute output first"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_a_layer_output_in_another_dtype_than_the_residual_is_refused_at_finish(dtype):
+    # A trial: an FP32 attention output in a float64 (or bf16) model was accepted; the next read
+    # returned FP32 rows and the model's next matmul failed on the dtype, far from the mistake.
+    attn, ffn = make_stages((declare_attn(), make_norm(H, F64)), (declare_ffn(), make_norm(H, F64)))
+    fb = ForwardBatch.for_tokens(T)
+    rb.start(fb)
+    x = attn.prepare(rand(T, H), fb)
+    name = str(dtype).replace("torch.", "")
+    with pytest.raises(TypeError, match=rf"the attn #1 output is {name} but the residual is float64 \(the stack "
+                                        r"input's dtype\): return the layer output in that dtype, e.g. "
+                                        r"out.to\(torch.float64\)"):
+        attn.finish(x.to(dtype), fb)
+
+
+def test_an_input_on_another_device_than_the_norm_is_named():
+    # A trial: the error was torch's "Tensor on device cpu is not on the expected device meta!",
+    # from deep in its ops, naming neither the stage nor the norm.
+    (attn,) = make_stages((declare_attn(), make_norm(H, F64)))
+    fb = ForwardBatch.for_tokens(T)
+    rb.start(fb)
+    with pytest.raises(ValueError, match=r"attn #1: hidden_states are on meta, but its norm's weight is on cpu; move "
+                                         r"the model and its inputs to one device"):
+        attn.prepare(torch.empty(T, H, dtype=F64, device="meta"), fb)

@@ -284,3 +284,14 @@ def test_disagreeing_dp_counts_are_named_when_checked(monkeypatch):
     assert all("dp_num_tokens disagrees across the TP group" in t for t in texts), texts
     assert "rank 0 has (2, 3), rank 1 has (2, 4)" in texts[0]
     assert "rank 1 has (2, 4), rank 0 has (2, 3)" in texts[1]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["ordinary", "sequence-parallel"])
+def test_tp_ranks_given_different_batches_are_named_when_checked(monkeypatch, sequence_parallel):
+    from layer_boundary.rows import ENV_CHECK_DP_COUNTS
+
+    monkeypatch.setenv(ENV_CHECK_DP_COUNTS, "1")
+    texts = spawn(parallel_cases.disagreeing_tp_batches, 2, args=(sequence_parallel,), timeout_s=120)
+    assert texts[0].startswith("ForwardBatch.num_tokens disagrees across the TP group: rank 0 has 6, rank 1 has 4; "
+                               "without attention DP every rank of a TP group runs the same batch"), texts
+    assert "rank 1 has 4, rank 0 has 6" in texts[1]

@@ -148,11 +148,17 @@ def run_entry(
         if not hidden.is_floating_point():  # the residual would be that dtype: norms rounded to it
             raise TypeError(f"stack entry expects floating-point hidden states (the embedding output), got "
                             f"{hidden.dtype}; embed the token ids first")
+        # (A CP batch's ranks hold different rows by design: its split is checked instead.)
+        if plan.topology.tp.size > 1 and plan.topology.attn_dp.size == 1 and forward_batch is not None \
+                and not getattr(forward_batch, "context_parallel", False):
+            from .rows import check_counts_agree
+
+            check_counts_agree((forward_batch.num_tokens,), plan.topology, dp=False)
         if capture is not None:
             capture(hidden, owned=False)  # the residual aliases the model's own input
         x, residual, upd = _enter(read, hidden)
     else:
-        stream.expect(hidden)
+        stream.expect(hidden, f"{plan.name} prepare()")
         if state is StreamState.WRITTEN:
             residual = stream.residual
             assert residual is not None
@@ -207,8 +213,17 @@ def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple, *,
     update = stream.next_update or plan.update
     # Input-scattered outputs sit on the group's rows while the residual holds a slice.
     if update.plain_add and isinstance(value, torch.Tensor) and stream.residual is not None \
-            and stream.pending is None and stream.scatter_rows is None:
-        check_shape(f"the {plan.name} output", value, stream.residual)
+            and stream.pending is None:
+        if stream.scatter_rows is None:
+            check_shape(f"the {plan.name} output", value, stream.residual)
+        if value.dtype != stream.residual.dtype:
+            # The add would round it to the residual's dtype, but the next read's input keeps
+            # the output's (a fused kernel returns y in the contribution's dtype): the model's
+            # next matmul would fail on it, or an integer output be added silently.
+            raise TypeError(
+                f"the {plan.name} output is {str(value.dtype).replace('torch.', '')} but the residual is "
+                f"{str(stream.residual.dtype).replace('torch.', '')} (the stack input's dtype): return the layer "
+                f"output in that dtype, e.g. out.to({stream.residual.dtype})")
     if update.at_producer:
         stream.check_free()
         c = Contribution(value, update, owed, transform)
@@ -259,7 +274,7 @@ def _dp_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, hidden:
     rows = dp_rows(stream, plan, forward_batch)
     read = plan.read
     if entry.dp_gather == "join" and stream.state is StreamState.PENDING:
-        stream.expect(hidden)
+        stream.expect(hidden, f"{plan.name} prepare()")
         c = stream.pending
         assert c is not None
         check_edge(plan, entry, c)
@@ -290,6 +305,8 @@ def scatter_rows(stream: ResidualStream, plan: Any, forward_batch: Any) -> Any:
             )
         if counts is not None:
             check_counts_agree(counts, topo)
+        else:
+            check_counts_agree((forward_batch.num_tokens,), topo, dp=False)
         rows = ScatterRows(counts if counts is not None else (forward_batch.num_tokens,), topo)
         stream.scatter_rows = rows
     return rows
@@ -333,7 +350,7 @@ def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, 
             collector.capture(hidden, owned=False)  # the model's own input, on the group's rows
         x, residual, upd = _enter(read, rows.my_slice(hidden))
     else:
-        stream.expect(hidden)
+        stream.expect(hidden, f"{plan.name} prepare()")
         if state is StreamState.WRITTEN:
             x, upd = _reread(read, stream.residual)
             residual = stream.residual

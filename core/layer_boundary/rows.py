@@ -49,9 +49,11 @@ def _checking() -> bool:
     return _CHECKING[0]
 
 
-def check_counts_agree(counts: Sequence[int], topology: Topology) -> None:
+def check_counts_agree(counts: Sequence[int], topology: Topology, *, dp: bool = True) -> None:
     """With ``LAYER_BOUNDARY_CHECK_DP_COUNTS`` on (read once a process), raise ``BoundaryError`` on
-    every rank of the TP group unless all of them give this batch the same ``dp_num_tokens``."""
+    every rank of the TP group unless all of them give this batch the same ``dp_num_tokens``
+    (``dp=False``: the same ``num_tokens``, which every rank of a TP group without attention DP
+    computes on: ranks given different batches otherwise abort in gloo or hang in NCCL)."""
     tp = topology.tp
     if tp.size == 1 or not _checking():
         return
@@ -61,6 +63,12 @@ def check_counts_agree(counts: Sequence[int], topology: Topology) -> None:
     mine = tuple(int(c) for c in counts)
     every = gather_objects(mine, tp.group)
     for rank, theirs in zip(tp.ranks, every):
+        if theirs != mine and not dp:
+            raise BoundaryError(
+                f"ForwardBatch.num_tokens disagrees across the TP group: rank {tp.ranks[tp.rank]} has {mine[0]}, "
+                f"rank {rank} has {theirs[0]}; without attention DP every rank of a TP group runs the same "
+                f"batch (its rows, in the same order) ({ENV_CHECK_DP_COUNTS} found this)"
+            )
         if theirs != mine:
             raise BoundaryError(
                 f"ForwardBatch.dp_num_tokens disagrees across the TP group: rank {tp.ranks[tp.rank]} has {mine}, "

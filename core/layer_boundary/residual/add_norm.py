@@ -349,12 +349,16 @@ ADD_NORM = AddNormReadSpec()
 
 
 def explain_width(where: str, read: Any, hidden_states: Any, error: RuntimeError) -> None:
-    """On a failed read: if the input's width is not the norm's, say that, naming ``where`` (a
-    stage, or the final norm); torch's own error is a broadcast of two sizes. Only the failure
-    path pays for the check."""
+    """On a failed read: if the input's device or width is not the norm's, say that, naming
+    ``where`` (a stage, or the final norm); torch's own error is a broadcast of two sizes or a
+    device assertion deep in its ops. Only the failure path pays for the check."""
     weight = getattr(read, "weight", None)
     if not isinstance(hidden_states, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return
+    if hidden_states.device != weight.device:
+        raise ValueError(f"{where}: hidden_states are on {hidden_states.device}, but its norm's weight is on "
+                         f"{weight.device}; move the model and its inputs to one device (model.to(device) "
+                         "before the forward)") from error
     width = hidden_states.shape[-1] if hidden_states.dim() else None
     if width != weight.shape[0]:
         raise ValueError(f"{where}: hidden_states has {width} columns, but its norm is for hidden size "

@@ -158,10 +158,19 @@ class ResidualStream:
 
     # -- checks ------------------------------------------------------------------------------
 
-    def expect(self, hidden: Any) -> None:
-        """Refuse anything but the object the last boundary call handed out."""
+    def expect(self, hidden: Any, where: str = "") -> None:
+        """Refuse anything but the object the last boundary call handed out; ``where`` (the
+        stage and call, e.g. "ffn #2 prepare()") leads the reason."""
         if hidden is self.handle and hidden is not None:
             return
+        try:
+            self._refuse(hidden)
+        except BoundaryError as e:
+            if where:
+                e.__notes__[-1] = f"{where}: {e.__notes__[-1]}"
+            raise
+
+    def _refuse(self, hidden: Any) -> None:
         if isinstance(hidden, OwedOutput) and hidden._stream is not self:
             raise foreign_output(
                 "this handle was produced by a different ResidualStream (another microbatch or "
