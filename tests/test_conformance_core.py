@@ -243,7 +243,7 @@ def test_semantics_kit_says_what_a_defective_scheme_got_wrong():
                                              r"\(6, 32\) torch.bfloat16"):
         kit.test_stream_transitions(_Fp32Read(), 32, torch.bfloat16)
 
-    class ExitNone(_ScaledClaimsPlain):
+    class ExitNone(_Fp32Read):
         def exit(self, hidden_size, *, dtype, device=None):
             return None
 

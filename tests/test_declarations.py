@@ -414,3 +414,29 @@ def test_an_option_typo_gets_the_near_name():
     with pytest.raises(DeclarationError, match=r"an attn stage accepts only \['fusions', 'qkv_latent_func'\] "
                                                r"\('fusion': did you mean 'fusions'\?\)"):
         make_stages((declare_attn(), RMSNorm(8), {"fusion": None}))
+
+
+def test_an_update_that_claims_plain_add_but_is_not_is_refused_at_declaration():
+    # A trial: r' = 0.5 r + y declared plain_add=True ran without a word; under TP its sum was
+    # joined to the reduction and the logits were off by 28 (found only by --check).
+    import pytest as _pytest
+
+    from layer_boundary import DeclarationError, declare_attn
+
+    class Halves:
+        name, plain_add, at_producer, outlives_producer = "halves", True, False, True
+
+        def apply(self, residual, contribution):
+            return contribution if residual is None else 0.5 * residual + contribution
+
+    with _pytest.raises(DeclarationError, match=r"update 'halves' declares plain_add=True but apply\(r, c\) is not "
+                                                r"r \+ c.*declare plain_add=False"):
+        declare_attn(update=Halves())
+
+    class Honest(Halves):
+        name = "honest"
+
+        def apply(self, residual, contribution):
+            return contribution if residual is None else residual + contribution
+
+    declare_attn(update=Honest())

@@ -398,11 +398,27 @@ def test_hf_shaped_batch_seq_hidden_rows_are_named_under_dp(fake_dist: FakeColle
     a, f = make_stages((declare_attn(), make_norm(H, F64)), (declare_ffn(), make_norm(H, F64)), topology=topo)
     fb = ForwardBatch.for_tokens(3, dp_num_tokens=(3, 2))
     rb.start(fb)
-    h = a.finish(a.prepare(rand(1, 3, H), fb), fb)
-    with pytest.raises(BoundaryError, match=r"has 1 rows \(shape \(1, 3, 8\): boundaries move token rows, "
-                                            r"\[tokens, hidden\]; flatten"):
-        f.prepare(h, fb)
+    # Now at the stack entry, on every layout (one rank too), not at the first row move.
+    with pytest.raises(BoundaryError, match=r"the stack input has 1 rows \(shape \(1, 3, 8\): boundaries move "
+                                            r"token rows, \[tokens, hidden\]; flatten"):
+        a.prepare(rand(1, 3, H), fb)
     assert fake_dist.calls == []  # refused before any collective
+
+
+@pytest.mark.parametrize("shape, tokens, said", [
+    ((1, 3, H), 1, "the stack input has shape (1, 3, 8): boundaries move token rows, [tokens, hidden]; flatten it "
+                "with x.view(-1, x.shape[-1])"),
+    ((7, H), 3, "the stack input has 7 rows, but ForwardBatch.num_tokens is 3: give one row per token of this "
+             "rank's batch (num_tokens counts them)"),
+])
+def test_the_stack_input_is_checked_against_num_tokens_on_one_rank_too(shape, tokens, said):
+    # A trial: on one rank 7 rows with num_tokens=5, and a [1, 7, H] tensor with num_tokens=7, ran
+    # without a word, then failed under TP inside the model's attention.
+    (a,) = make_stages((declare_attn(), make_norm(H, F64)))
+    fb = ForwardBatch(num_tokens=tokens)
+    rb.start(fb)
+    with raises_exact(BoundaryError, said):
+        a.prepare(rand(*shape), fb)
 
 
 # -- exit scopes and get_forward() -------------------------------------------------------------

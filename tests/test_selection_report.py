@@ -60,7 +60,7 @@ def test_qwen3_report_lists_candidates_choice_and_refusals():
     norm_row = [
         ("wide-only-norm", "vendor", "hidden size 64 is not a multiple of 128"),
         ("counting-norm", "vendor", None),
-        ("core-triton", "core", "counting-norm comes first"),
+        ("core-triton", "core", "counting-norm comes first (and it refuses: runs on CUDA devices only, not cpu)"),
         ("torch-reference", "core", "counting-norm comes first"),
     ]
     for stage in stages + ["final norm"]:
@@ -176,7 +176,7 @@ def test_each_request_gets_its_own_choice():
     wide = one(ctx.report, "attn #1", "norm kernels")
     assert cands(wide) == [("wide-only-norm", "vendor", None),
                            ("counting-norm", "vendor", "wide-only-norm comes first"),
-                           ("core-triton", "core", "wide-only-norm comes first"),
+                           ("core-triton", "core", "wide-only-norm comes first (and it refuses: runs on CUDA devices only, not cpu)"),
                            ("torch-reference", "core", "wide-only-norm comes first")]
 
 

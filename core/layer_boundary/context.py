@@ -219,7 +219,10 @@ class BoundaryContext:
         chosen = kernels = None
         for origin, prov in self.norm_candidates():
             if chosen is not None:
-                cands.append(Candidate(prov.name, origin, f"{chosen.name} comes first"))
+                # Its own reason too: "comes first" alone hides why it could not serve anyway.
+                why = refusal(prov, request)
+                cands.append(Candidate(prov.name, origin, f"{chosen.name} comes first"
+                                       + (f" (and it refuses: {why})" if why else "")))
                 continue
             if prov in self._defective:
                 cands.append(Candidate(prov.name, origin, "defective at a first call in this model (see the warning)"))

@@ -36,6 +36,34 @@ ATTN_OPTIONS = frozenset({"qkv_latent_func", "fusions"})
 FFN_OPTIONS = frozenset({"fusions"})
 
 
+_PLAIN_VERIFIED: set[int] = set()
+
+
+def _check_plain_claim(update: Any) -> None:
+    """An update that declares ``plain_add`` must compute ``r + c`` (the FP32 sum rounded once):
+    the boundary joins it to a reduction on one rank and snapshots it, so a nonlinear update that
+    claims it is wrong only under TP, with no error. Tried once per update object on two CPU
+    rows; an update that cannot run there (parameters elsewhere) is not judged."""
+    from .residual.add_norm import PLAIN_ADD
+
+    if update is PLAIN_ADD or id(update) in _PLAIN_VERIFIED:
+        return
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    r, c = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    try:
+        got = update.apply(r.clone(), c.clone())
+    except Exception:
+        return
+    if not (isinstance(got, torch.Tensor) and got.shape == r.shape and torch.equal(got, r + c)):
+        raise DeclarationError(
+            f"update {getattr(update, 'name', update)!r} declares plain_add=True but apply(r, c) is not r + c; "
+            "plain_add lets the boundary join the sum to a reduction on one rank, so a nonlinear update "
+            "claiming it is wrong under tensor parallelism: declare plain_add=False")
+    _PLAIN_VERIFIED.add(id(update))
+
+
 @dataclass(frozen=True, slots=True)
 class StageDeclaration:
     """What one stage's compute does, as the model declares it.
@@ -81,6 +109,8 @@ class StageDeclaration:
             raise DeclarationError(
                 "sparse/next_sparse describe FFN compute; declare them with declare_ffn()"
             )
+        if self.update.plain_add:
+            _check_plain_claim(self.update)
         # A nonlinear update applied at the next read must still be valid when that read runs.
         if not self.update.plain_add and not self.update.at_producer and not self.update.outlives_producer:
             raise DeclarationError(

@@ -148,6 +148,17 @@ def run_entry(
         if not hidden.is_floating_point():  # the residual would be that dtype: norms rounded to it
             raise TypeError(f"stack entry expects floating-point hidden states (the embedding output), got "
                             f"{hidden.dtype}; embed the token ids first")
+        rows = getattr(forward_batch, "num_tokens", None)
+        if isinstance(rows, int) and (hidden.shape[0] != rows or hidden.dim() != 2):
+            # Unchecked, a model that runs on one rank fails only under TP (in its attention, or
+            # a collective): a [batch, seq, hidden] tensor, or rows num_tokens does not count.
+            from .rows import check_rows
+
+            if hidden.dim() != 2 and hidden.shape[0] == rows:
+                raise BoundaryError(f"the stack input has shape {tuple(hidden.shape)}: boundaries move token "
+                                    "rows, [tokens, hidden]; flatten it with x.view(-1, x.shape[-1])")
+            check_rows(hidden, rows, "the stack input", "ForwardBatch.num_tokens is",
+                       "give one row per token of this rank's batch (num_tokens counts them)")
         # (A CP batch's ranks hold different rows by design: its split is checked instead.)
         if plan.topology.tp.size > 1 and plan.topology.attn_dp.size == 1 and forward_batch is not None \
                 and not getattr(forward_batch, "context_parallel", False):
