@@ -43,7 +43,9 @@ def plugins_command(args: argparse.Namespace) -> int:
         bad = [n for n in args.check if n not in status or status[n].status is not PluginStatus.ACTIVE]
         for n in bad:
             r = status.get(n)
-            why = f"{r.status.value}: {_one_line(r.reason)}" if r else "not installed"
+            near = [m for m in status if m.lower() == n.lower()]
+            why = (f"{r.status.value}: {_one_line(r.reason)}" if r else
+                   f"not installed; names are case-sensitive: {near[0]!r}" if near else "not installed")
             print(f"layer-boundary plugins --check: {n} is not active ({why})", file=sys.stderr)
         return 1 if bad else 0
     return 0

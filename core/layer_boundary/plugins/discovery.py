@@ -66,10 +66,20 @@ class PluginRecord:
         return d
 
 
-def _split(value: Optional[str]) -> Optional[list[str]]:
+def _split(value: Optional[str], name: str = "") -> Optional[list[str]]:
+    """A comma-separated list of plugin names; said when it names none although set (an allow
+    list of none loads no plugin) or names one twice."""
     if value is None:
         return None
-    return [v.strip() for v in value.split(",") if v.strip()]
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names and value.strip():
+        log.warning("%s=%r names no plugin%s", name, value,
+                    ": no plugin is loaded (unset it to load every installed plugin)" if name == ENV_ALLOW else "")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        log.warning("%s names %s more than once; each is taken once, at its first place", name,
+                    ", ".join(repr(n) for n in twice))
+    return list(dict.fromkeys(names))
 
 
 def _truthy(value: Optional[str], name: str = "") -> bool:
@@ -116,8 +126,8 @@ class DiscoveryOptions:
         for name, flag in (("autoload", autoload), ("strict", strict)):
             if flag is not None and not isinstance(flag, bool):
                 raise TypeError(f"discover({name}=...) takes True or False, got {flag!r}")
-        a = list(allow) if allow is not None else _split(env.get(ENV_ALLOW))
-        d = list(deny) if deny is not None else (_split(env.get(ENV_DENY)) or [])
+        a = list(allow) if allow is not None else _split(env.get(ENV_ALLOW), ENV_ALLOW)
+        d = list(deny) if deny is not None else (_split(env.get(ENV_DENY), ENV_DENY) or [])
         auto = autoload if autoload is not None else not _truthy(env.get(ENV_NO_AUTOLOAD), ENV_NO_AUTOLOAD)
         s = strict if strict is not None else _truthy(env.get(ENV_STRICT), ENV_STRICT)
         return cls(tuple(a) if a is not None else None, tuple(d), auto, s)

@@ -1,0 +1,38 @@
+"""The operator's plugin lists (LAYER_BOUNDARY_PLUGINS, LAYER_BOUNDARY_DISABLE): a list that names
+nothing, or a name twice, is said rather than taken silently."""
+
+from __future__ import annotations
+
+import logging
+
+from layer_boundary.plugins import PluginStatus, discover
+from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
+
+
+def test_an_allow_list_that_names_no_plugin_says_that_nothing_loads(plugin_site: PluginSite, caplog, monkeypatch):
+    # A trial: LAYER_BOUNDARY_PLUGINS="," loaded no plugin, without a word.
+    plugin_site.add("acme")
+    monkeypatch.setenv("LAYER_BOUNDARY_PLUGINS", ",")
+    with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):
+        reg = discover()
+    assert "LAYER_BOUNDARY_PLUGINS=',' names no plugin: no plugin is loaded (unset it to load every installed " \
+           "plugin)" in caplog.text
+    assert all(r.status is not PluginStatus.ACTIVE for r in plugin_site.mine(reg.records))
+
+
+def test_a_name_given_twice_is_said_and_taken_once(plugin_site: PluginSite, caplog, monkeypatch):
+    plugin_site.add("acme")
+    monkeypatch.setenv("LAYER_BOUNDARY_PLUGINS", "acme,acme")
+    with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):
+        reg = discover()
+    assert "LAYER_BOUNDARY_PLUGINS names 'acme' more than once; each is taken once" in caplog.text
+    assert [r.status for r in plugin_site.mine(reg.records)] == [PluginStatus.ACTIVE]
+
+
+def test_plugins_check_of_a_name_in_another_case_says_the_installed_name(plugin_site: PluginSite, capsys):
+    from layer_boundary.cli.main import main
+
+    plugin_site.add("acme")
+    assert main(["plugins", "--check", "Acme"]) == 1
+    assert "layer-boundary plugins --check: Acme is not active (not installed; names are case-sensitive: 'acme')" \
+        in capsys.readouterr().err
