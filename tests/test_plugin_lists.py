@@ -36,3 +36,23 @@ def test_plugins_check_of_a_name_in_another_case_says_the_installed_name(plugin_
     assert main(["plugins", "--check", "Acme"]) == 1
     assert "layer-boundary plugins --check: Acme is not active (not installed; names are case-sensitive: 'acme')" \
         in capsys.readouterr().err
+
+
+def test_a_slow_manifest_import_is_said(plugin_site: PluginSite, caplog, monkeypatch):
+    # A trial: a manifest that imported torch and slept 2 s was listed active without a word, though
+    # discovery imports every installed plugin's manifest at every startup.
+    from layer_boundary.plugins import discovery
+
+    monkeypatch.setattr(discovery, "MANIFEST_SLOW_S", 0.05)
+    mod, hooks = plugin_site.module_names("sloth")
+    plugin_site.add("sloth", manifest_source=f"""
+        import time
+        time.sleep(0.1)
+        from layer_boundary.plugins import PluginManifest
+        MANIFEST = PluginManifest(name="sloth", api_version=1, provides=("norm_kernels",), hooks={hooks!r})
+        """)
+    with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):
+        reg = discover()
+    assert [r.status for r in plugin_site.mine(reg.records)] == [PluginStatus.ACTIVE]
+    assert f"plugin sloth: importing its manifest ({mod}:MANIFEST) took" in caplog.text
+    assert "keep the manifest module light" in caplog.text

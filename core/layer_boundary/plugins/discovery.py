@@ -301,6 +301,10 @@ def warn_unknown_variables(env: Mapping[str, str], plugin_names: Iterable[str]) 
         log.warning("%s is set, but nothing reads it, so it changes nothing: %s", key, hint)
 
 
+# A manifest import slower than this is said: a light module takes milliseconds.
+MANIFEST_SLOW_S = 0.5
+
+
 def _examine(ep: md.EntryPoint, rec: PluginRecord) -> None:
     try:
         mismatch = _core_mismatch(ep)
@@ -310,8 +314,17 @@ def _examine(ep: md.EntryPoint, rec: PluginRecord) -> None:
     if mismatch:
         rec.status, rec.reason = PluginStatus.INCOMPATIBLE, mismatch
         return
+    import time
+
+    started = time.perf_counter()
     try:
         manifest = ep.load()
+        took = time.perf_counter() - started
+        if took > MANIFEST_SLOW_S:
+            # Discovery reads every installed plugin's manifest at startup, usable or not.
+            log.warning("plugin %s: importing its manifest (%s) took %.1f s; keep the manifest module light "
+                        "(no torch or vendor imports: they belong in the hooks module, imported only when "
+                        "the plugin is usable)", ep.name, ep.value, took)
     except BaseException as e:  # a plugin may raise anything, SystemExit included
         if isinstance(e, KeyboardInterrupt):
             raise
