@@ -308,3 +308,28 @@ def test_non_finite_logits_name_the_plugin_kernels_the_model_ran_as_suspects():
     assert _plugin_suspects(ctx) == ("; or a plugin's kernel: this model runs acme-norm (plugin acme) (rerun with "
                                      "LAYER_BOUNDARY_DISABLE=<plugin> to tell them apart)")
     assert _plugin_suspects(SimpleNamespace(registry=None, report=report)) == ""
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--tp", "3"], "num_attention_heads=4 is not divisible by the tensor-parallel size 3"),
+    (["--pp", "5"], "4 layers cannot be split over 5 pipeline stages"),
+    (["--tp", "4", "--dp", "2"], None),  # 2 attention ranks: 4 heads divide
+])
+def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(argv, said, capsys, monkeypatch):
+    # A trial: --tp 3 said so only after 23 s, from rank 1, once every rank had started.
+    from layer_boundary.cli import run as run_cli
+    from layer_boundary.cli.run import _check_layout
+    from layer_boundary.models.runner import _config
+
+    def no_ranks(*a, **k):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(run_cli, "spawn", no_ranks)
+    if said is None:
+        from layer_boundary.models.runner import RunSpec
+
+        spec = RunSpec(sequences=((1, 2),), tp=4, dp=2)
+        _check_layout(spec, _config(spec))
+        return
+    assert main(["run", *argv, "--input-ids", "1,2"]) == 2
+    assert said in capsys.readouterr().err

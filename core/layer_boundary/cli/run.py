@@ -80,6 +80,21 @@ def _check_lengths(spec: RunSpec, cfg: Any) -> None:
                          f"max_position_embeddings={limit}; pass shorter --input-ids sequences")
 
 
+def _check_layout(spec: RunSpec, cfg: Any) -> None:
+    """The model's own layout rules (heads over the attention ranks, layers over pipeline stages),
+    checked before any rank starts: each rank would say the same after its start-up."""
+    from ..models.layers import local_head_counts
+    from ..models.qwen3 import pp_layer_range
+
+    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    # Heads are sharded over the attention-TP ranks of one CP position: tp / dp / cp of them.
+    if isinstance(heads, int) and isinstance(kv, int) and spec.tp % (spec.dp * spec.cp) == 0:
+        local_head_counts(heads, kv, spec.tp // (spec.dp * spec.cp))
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if isinstance(layers, int) and spec.pp > 1:
+        pp_layer_range(layers, 0, spec.pp)
+
+
 def _check_world(spec: RunSpec, backend: str) -> None:
     """A layout this machine can start: one process a rank (gloo: at most 4 a CPU, 16 at least)."""
     cpus = os.cpu_count() or 1
@@ -194,6 +209,7 @@ def run_command(args: argparse.Namespace) -> int:
             check_safetensors(args.model)  # the weights are there and read (each rank loads them)
         _check_lengths(spec, cfg)
         _check_world(spec, backend)
+        _check_layout(spec, cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"layer-boundary run: {e}", file=sys.stderr)
         return 2

@@ -52,6 +52,26 @@ def all_gather_last_dim(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def local_head_counts(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
+    """Query and kv heads per rank of an attention sharded over ``tp`` ranks (kv heads replicated
+    when there are fewer than ranks); ``ValueError`` naming the fix for a layout that cannot be.
+    Pure, so a launcher can check a layout before starting any rank."""
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}; "
+            "grouped-query attention needs whole groups of query heads per kv head"
+        )
+    local_heads = _divide(num_heads, tp, "num_attention_heads")
+    if num_kv_heads >= tp:
+        return local_heads, _divide(num_kv_heads, tp, "num_key_value_heads")
+    if tp % num_kv_heads:
+        raise ValueError(
+            f"tensor-parallel size {tp} is neither a divisor nor a multiple of "
+            f"num_key_value_heads={num_kv_heads}; choose a TP size that is one or the other"
+        )
+    return local_heads, 1
+
+
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(
@@ -180,21 +200,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         tp = group.size
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}; "
-                "grouped-query attention needs whole groups of query heads per kv head"
-            )
-        local_heads = _divide(num_heads, tp, "num_attention_heads")
-        if num_kv_heads >= tp:
-            local_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
-        else:
-            if tp % num_kv_heads:
-                raise ValueError(
-                    f"tensor-parallel size {tp} is neither a divisor nor a multiple of "
-                    f"num_key_value_heads={num_kv_heads}; choose a TP size that is one or the other"
-                )
-            local_kv_heads = 1
+        local_heads, local_kv_heads = local_head_counts(num_heads, num_kv_heads, tp)
         # output_size counts replicated kv heads once per rank: [q + 2 kv] per rank, times R.
         per_rank = (local_heads + 2 * local_kv_heads) * head_dim
         super().__init__(hidden_size, per_rank * tp, bias, group, dtype=dtype)
