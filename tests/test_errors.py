@@ -554,19 +554,32 @@ def test_a_call_order_mistake_names_the_stage_and_the_missing_call():
         "stage's finish() or exit().finish() on the compute output first"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int64])
 def test_a_layer_output_in_another_dtype_than_the_residual_is_refused_at_finish(dtype):
-    # A trial: an FP32 attention output in a float64 (or bf16) model was accepted; the next read
-    # returned FP32 rows and the model's next matmul failed on the dtype, far from the mistake.
-    attn, ffn = make_stages((declare_attn(), make_norm(H, F64)), (declare_ffn(), make_norm(H, F64)))
+    # A trial: an FP32 attention output in a bf16 model was accepted; the next read returned FP32
+    # rows and the model's next matmul failed on the dtype, far from the mistake.
+    attn, ffn = make_stages((declare_attn(), make_norm(H, torch.bfloat16)),
+                            (declare_ffn(), make_norm(H, torch.bfloat16)))
     fb = ForwardBatch.for_tokens(T)
     rb.start(fb)
-    x = attn.prepare(rand(T, H), fb)
+    x = attn.prepare(rand(T, H).to(torch.bfloat16), fb)
     name = str(dtype).replace("torch.", "")
-    with pytest.raises(TypeError, match=rf"the attn #1 output is {name} but the residual is float64 \(the stack "
-                                        r"input's dtype\): return the layer output in that dtype, e.g. "
-                                        r"out.to\(torch.float64\)"):
+    with pytest.raises(TypeError, match=rf"the attn #1 output is {name} but the residual is bfloat16 \(the stack "
+                                        r"input's dtype\): return the layer output in the model's compute dtype, "
+                                        r"e.g. out.to\(torch.bfloat16\)"):
         attn.finish(x.to(dtype), fb)
+
+
+def test_a_narrower_output_into_an_fp32_residual_is_the_fp32_residual_layout():
+    # bf16 compute over an FP32 residual stream (an FP32 embedding output): allowed, and the next
+    # read returns the compute dtype.
+    attn, ffn = make_stages((declare_attn(), make_norm(H, torch.bfloat16)),
+                            (declare_ffn(), make_norm(H, torch.bfloat16)))
+    fb = ForwardBatch.for_tokens(T)
+    rb.start(fb)
+    x = attn.prepare(rand(T, H).float(), fb)
+    y = ffn.prepare(attn.finish(x.to(torch.bfloat16), fb), fb)
+    assert y.dtype == torch.bfloat16 and fb.residual_stream.residual.dtype == torch.float32
 
 
 def test_an_input_on_another_device_than_the_norm_is_named():

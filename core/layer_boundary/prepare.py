@@ -227,14 +227,17 @@ def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple, *,
             and stream.pending is None:
         if stream.scatter_rows is None:
             check_shape(f"the {plan.name} output", value, stream.residual)
-        if value.dtype != stream.residual.dtype:
-            # The add would round it to the residual's dtype, but the next read's input keeps
-            # the output's (a fused kernel returns y in the contribution's dtype): the model's
-            # next matmul would fail on it, or an integer output be added silently.
+        if value.dtype != stream.residual.dtype and (
+                not value.is_floating_point()
+                or torch.promote_types(value.dtype, stream.residual.dtype) != stream.residual.dtype):
+            # A narrower output is the FP32-residual layout (bf16 compute, an FP32 stream: the
+            # next read returns bf16). A wider or integer one is a mistake: the add rounds it to
+            # the residual's dtype, but the next read's input keeps the output's, and the model's
+            # next matmul fails on it far from here (an integer output is added silently).
             raise TypeError(
                 f"the {plan.name} output is {str(value.dtype).replace('torch.', '')} but the residual is "
                 f"{str(stream.residual.dtype).replace('torch.', '')} (the stack input's dtype): return the layer "
-                f"output in that dtype, e.g. out.to({stream.residual.dtype})")
+                f"output in the model's compute dtype, e.g. out.to({stream.residual.dtype})")
     if update.at_producer:
         stream.check_free()
         c = Contribution(value, update, owed, transform)
