@@ -333,3 +333,9 @@ def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(argv, 
         return
     assert main(["run", *argv, "--input-ids", "1,2"]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_a_pipeline_runs_stage_count_says_it_is_the_first_stages(capsys):
+    # A trial: "stages: 4 boundaries" under --pp 2 read as the whole model's (it is rank 0's layers).
+    assert main(["run", "--pp", "2", "--input-ids", "1,2"]) == 0
+    assert "boundaries (pipeline stage 0 of 2: its layers only)" in capsys.readouterr().out

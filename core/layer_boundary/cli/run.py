@@ -263,7 +263,9 @@ def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any
     print(f"dtype:    {spec.dtype}   device: {spec.device}   ranks: {spec.world_size} ({backend})   "
           f"topology: {head['topology']}   reduction: {spec.reduction}")
     print(f"residual: {head['residual']}")
-    print(f"stages:   {head['boundaries']} boundaries")
+    # Rank 0 reports: under --pp its pipeline stage's layers, not the whole model's.
+    where = f" (pipeline stage 0 of {spec.pp}: its layers only)" if spec.pp > 1 else ""
+    print(f"stages:   {head['boundaries']} boundaries{where}")
     for line in head["stages"]:
         print(line)
     if "tbo" in head:
