@@ -176,7 +176,8 @@ def test_each_request_gets_its_own_choice():
     wide = one(ctx.report, "attn #1", "norm kernels")
     assert cands(wide) == [("wide-only-norm", "vendor", None),
                            ("counting-norm", "vendor", "wide-only-norm comes first"),
-                           ("core-triton", "core", "wide-only-norm comes first (and it refuses: runs on CUDA devices only, not cpu)"),
+                           ("core-triton", "core", "wide-only-norm comes first (and it refuses: runs on CUDA "
+                                                   "devices only, not cpu)"),
                            ("torch-reference", "core", "wide-only-norm comes first")]
 
 
