@@ -110,3 +110,19 @@ def test_a_parameter_recast_through_data_is_refused_before_the_kernels(name):
     t.data = t.data.to(torch.bfloat16)
     with pytest.raises(ValueError, match=rf"MHC parameter {name} is bfloat16, expected float32"):
         read._triton(streams)
+
+
+def test_an_mhc_read_of_torch_rmsnorm_without_eps_follows_a_cast_of_the_model():
+    # As the core's read: torch.nn.RMSNorm(eps=None) takes its compute dtype's epsilon at each
+    # call, so a model built in float64 and cast to float32 (or back) must not keep the first one.
+    from torch import nn
+
+    from layer_boundary_mhc.read import _Norm
+
+    norm = nn.RMSNorm(16, dtype=torch.float64)
+    read = _Norm(norm)
+    assert read.rms()[1] == torch.finfo(torch.float64).eps
+    norm.float()
+    assert read.rms()[1] == torch.finfo(torch.float32).eps
+    fixed = _Norm(nn.RMSNorm(16, eps=1e-6, dtype=torch.float64))
+    assert fixed.rms()[1] == 1e-6

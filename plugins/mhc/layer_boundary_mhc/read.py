@@ -52,7 +52,7 @@ def _check_norm(norm: Any) -> None:
 class _Norm:
     """The stage's norm applied to an FP32 (or FP64) tensor, rounded once to ``dtype``."""
 
-    __slots__ = ("norm", "offset", "kind", "_eps", "_black_box")
+    __slots__ = ("norm", "offset", "kind", "_eps", "_black_box", "_eps_follows")
 
     def __init__(self, norm: nn.Module) -> None:
         _check_norm(norm)
@@ -61,6 +61,9 @@ class _Norm:
         self._black_box = params is None
         self.offset = 0.0 if params is None else params[2]
         self._eps = None if params is None else params[1]  # configuration: fixed, as the core's read
+        # ... except torch.nn.RMSNorm(eps=None), whose eps is its compute dtype's at each call: a
+        # model cast after construction (.double()) changes it (as the core's RMSNormRead).
+        self._eps_follows = type(norm) is nn.RMSNorm and getattr(norm, "eps", 0.0) is None
         if params is None:
             self.kind = f"module:{type(norm).__name__}"
         else:
@@ -69,7 +72,10 @@ class _Norm:
     def rms(self) -> tuple[torch.Tensor, float]:
         """``(weight, eps)`` of an RMSNorm-like norm, the weight looked up per call: a loader may
         replace the parameter object."""
-        return self.norm.weight, self._eps
+        weight = self.norm.weight
+        if self._eps_follows:
+            return weight, torch.finfo(torch.float64 if weight.dtype == torch.float64 else torch.float32).eps
+        return weight, self._eps
 
     def __call__(self, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self._black_box:
