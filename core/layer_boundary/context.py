@@ -202,7 +202,6 @@ class BoundaryContext:
                     nxt_name, origin)
         return mine
 
-
     def _for_device(self, request: NormRequest) -> NormRequest:
         if self.device is not None and request.device_type != self.device.type:
             # The model is built here and moved to its device afterwards: select for where it

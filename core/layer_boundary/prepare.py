@@ -94,11 +94,6 @@ def _enter(read: Any, hidden: torch.Tensor) -> tuple[Any, Any, Any]:
     return out if getattr(read, "makes_update", False) else (out[0], out[1], None)
 
 
-def _in_place(read: Any) -> bool:
-    # A read that does not say is taken to write the residual in place (the safe assumption).
-    return getattr(read, "residual_in_place", True)
-
-
 def _aliases(residual: Any, hidden: Any) -> bool:
     """Whether the residual an entry made is (a view of) the model's input tensor."""
     return (isinstance(residual, torch.Tensor) and isinstance(hidden, torch.Tensor)
@@ -169,7 +164,7 @@ def run_entry(
             capture(hidden, owned=False)  # the residual aliases the model's own input
         x, residual, upd = _enter(read, hidden)
     else:
-        stream.expect(hidden, f"{plan.name} prepare()")
+        stream.expect(hidden, plan.name)
         if state is StreamState.WRITTEN:
             residual = stream.residual
             assert residual is not None
@@ -182,7 +177,7 @@ def run_entry(
             # A capture completes the owed sum unfused (the spec's rule): a fused kernel may
             # never materialize the updated residual outside its communication buffers.
             fusable = _fusable(c) if entry.candidates and capture is None else None
-            residual = stream.writable_residual(fusable is not None or _in_place(read))
+            residual = stream.writable_residual(read, fused=fusable is not None)
             if fusable is not None:
                 fused = _try_candidates(entry, c, fusable, residual, read, forward_batch)
                 if fused is not None:
@@ -288,7 +283,7 @@ def _dp_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, hidden:
     rows = dp_rows(stream, plan, forward_batch)
     read = plan.read
     if entry.dp_gather == "join" and stream.state is StreamState.PENDING:
-        stream.expect(hidden, f"{plan.name} prepare()")
+        stream.expect(hidden, plan.name)
         c = stream.pending
         assert c is not None
         check_edge(plan, entry, c)
@@ -364,7 +359,7 @@ def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, 
             collector.capture(hidden, owned=False)  # the model's own input, on the group's rows
         x, residual, upd = _enter(read, rows.my_slice(hidden))
     else:
-        stream.expect(hidden, f"{plan.name} prepare()")
+        stream.expect(hidden, plan.name)
         if state is StreamState.WRITTEN:
             x, upd = _reread(read, stream.residual)
             residual = stream.residual
@@ -374,7 +369,7 @@ def _scattered_entry(plan: StagePlan, entry: EntryPath, stream: ResidualStream, 
             check_edge(plan, entry, c)
             stream.consume()
             value = complete_scattered(c, rows)
-            residual = stream.writable_residual(_in_place(read))
+            residual = stream.writable_residual(read)
             x, residual, upd = _update_read(read, c.update, value, residual)
         if capture is not None or collector is not None:
             # Both want the group's rows (the producer's rows, and the attention's compute-input

@@ -190,8 +190,8 @@ class TboSplit:
     sequences): the microbatches' collectives are sized by their rows, and ranks that split
     differently issue collectives of different sizes (gloo aborts the process, NCCL hangs).
     Engines derive the split from the scheduler's batch, which every rank shares; with
-    ``LAYER_BOUNDARY_CHECK_DP_COUNTS`` on, each microbatch's DP row counts are compared across
-    the TP group at its first row move.
+    ``LAYER_BOUNDARY_CHECK_DP_COUNTS`` on, each microbatch's rows (``num_tokens``, or its DP row
+    counts under attention DP) are compared across the TP group before its first collective.
     """
 
     seq_index: int

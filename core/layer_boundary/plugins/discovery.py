@@ -20,6 +20,8 @@ import importlib
 import importlib.metadata as md
 import logging
 import os
+import re
+import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -223,15 +225,13 @@ def find_plugins(options: DiscoveryOptions, group: str = ENTRY_POINT_GROUP) -> l
             continue
         _examine(ep, rec)
     _warn_unknown_denied(options.deny, [ep.name for ep in eps],
-                         {ep.name: getattr(getattr(ep, "dist", None), "name", None) or "" for ep in eps})
+                         {ep.name: _dist_name(ep) or "" for ep in eps})
     return records
 
 
 def _loose(name: str) -> str:
     """A name as an operator may misremember it: any case, '-' or '_', or the distribution's name
     (layer-boundary-rocm-aiter for rocm_aiter)."""
-    import re
-
     n = re.sub(r"[-_.]+", "-", name.strip().lower())
     return n[len("layer-boundary-"):] if n.startswith("layer-boundary-") else n
 
@@ -314,8 +314,6 @@ def _examine(ep: md.EntryPoint, rec: PluginRecord) -> None:
     if mismatch:
         rec.status, rec.reason = PluginStatus.INCOMPATIBLE, mismatch
         return
-    import time
-
     started = time.perf_counter()
     try:
         manifest = ep.load()

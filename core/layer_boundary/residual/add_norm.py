@@ -123,8 +123,7 @@ class RMSNormRead:
     fuses_with = frozenset({PlainAdd.name})
 
     def __init__(self, norm: nn.Module, offset: float, kernels: NormKernels, quant: Optional[str] = None,
-                 eps: Optional[float] = None,
-                 on_defect: Optional[Callable[[NormKernels, str], Optional[NormKernels]]] = None) -> None:
+                 eps: Optional[float] = None) -> None:
         check_quant(quant)
         self.norm = norm
         self.offset = offset
@@ -144,10 +143,11 @@ class RMSNormRead:
         self._params = norm._parameters if "weight" in norm._parameters else None
         # Each kernel's first call is checked (shape and dtype of what it returns: metadata, no
         # sync; or that it did not raise where the reference does not): a plugin's kernel that is
-        # defective is reported there and replaced through on_defect (the selection's next
-        # provider), not found deep in the model's next matmul. Without on_defect (kernels given
-        # to the read spec) it is an error. The table's own numerics are the conformance kit's.
-        self._on_defect = on_defect
+        # defective is reported there and replaced through _on_defect, which the selection sets
+        # when it registers the read (the next provider's kernels), not found deep in the model's
+        # next matmul. Without it (kernels given to the read spec) it is an error. The table's own
+        # numerics are the conformance kit's.
+        self._on_defect: Optional[Callable[[NormKernels, str], Optional[NormKernels]]] = None
         self._set_kernels(kernels)
 
     def _set_kernels(self, kernels: NormKernels) -> None:

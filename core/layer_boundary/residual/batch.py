@@ -158,7 +158,7 @@ def norm(
                             "or drop handoff_norm"
                         )
                     stream.consume()
-                    out = handoff_norm.finalize(handoff, stream.writable_residual(True), gamma)
+                    out = handoff_norm.finalize(handoff, stream.writable_residual(fused=True), gamma)
                     if not handoff.completed:
                         handoff.mark_consumed()  # the service ran the finalize: never again
                     return out
@@ -173,8 +173,7 @@ def norm(
                     out = value
                 else:
                     # [:2]: a read that makes updates also returns one; the stack ends here.
-                    out, residual = read.update_and_read(
-                        c.update, value, stream.writable_residual(getattr(read, "residual_in_place", True)))[:2]
+                    out, residual = read.update_and_read(c.update, value, stream.writable_residual(read))[:2]
         assert residual is not None
         if capture_output is not None:
             # On the rows the model sees (gathered from the slices of an input-scattered batch);

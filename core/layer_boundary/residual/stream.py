@@ -134,13 +134,14 @@ class ResidualStream:
         self.handle = handle
         self.borrowed = False
 
-    def writable_residual(self, in_place: bool) -> Optional[torch.Tensor]:
-        """The residual to hand an update that writes it in place when ``in_place``: a copy while
-        it is still the stack's input. The entry aliases the model's input rather than copying it
-        (out-of-place kernels never need the copy), so the copy is paid once a forward, and only
-        where an in-place kernel (a plugin's fused add + norm, a fused all-reduce) follows."""
+    def writable_residual(self, read: Any = None, *, fused: bool = False) -> Optional[torch.Tensor]:
+        """The residual to hand ``read``'s update (or, ``fused``, a fused candidate, which writes
+        it in place): a copy while it is still the stack's input and the writer works in place (a
+        read that does not say is taken to). The entry aliases the model's input rather than
+        copying it, so the copy is paid once a forward, and only where an in-place kernel follows;
+        past the entry this is one flag test a layer."""
         r = self.residual
-        if self.borrowed and in_place and r is not None:
+        if self.borrowed and r is not None and (fused or getattr(read, "residual_in_place", True)):
             r = self.residual = r.clone()
             self.borrowed = False
         return r
@@ -158,16 +159,16 @@ class ResidualStream:
 
     # -- checks ------------------------------------------------------------------------------
 
-    def expect(self, hidden: Any, where: str = "") -> None:
-        """Refuse anything but the object the last boundary call handed out; ``where`` (the
-        stage and call, e.g. "ffn #2 prepare()") leads the reason."""
+    def expect(self, hidden: Any, stage: str = "") -> None:
+        """Refuse anything but the object the last boundary call handed out; ``stage`` (the
+        preparing stage's name) leads the reason, formatted only when refusing."""
         if hidden is self.handle and hidden is not None:
             return
         try:
             self._refuse(hidden)
         except BoundaryError as e:
-            if where:
-                e.__notes__[-1] = f"{where}: {e.__notes__[-1]}"
+            if stage:
+                e.__notes__[-1] = f"{stage} prepare(): {e.__notes__[-1]}"
             raise
 
     def _refuse(self, hidden: Any) -> None:
