@@ -17,7 +17,9 @@ A block is taken by its language, and by one optional marker on the line just be
                                         missing (a GPU, an index to upload to)
 ``sh``                                  each command (``&&`` chains split) by its first word:
                                         ``layer-boundary``, ``torchrun``, ``python``/``pytest``
-                                        naming test files: run, exit status 0; ``pip install``:
+                                        naming test files: run, exit status 0 (``torchrun
+                                        --nproc-per-node N FILE``: FILE on N ranks with torchrun's
+                                        variables, without its agent); ``pip install``:
                                         not run, every distribution and path it names must exist in
                                         this repository; ``python3 -m venv``, ``.``/``source``: not
                                         run; ``python -m pytest`` without a test path (the whole
@@ -251,7 +253,8 @@ def run_shell(block: Block, cwd: Path) -> None:
         elif head == "layer-boundary":
             argv = words
         elif head == "torchrun":
-            argv = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+            _torchrun(block, words, cwd)
+            continue
         else:
             raise AssertionError(f"{block.where}: the command {' '.join(words)!r} is neither run nor "
                                  f"checked here; mark the block skip: REASON if it cannot run")
@@ -263,6 +266,15 @@ def run_shell(block: Block, cwd: Path) -> None:
         out = _RUN_CACHE[key]
         assert out.returncode == 0, (f"{block.where}: {' '.join(words)} exited {out.returncode}\n"
                                      f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+
+
+def _torchrun(block: Block, words: list[str], cwd: Path) -> None:
+    """``torchrun --nproc-per-node N FILE``: FILE on N ranks with the variables torchrun sets
+    (its elastic agent, one more interpreter start, is left out: nothing here restarts ranks)."""
+    m = re.fullmatch(r"torchrun --nproc[-_]per[-_]node[ =](\d+) (\S+\.py)", " ".join(words))
+    assert m, f"{block.where}: only torchrun --nproc-per-node N FILE.py runs here, not {' '.join(words)!r}"
+    code = (cwd / m.group(2)).read_text()
+    launch_ranks([[(f"{block.where} {m.group(2)}", code)]], cwd, int(m.group(1)), main=True)
 
 
 # -- python ----------------------------------------------------------------------------------
@@ -291,7 +303,7 @@ RANK_WORKER = textwrap.dedent("""
     import json, sys, traceback
     chains = json.load(open(sys.argv[1]))
     for chain in chains:
-        namespace = {"__name__": "__docs__"}
+        namespace = {"__name__": sys.argv[2]}
         for where, code in chain:
             try:
                 exec(compile(code, where, "exec"), namespace)
@@ -312,8 +324,12 @@ def _free_port() -> int:
 
 
 def run_ranked(chains: list[list[Block]], cwd: Path, world: int = 2) -> None:
+    launch_ranks([[(b.where, b.code) for b in chain] for chain in chains], cwd, world)
+
+
+def launch_ranks(chains: list[list[tuple[str, str]]], cwd: Path, world: int, main: bool = False) -> None:
     spec = cwd / "_ranked_blocks.json"
-    spec.write_text(json.dumps([[(b.where, b.code) for b in chain] for chain in chains]))
+    spec.write_text(json.dumps(chains))
     worker = cwd / "_rank_worker.py"
     worker.write_text(RANK_WORKER)
     port = str(_free_port())
@@ -323,8 +339,9 @@ def run_ranked(chains: list[list[Block]], cwd: Path, world: int = 2) -> None:
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, str(worker), str(spec)], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        argv = [sys.executable, str(worker), str(spec), "__main__" if main else "__docs__"]
+        procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
         for p in procs:
@@ -334,7 +351,7 @@ def run_ranked(chains: list[list[Block]], cwd: Path, world: int = 2) -> None:
             if p.poll() is None:
                 p.kill()
     for rank, (p, text) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {rank} of the page's 2-rank blocks exited {p.returncode}:\n{text[-4000:]}"
+        assert p.returncode == 0, f"rank {rank} of {world} exited {p.returncode}:\n{text[-4000:]}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
