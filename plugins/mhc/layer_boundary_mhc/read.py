@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from layer_boundary import StageUpdate
+from layer_boundary.plugin_api import StageUpdate
 from layer_boundary.kernels.reference import rmsnorm_ref
 from layer_boundary.norms import norm_params
 

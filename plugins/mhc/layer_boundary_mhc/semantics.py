@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from layer_boundary import StageResidual
+from layer_boundary.plugin_api import StageResidual
 
 from .coefficients import SINKHORN_ITERS
 from .params import MhcHead, MhcStageParams
