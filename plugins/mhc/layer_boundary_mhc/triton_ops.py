@@ -212,6 +212,12 @@ _define("layer_boundary_mhc::update", _update_body, {"out"})
 
 # -- checks (a few attribute reads a call) ------------------------------------------------------------
 
+def one_launch(tokens: int, cooperative: Optional[bool], config: MhcKernelConfig = DEFAULT_CONFIG) -> bool:
+    """Whether a call runs the Triton kernels as one launch: as the caller says, else up to
+    ``config.cooperative_tokens`` tokens (two launches were faster above on an H200)."""
+    return tokens <= config.cooperative_tokens if cooperative is None else cooperative
+
+
 def _check_streams(x: torch.Tensor) -> tuple[int, int, int]:
     if x.dim() != 3:
         raise ValueError(f"the MHC kernels take streams [tokens, n, hidden], got shape {tuple(x.shape)}")
@@ -346,8 +352,7 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
     h_res_out = _coefficient_dest(h_res_out, (t, n, n), x, "h_res")
     eps = float(params.eps)
     form = FORM_CLUSTER if cluster else FORM_AUTO if cooperative is None else FORM_TRITON
-    if cooperative is None:
-        cooperative = t <= config.cooperative_tokens
+    cooperative = one_launch(t, cooperative, config)
     index = _config_index(config)
     # Dynamo sees is_compiling() as True: the compiled graph gets the operator; eager bypasses it.
     if torch.compiler.is_compiling():
