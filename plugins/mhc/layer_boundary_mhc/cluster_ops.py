@@ -156,15 +156,19 @@ def _resident_clusters(device: torch.device) -> int:
 _SMS: dict[int, int] = {}
 
 
+def split_grid(sms: int, blocks: int, finishers: int) -> tuple[int, int]:
+    """(sets of 16 stream CTAs, finisher CTAs) for the split variant on a GPU of ``sms`` SMs: one CTA
+    an SM, at least ``finishers`` SMs left to the finisher CTAs, no more sets than blocks."""
+    sets = max(1, min(blocks, (sms - finishers) // 16))
+    return sets, max(1, sms - 16 * sets)
+
+
 def _split_grid(device: torch.device, blocks: int, finishers: int) -> tuple[int, int]:
-    """(sets of 16 stream CTAs, finisher CTAs) for the split variant: one CTA an SM, at least
-    ``finishers`` SMs left to the finisher CTAs, no more sets than blocks."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _SMS.get(index)
     if sms is None:
         sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    sets = max(1, min(blocks, (sms - finishers) // 16))
-    return sets, max(1, sms - 16 * sets)
+    return split_grid(sms, blocks, finishers)
 
 
 def import_problem() -> str:
