@@ -156,6 +156,8 @@ class MhcKernelConfig:
             items = value if isinstance(value, tuple) else (value,)
             if any(isinstance(v, bool) and f.type != "bool" or not isinstance(v, int) for v in items):
                 raise TypeError(f"MhcKernelConfig({f.name}={value!r}): integers only")
+            if f.name not in ("update_read_tokens", "read_tokens") and min(items) < 0:
+                raise ValueError(f"MhcKernelConfig({f.name}={value!r}) must not be negative")
         positive = ("decode_tokens", "mid_tokens", "finish_tokens", "finish_rows", "stage_bytes", "max_tile",
                     "chunk", "cluster", "cluster_block_tokens", "cluster_warps", "cluster_ctas", "sinkhorn_tokens",
                     "sinkhorn_warps", "persistent_warps", "split_producers", "split_produce_depth", "split_captured_words")
