@@ -75,7 +75,8 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
+        page = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page.name
+        return f"{page}:{self.line}"
 
     @property
     def continues(self) -> bool:
@@ -401,3 +402,17 @@ def test_pip_check_refuses_what_does_not_exist():
                 ["layer-boundary[everything]"]):
         with pytest.raises(AssertionError):
             check_pip_install("x", bad)
+
+
+def test_the_runner_fails_a_failing_block(tmp_path):
+    page = tmp_path / "page.md"
+    fence = "`" * 3
+    page.write_text(f"text\n\n{fence}python\nx = 1\n{fence}\n<!-- docs-test: continue -->\n"
+                    f"{fence}python\nassert x == 2, 'wrong'\n{fence}\n\n{fence}sh\nrm -rf build\n{fence}\n")
+    first, second, shell = blocks(page)
+    assert second.continues and not first.continues
+    with pytest.raises(AssertionError, match="page.md:7 raised AssertionError: wrong"):
+        for chain in _chains([first, second]):
+            _exec_chain(chain)
+    with pytest.raises(AssertionError, match="neither run nor checked"):
+        run_shell(shell, tmp_path)
