@@ -188,7 +188,8 @@ def check_pip_install(where: str, args: list[str]) -> None:
         target, extras = m.group(1), {e.strip() for e in (m.group(2) or "").split(",") if e.strip()}
         if target.startswith((".", "/")) or "/" in target:
             folder = (ROOT / target).resolve()
-            assert (folder / "pyproject.toml").is_file(), f"{where}: {target} is no distribution folder of this repository"
+            assert (folder / "pyproject.toml").is_file(), (
+                f"{where}: {target} is no distribution folder of this repository")
             project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
             _check_extras(where, target, project, extras)
             continue
