@@ -17,6 +17,7 @@ fail.
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -25,8 +26,9 @@ from ..contracts import Owed
 from ..errors import START_FIRST, BoundaryError, foreign_output
 from ..output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
 from . import StageUpdate
+from .add_norm import PLAIN_ADD
 
-__all__ = ["StreamState", "ResidualStream", "Handle", "started_stream"]
+__all__ = ["StreamState", "ResidualStream", "Handle", "start", "started_stream"]
 
 Handle = Union[torch.Tensor, OwedOutput]
 
@@ -219,8 +221,6 @@ class ResidualStream:
                 stream.write(residual, residual)
             return stream, stream.handle
         if update is None:
-            from .add_norm import PLAIN_ADD
-
             update = PLAIN_ADD
         stream.residual = residual
         return stream, stream.leave(UnreducedOutput(output, update, owed, transform))
@@ -240,4 +240,28 @@ def started_stream(forward_batch: Any) -> ResidualStream:
             err.add_note("this batch's layer stack already ended (its final norm ran); a new forward starts "
                          "with residual_batch.start(forward_batch)")
         raise err
+    return stream
+
+
+def start(forward_batch: Any) -> ResidualStream:
+    """Give the batch a fresh (initial) stream; any earlier stream of the batch is released."""
+    old = getattr(forward_batch, "residual_stream", None)
+    if old is not None:
+        if not old.released and old.state is not StreamState.INITIAL:
+            # The one place a forward that never left the stack shows: a model that normalized
+            # the last layer's output itself (not residual_batch.norm) lost the last residual add.
+            warnings.warn(
+                f"residual_batch.start(): this batch's previous forward never left the layer stack "
+                f"(its stream is {old.state.value}); leave it through residual_batch.norm(), to_pp() or "
+                "take_output(), which complete the last layer's residual update. The old stream is dropped",
+                stacklevel=2)
+        old.release()
+    stream = ResidualStream()
+    try:
+        forward_batch.residual_stream = stream
+    except AttributeError as e:
+        raise TypeError(
+            f"{type(forward_batch).__name__} has no settable residual_stream attribute; the "
+            "boundary owns that attribute of the engine's batch object (see ForwardBatchLike)"
+        ) from e
     return stream
