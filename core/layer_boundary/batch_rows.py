@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from .prepare import run_entry
+from .rows import check_counts_agree
 from .residual.stream import ResidualStream
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ class BatchRows:
         """The stage's compute input; leaves the stream written with the updated residual."""
         raise NotImplementedError
 
+    def check_stack_rows(self, plan: StagePlan, forward_batch: Any) -> None:
+        """At the stack entry, before the first read: check what this variant needs of the
+        batch's rows across ranks (nothing by default)."""
+
     def give_back(self, plan: StagePlan, stream: ResidualStream, forward_batch: Any,
                   value: torch.Tensor) -> torch.Tensor:
         """An FFN output (partial over its sum group where ``reduce_scatters``) on the rows the
@@ -87,9 +92,12 @@ class OrdinaryRows(BatchRows):
 
     __slots__ = ("agree_counts",)
 
+    # Nothing moves: the entry is the read on this rank's rows, called without a wrapper.
+    enter = staticmethod(run_entry)  # type: ignore[assignment]
+
     def __init__(self, agree_counts: bool = False) -> None:
         self.agree_counts = agree_counts
 
-    def enter(self, plan: StagePlan, entry: EntryPath, stream: ResidualStream, hidden: Any,
-              capture: Optional[Capture], collector: Any, forward_batch: Any) -> Any:
-        return run_entry(plan, entry, stream, hidden, capture, collector, forward_batch, self.agree_counts)
+    def check_stack_rows(self, plan: StagePlan, forward_batch: Any) -> None:
+        if self.agree_counts:
+            check_counts_agree((forward_batch.num_tokens,), plan.topology, dp=False)

@@ -53,31 +53,38 @@ def decide(plan: StagePlan, path: ExitPath, forward_batch: Any) -> tuple[bool, b
 
 class _Exit:
     __slots__ = ("_plan", "_path", "_stream", "_defer_sum", "_defer_finalize", "_saved", "_done",
-                 "_return", "_fb")
+                 "_return", "_fb", "_rs")
 
     def __init__(self, plan: StagePlan, path: ExitPath, stream: ResidualStream, forward_batch: Any) -> None:
         self._plan = plan
         self._path = path
         self._stream = stream
         self._fb = forward_batch
-        self._defer_sum, self._defer_finalize = decide(plan, path, forward_batch)
+        if plan.finalize_askers or (path.may_defer_sum and plan.sum_askers):
+            self._defer_sum, self._defer_finalize = decide(plan, path, forward_batch)
+        else:  # no provider to ask: decide() would return exactly this
+            self._defer_sum, self._defer_finalize = path.always_defer_sum, False
         # An FFN output that returns to the residual's rows at finish() (attention DP, a row
         # slice, CP tokens) goes through the variant's rows; a reduce-scatter return leaves the
         # sum to that collective (mlp_reduce_scatter).
         self._return = path.rows.output_return
+        self._rs = path.rows.reduce_scatters
         self._saved: Optional[tuple[bool, bool, bool]] = None
         self._done = False
 
     def __enter__(self) -> "_Exit":
-        self._saved = _FLAGS.snapshot()
-        _FLAGS.restore((self._defer_sum, self.mlp_reduce_scatter, self._defer_finalize))
-        _FLAGS.open_scopes += 1
+        f = _FLAGS
+        self._saved = (f.fuse_mlp_allreduce, f.mlp_reduce_scatter, f.defer_moe_finalize)
+        f.fuse_mlp_allreduce, f.mlp_reduce_scatter, f.defer_moe_finalize = (
+            self._defer_sum, self._rs, self._defer_finalize)
+        f.open_scopes += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
         assert self._saved is not None
-        _FLAGS.restore(self._saved)
-        _FLAGS.open_scopes -= 1
+        f = _FLAGS
+        f.fuse_mlp_allreduce, f.mlp_reduce_scatter, f.defer_moe_finalize = self._saved
+        f.open_scopes -= 1
 
     @property
     def fuse_mlp_allreduce(self) -> bool:
@@ -85,7 +92,7 @@ class _Exit:
 
     @property
     def mlp_reduce_scatter(self) -> bool:
-        return self._path.rows.reduce_scatters
+        return self._rs
 
     @property
     def output_return(self) -> Optional[str]:

@@ -17,7 +17,7 @@ from .output import Contribution, HandoffOutput, fusable_handoff
 from .contracts import OwedKind
 from .residual.access import check_shape, complete
 from .residual.stream import ResidualStream, StreamState
-from .rows import check_counts_agree, check_rows
+from .rows import check_rows
 
 if TYPE_CHECKING:
     from .construction import EntryPath, StagePlan
@@ -103,11 +103,58 @@ def run_entry(
     capture: Optional[Capture] = None,
     collector: Any = None,
     forward_batch: Any = None,
-    agree_counts: bool = False,
 ) -> torch.Tensor:
     """Return the compute input on this rank's rows and leave the stream written with the
-    updated residual. ``agree_counts`` (decided at construction by the variant's rows: TP > 1
-    and every rank computes the same rows) compares the stack input's row count across TP."""
+    updated residual."""
+    read = plan.read
+    c = stream.pending
+    if c is None:
+        return _enter_unowed(plan, entry, stream, hidden, capture, collector, forward_batch)
+    # PENDING, the path of every layer: the stream's transitions (consume, write) and the
+    # common cases of its checks are inlined; each check's full form runs when its fast test fails.
+    if hidden is not stream.handle or hidden is None:
+        stream.expect(hidden, plan.name)
+    if c.owed or (entry.expected_update is not None and c.update.name != entry.expected_update):
+        check_edge(plan, entry, c)
+    stream.pending = stream.handle = None  # consumed
+    # A capture completes the owed sum unfused (the spec's rule): a fused kernel may
+    # never materialize the updated residual outside its communication buffers.
+    fusable = _fusable(c) if entry.candidates and capture is None else None
+    residual = stream.writable_residual(read, fused=fusable is not None) if stream.borrowed else stream.residual
+    if fusable is not None:
+        fused = _try_candidates(entry, c, fusable, residual, read, forward_batch)
+        if fused is not None:
+            x, residual = fused  # only reads without makes_update fuse
+            if capture is not None:
+                capture(residual, owned=entry.capture_owned)
+            stream.write(residual)
+            if collector is not None:
+                collector.capture(residual, owned=entry.capture_owned)
+            return x
+    value = c.value
+    if c.owed or c.transform is not None or type(value) is not torch.Tensor:
+        was_handoff = isinstance(value, HandoffOutput)
+        value = complete(c)
+        if was_handoff and stream.residual is not None and c.update.plain_add:
+            check_shape("the finalized layer output", value, stream.residual)
+    out = read.update_and_read(c.update, value, residual)
+    if getattr(read, "makes_update", False):
+        x, residual, upd = out
+    else:
+        x, residual, upd = out[0], out[1], None
+    if capture is not None:
+        capture(residual, owned=entry.capture_owned)
+    stream.residual = residual  # written
+    stream.borrowed = False
+    stream.next_update = upd
+    if collector is not None:
+        collector.capture(residual, owned=entry.capture_owned)
+    return x
+
+
+def _enter_unowed(plan: StagePlan, entry: EntryPath, stream: ResidualStream, hidden: Any,
+                  capture: Optional[Capture], collector: Any, forward_batch: Any) -> torch.Tensor:
+    """``run_entry`` on a stream with nothing pending: the stack entry, or a re-read."""
     read = plan.read
     state = stream.state
     upd = None
@@ -132,41 +179,16 @@ def run_entry(
                                     "rows, [tokens, hidden]; flatten it with x.view(-1, x.shape[-1])")
             check_rows(hidden, rows, "the stack input", "ForwardBatch.num_tokens is",
                        "give one row per token of this rank's batch (num_tokens counts them)")
-        if agree_counts and forward_batch is not None:
-            check_counts_agree((forward_batch.num_tokens,), plan.topology, dp=False)
+        if forward_batch is not None:
+            entry.rows.check_stack_rows(plan, forward_batch)
         if capture is not None:
             capture(hidden, owned=False)  # the residual aliases the model's own input
         x, residual, upd = enter_read(read, hidden)
     else:
         stream.expect(hidden, plan.name)
-        if state is StreamState.WRITTEN:
-            residual = stream.residual
-            assert residual is not None
-            x, upd = reread(read, residual)
-        else:
-            c = stream.pending
-            assert c is not None
-            check_edge(plan, entry, c)
-            stream.consume()
-            # A capture completes the owed sum unfused (the spec's rule): a fused kernel may
-            # never materialize the updated residual outside its communication buffers.
-            fusable = _fusable(c) if entry.candidates and capture is None else None
-            residual = stream.writable_residual(read, fused=fusable is not None)
-            if fusable is not None:
-                fused = _try_candidates(entry, c, fusable, residual, read, forward_batch)
-                if fused is not None:
-                    x, residual = fused  # only reads without makes_update fuse
-                    if capture is not None:
-                        capture(residual, owned=entry.capture_owned)
-                    stream.write(residual)
-                    if collector is not None:
-                        collector.capture(residual, owned=entry.capture_owned)
-                    return x
-            was_handoff = c.is_handoff
-            value = complete(c)
-            if was_handoff and stream.residual is not None and c.update.plain_add:
-                check_shape("the finalized layer output", value, stream.residual)
-            x, residual, upd = update_read(read, c.update, value, residual)
+        residual = stream.residual
+        assert residual is not None
+        x, upd = reread(read, residual)
         if capture is not None:
             capture(residual, owned=entry.capture_owned)
     stream.write(residual)

@@ -10,7 +10,7 @@ import torch
 from .errors import BoundaryError
 from .output import Contribution
 from .residual.access import check_shape, complete
-from .residual.stream import Handle, ResidualStream, StreamState
+from .residual.stream import Handle, ResidualStream
 
 if TYPE_CHECKING:
     from .construction import StagePlan
@@ -24,7 +24,8 @@ def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple, *,
 
     ``transformed``: the declared output transform was already applied to ``value``.
     """
-    if stream.state is StreamState.INITIAL:
+    residual = stream.residual
+    if residual is None and stream.pending is None:  # an initial stream
         raise BoundaryError(
             f"{plan.name} stage output was published before any stage read the residual; call "
             "prepare() before compute and finish() after it"
@@ -32,13 +33,12 @@ def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple, *,
     transform = None if transformed else plan.declaration.output_transform
     update = stream.next_update or plan.update
     # Input-scattered outputs sit on the group's rows while the residual holds a slice.
-    if update.plain_add and isinstance(value, torch.Tensor) and stream.residual is not None \
-            and stream.pending is None:
-        if stream.scatter_rows is None:
-            check_shape(f"the {plan.name} output", value, stream.residual)
-        if value.dtype != stream.residual.dtype and (
+    if update.plain_add and residual is not None and stream.pending is None and isinstance(value, torch.Tensor):
+        if stream.scatter_rows is None and value.shape != residual.shape:
+            check_shape(f"the {plan.name} output", value, residual)
+        if value.dtype != residual.dtype and (
                 not value.is_floating_point()
-                or torch.promote_types(value.dtype, stream.residual.dtype) != stream.residual.dtype):
+                or torch.promote_types(value.dtype, residual.dtype) != residual.dtype):
             # A narrower output is the FP32-residual layout (bf16 compute, an FP32 stream: the
             # next read returns bf16). A wider or integer one is a mistake: the add rounds it to
             # the residual's dtype, but the next read's input keeps the output's, and the model's

@@ -207,7 +207,15 @@ class RMSNormRead:
         if residual is not None and update.name in self.fuses_with:
             if not self._checked_fused:
                 return self._first_call("fused_add_rmsnorm", contribution, residual)
-            return self._fused(self.kernels, contribution, residual)
+            # _fused's body, inline: this is the call every layer's entry makes.
+            k = self.kernels
+            p = self._params
+            weight = p["weight"] if p is not None else self.norm.weight
+            eps = self._eps if self._eps64 is None else self._eps_of(residual)
+            if k.input_as_out:
+                return k.fused_add_rmsnorm(contribution, residual, weight, eps, weight_offset=self.offset,
+                                           out=contribution)
+            return k.fused_add_rmsnorm(contribution, residual, weight, eps, weight_offset=self.offset)
         new = update.apply(residual, contribution)
         return self.read(new), new
 

@@ -89,9 +89,15 @@ class ResidualStream:
         transform: Optional[OutputTransform] = None,
     ) -> Handle:
         """``leave()`` without building the intermediate ``UnreducedOutput`` (the hot path)."""
-        self.check_free()
+        if self.pending is not None or self.handle is not None:
+            self.check_free()
         self.pending = Contribution(value, update, owed, transform)
-        return self._hand_out(self.pending)
+        if owed or isinstance(value, HandoffOutput):
+            handle: Handle = OwedOutput(self, owed)
+        else:
+            handle = value  # type: ignore[assignment]
+        self.handle = handle
+        return handle
 
     def check_free(self) -> None:
         """Refuse a new producer output while an earlier one is still outstanding."""
