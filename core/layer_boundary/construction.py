@@ -1,7 +1,13 @@
 """Build a :class:`StagePlan`: the entry and exit paths of one stage for each batch variant.
 
 Everything a forward needs is decided here; at forward time a stage only looks its path up by
-the active variant.
+the active variant. Each path holds the variant's row movement as one bound ``BatchRows`` object
+(``batch_rows``: ordinary, ``dp``: attention DP, ``scatter``: input-scattered and sequence
+parallel, ``cp``: context parallel), so a forward never asks which variant it is in again.
+
+Module order (no cycle, tests/test_import_graph.py): ``prepare`` (the read on this rank's rows,
+with ``edges``) < ``batch_rows`` < ``dp``, ``scatter``, ``cp`` < ``construction`` < ``pp`` <
+``stage`` (with ``publish`` and ``exit``) < ``factories``.
 """
 
 from __future__ import annotations

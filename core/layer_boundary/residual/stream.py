@@ -54,9 +54,9 @@ class ResidualStream:
         self.released = False
         # The update the current stage's output will carry, when its read made one.
         self.next_update: Optional[StageUpdate] = None
-        # Attention-DP row counts of this batch (built on first use; see prepare.dp_rows).
+        # Attention-DP row counts of this batch (built on first use; see dp.dp_rows).
         self.dp_rows: Any = None
-        # Input-scattered row slices of this batch (see prepare.scatter_rows).
+        # Input-scattered row slices of this batch (see scatter.scatter_rows).
         self.scatter_rows: Any = None
         # Branch outputs set aside and not merged yet (see adapters.branch).
         self.branches: tuple[Any, ...] = ()
