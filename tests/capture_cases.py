@@ -65,7 +65,7 @@ class InPlaceSum:
     def _offer(self, plan: Any) -> tuple[Any, ...]:
         entry = plan.entries[BatchVariant.ORDINARY]
         sums = [g for _, g in entry.accepts if g is not None]
-        if len(sums) != 1 or plan.topology.sum_group(sums[0]).size == 1 or entry.dp_gather:
+        if len(sums) != 1 or plan.topology.sum_group(sums[0]).size == 1 or entry.rows.every_group_input:
             return ()
         return (_InPlaceCandidate(self, sums[0], plan.topology.sum_group(sums[0])),)
 

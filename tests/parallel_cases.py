@@ -230,7 +230,7 @@ def count_dp_moves() -> Iterator[dict[str, int]]:
     """How often the FFN input under attention DP took each path: ``joined_sum`` (the attention
     sum, the plain add and the gather in one all-reduce) or ``gather`` (read on the local rows,
     then the normalized input gathered: the ``before_gather`` read order)."""
-    from layer_boundary.rows import DpRows
+    from layer_boundary.dp import DpRows
 
     counts = {"gather": 0, "joined_sum": 0}
     saved = {name: getattr(DpRows, name) for name in counts}
@@ -275,7 +275,7 @@ def qwen3_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
         results.append({"case": case, "max_diff": (logits - want).abs().max().item() if idx else 0.0,
                         "rows": len(idx), "dp_moves": moves,
                         "layers": len(model.model.layers),
-                        "dp_gather": [layer.ffn_boundary.plan.entries[BatchVariant.ORDINARY].dp_gather
+                        "dp_gather": [layer.ffn_boundary.plan.entries[BatchVariant.ORDINARY].rows.input_move
                                       for layer in model.model.layers]})
     return results
 

@@ -126,9 +126,10 @@ def test_topology_refuses_cp_without_head_group_or_out_of_order():
 def test_cp_paths_exist_only_on_a_cp_topology():
     a, f = layer(fake_cp_topology(tp=2, cp=2))
     assert a.plan.variants == (BatchVariant.ORDINARY, BatchVariant.CP) == f.plan.variants
-    assert a.plan.entries[BatchVariant.CP].cp == "local" and f.plan.entries[BatchVariant.CP].cp == "gather"
+    assert a.plan.entries[BatchVariant.CP].rows.input_move == "local"
+    assert f.plan.entries[BatchVariant.CP].rows.input_move == "gather"
     exit_ = f.plan.exits[BatchVariant.CP]
-    assert exit_.cp_return is not None and exit_.cp_return.ranks == (0, 1)
+    assert exit_.rows.output_return == "cp" and exit_.rows.output_group.ranks == (0, 1)
     assert not exit_.may_defer_sum and not exit_.may_defer_finalize
     a1, _ = layer(fake_cp_topology(tp=2, cp=1))
     assert BatchVariant.CP not in a1.plan.variants

@@ -44,8 +44,9 @@ def test_sequence_parallel_paths_with_tp_and_no_attention_dp():
     a, f = layer(fake_topology(tp=2))
     assert BatchVariant.SEQUENCE_PARALLEL in a.plan.variants and BatchVariant.SEQUENCE_PARALLEL in f.plan.variants
     sp_a, sp_f = a.plan.entries[BatchVariant.SEQUENCE_PARALLEL], f.plan.entries[BatchVariant.SEQUENCE_PARALLEL]
-    assert (sp_a.scatter, sp_f.scatter) == ("group", "all")  # all-gather before column-parallel
-    assert f.plan.exits[BatchVariant.SEQUENCE_PARALLEL].scatter_return  # reduce-scatter after row-parallel
+    assert (sp_a.rows.input_move, sp_f.rows.input_move) == ("group", "all")  # all-gather before column-parallel
+    assert f.plan.exits[BatchVariant.SEQUENCE_PARALLEL].rows.output_return == "scatter"  # reduce-scatter after row-parallel
+    assert a.plan.exits[BatchVariant.SEQUENCE_PARALLEL].rows.output_return is None
     sp_exit = a.plan.exits[BatchVariant.SEQUENCE_PARALLEL]
     assert sp_exit.static_owed and sp_exit.static_owed[0].group.size == 2  # left to the next input
     one, _ = layer(None)

@@ -1,7 +1,13 @@
 """Build a :class:`StagePlan`: the entry and exit paths of one stage for each batch variant.
 
 Everything a forward needs is decided here; at forward time a stage only looks its path up by
-the active variant.
+the active variant. Each path holds the variant's row movement as one bound ``BatchRows`` object
+(``batch_rows``: ordinary, ``dp``: attention DP, ``scatter``: input-scattered and sequence
+parallel, ``cp``: context parallel), so a forward never asks which variant it is in again.
+
+Module order (no cycle, tests/test_import_graph.py): ``prepare`` (the read on this rank's rows,
+with ``edges``) < ``batch_rows`` < ``dp``, ``scatter``, ``cp`` < ``construction`` < ``pp`` <
+``stage`` (with ``publish`` and ``exit``) < ``factories``.
 """
 
 from __future__ import annotations
@@ -16,10 +22,17 @@ from torch import nn
 from .contracts import Owed, OwedKind, ProducerReduction, StageKind
 from .layout import BatchVariant, SumGroup
 from .residual import StageRead, StageUpdate
-from .topology import GroupInfo, Topology
-from .variants import cp_paths, stage_variants
+from .topology import Topology
+from .batch_rows import BatchRows, OrdinaryRows
+from .cp import CpRows
+from .dp import AttentionDpRows
+from .providers import offered_candidates, refusal
+from .reduction import refusals, return_paths
+from .scatter import ScatteredRows
+from .selection import Candidate, Selection
+from .variants import report_cp_return, stage_variants
 
-__all__ = ["EntryPath", "ExitPath", "StagePlan", "build_stage"]
+__all__ = ["EntryPath", "ExitPath", "StagePlan", "build_stage", "output_sum"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,21 +49,9 @@ class EntryPath:
     accepts: frozenset[tuple[OwedKind, Optional[SumGroup]]]
     expected_update: Optional[str]
     capture_owned: bool
+    # This variant's row movement for this stage (see batch_rows): the entry runs rows.enter().
+    rows: BatchRows
     candidates: tuple[Any, ...] = ()  # consumer fusion candidates, tried in order
-    # Under attention DP an FFN input is moved to every group's rows: "join" completes the
-    # attention sum, the plain add and the gather in one all-reduce; "read_first" reads on the
-    # local rows and gathers the normalized input.
-    dp_gather: Optional[str] = None
-    # The same path without the DP move: the read on the local rows that "read_first" runs.
-    local: Optional["EntryPath"] = None
-    # Input-scattered and sequence-parallel variants: after the read on this rank's slice,
-    # gather the input over the attention-TP group ("group") or over the whole TP group ("all",
-    # an FFN).
-    scatter: Optional[str] = None
-    # CP variant: run ``local`` (the read on this rank's tokens), then "gather" the normalized
-    # input to every token's rows (an FFN) or keep it "local" (attention gathers its keys and
-    # values itself); see layer_boundary.cp.
-    cp: Optional[str] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +69,9 @@ class ExitPath:
     may_defer_sum: bool
     always_defer_sum: bool
     may_defer_finalize: bool
-    # Under attention DP an FFN output returns to its group's rows at finish(), by the first of
-    # these that the batch allows ("rsv", "rs", "ar"); empty without attention DP.
-    dp_returns: tuple[str, ...] = ()
-    # Input-scattered and sequence-parallel variants: an FFN output returns to this rank's slice
-    # by a reduce-scatter over TP at finish().
-    scatter_return: bool = False
-    # CP variant: an FFN output returns to this rank's tokens by a reduce-scatter over this group
-    # (its sum group) at finish(), through the batch's CP token mapping.
-    cp_return: Optional[GroupInfo] = None
+    # The stage's row movement in this variant (the entry's): an FFN output that returns to the
+    # residual's rows at finish() (rows.output_return) goes through rows.give_back().
+    rows: BatchRows
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,7 +115,7 @@ class StagePlan:
         )
 
 
-def _output_sum(decl: Any, topology: Topology) -> Optional[Owed]:
+def output_sum(decl: Any, topology: Topology) -> Optional[Owed]:
     """The sum a producer's output needs, or None when its group has one rank."""
     if decl.kind is StageKind.ATTN:
         name = SumGroup.ATTN_TP
@@ -136,7 +131,7 @@ def _accepts(previous: Any, topology: Topology) -> frozenset[tuple[OwedKind, Opt
     if previous is None:
         return frozenset()
     acc: set[tuple[OwedKind, Optional[SumGroup]]] = set()
-    s = _output_sum(previous, topology)
+    s = output_sum(previous, topology)
     if s is not None:
         acc.add((OwedKind.SUM, s.group_name))
     if previous.kind is StageKind.FFN and previous.sparse:
@@ -153,9 +148,7 @@ def build_stage(
     next_local_norm: Optional[nn.Module],
     next_local_decl: Any,
     context: Any,
-) -> Any:
-    from .stage import StageBoundary
-
+) -> StagePlan:
     topology: Topology = context.topology
     kind = "mixer" if decl.is_mixer else decl.kind.value
     name = context.next_stage_name(kind)
@@ -165,7 +158,7 @@ def build_stage(
     # any other active variant is an error at forward, never a silent fallback to ordinary rows.
     variants, refused_variants = stage_variants(decl, topology)
     read = decl.read.bind(norm, context.kernel_selector(name, variants[0].name)) if norm is not None else None
-    out_sum = _output_sum(decl, topology)
+    out_sum = output_sum(decl, topology)
     # A certificate that the next local read leaves the residual it is given untouched: judged
     # with the kernels selection will give that read (an in-place kernel overwrites it), and never
     # where this stage leaves a sum to the next input, which a consumer fusion candidate (they all
@@ -178,44 +171,62 @@ def build_stage(
     scoped = decl.reduction is not ProducerReduction.PARTIAL
     dp = topology.attn_dp.size > 1
     is_ffn = decl.kind is StageKind.FFN
-    dp_gather = None
+    gather: Optional[str] = None
+    returned: Optional[str] = None
     if dp and is_ffn:
+        # Under attention DP an FFN input moves to every group's rows: "join" completes the
+        # attention sum, the plain add and the gather in one all-reduce; "read_first" reads on the
+        # local rows and gathers the normalized input.
         prev = decl.previous
         plain = prev is None or prev.update.plain_add
-        dp_gather = "join" if plain and read is not None and not read.before_gather else "read_first"
-    dp_returns: tuple[str, ...] = ()
+        gather = "join" if plain and read is not None and not read.before_gather else "read_first"
     if is_ffn:
-        from .reduction import refusals, return_paths
-
         returns = return_paths(context.reduction, topology)
-        dp_returns = returns if dp else ()
+        returned = returns[0]
         _report_returns(context, name, variants[0].name, context.reduction, returns,
                         refusals(context.reduction, topology))
         if BatchVariant.CP in variants:
-            from .variants import report_cp_return
-
             report_cp_return(context, name)
+    # The ORDINARY variant's rows: under attention DP an FFN moves them, else nothing does.
+    ordinary_rows: BatchRows = (AttentionDpRows(gather, returned if is_ffn else None) if dp
+                                else OrdinaryRows(agree_counts=topology.tp.size > 1))
     before_ffn = following is not None and following.kind is StageKind.FFN
     mixer_before_mixer = following is not None and following.is_mixer
+    accepts = _accepts(decl.previous, topology)
+    expected = decl.previous.update.name if decl.previous is not None else None
+    static_owed = (out_sum,) if (out_sum is not None and not scoped) else ()
     entries = {}
     exits = {}
     for variant in variants:
+        rows: BatchRows
         if variant in (BatchVariant.INPUT_SCATTERED, BatchVariant.SEQUENCE_PARALLEL):
-            entries[variant], exits[variant] = _scattered_paths(decl, topology, capture_owned, out_sum,
-                                                                scoped, variant)
+            rows = ScatteredRows(is_ffn)
+            entries[variant] = EntryPath(variant, accepts, expected, capture_owned, rows)
+            # A mixer leaves its attention-TP sum to the next input, which reduce-scatters it.
+            mixer_sum = out_sum if (decl.is_mixer and out_sum is not None) else None
+            exits[variant] = ExitPath(
+                variant=variant,
+                static_owed=static_owed,
+                skip_owed=mixer_sum,
+                may_defer_sum=mixer_sum is not None,
+                always_defer_sum=mixer_sum is not None,
+                may_defer_finalize=False,
+                rows=rows,
+            )
             continue
-        if variant is BatchVariant.CP:  # built from the ordinary paths (ORDINARY comes first)
-            entries[variant], exits[variant] = cp_paths(
-                decl, entries[BatchVariant.ORDINARY], exits[BatchVariant.ORDINARY], out_sum)
+        if variant is BatchVariant.CP:  # ORDINARY comes first: its exit is built
+            # Every stage reads on this rank's tokens as an ordinary batch does; an FFN returns its
+            # output to them at finish() (leaving nothing owed), an attention's stays owed.
+            if is_ffn:
+                assert out_sum is not None, "CP > 1 implies a TP sum"
+                rows = CpRows(out_sum.group)
+                exits[variant] = ExitPath(variant, (), None, False, False, False, rows)
+            else:
+                rows = CpRows(None)
+                exits[variant] = replace(exits[BatchVariant.ORDINARY], variant=variant, rows=rows)
+            entries[variant] = EntryPath(variant, accepts, expected, capture_owned, rows)
             continue
-        entries[variant] = EntryPath(
-            variant=variant,
-            accepts=_accepts(decl.previous, topology),
-            expected_update=decl.previous.update.name if decl.previous is not None else None,
-            capture_owned=capture_owned,
-        )
-        if dp_gather is not None:
-            entries[variant] = replace(entries[variant], dp_gather=dp_gather, local=entries[variant])
+        entries[variant] = EntryPath(variant, accepts, expected, capture_owned, ordinary_rows)
         # An FFN's next consumer is the next layer's first stage when following is not given.
         may_defer = (
             scoped
@@ -228,16 +239,16 @@ def build_stage(
         always = bool(may_defer and decl.is_mixer and before_ffn)
         if decl.is_mixer and not (before_ffn or mixer_before_mixer):
             may_defer = False
-        if decl.is_mixer and topology.attn_dp.size > 1 and not before_ffn:
+        if decl.is_mixer and dp and not before_ffn:
             may_defer = False  # never defer between mixers under attention DP
         exits[variant] = ExitPath(
             variant=variant,
-            static_owed=(out_sum,) if (out_sum is not None and not scoped) else (),
+            static_owed=static_owed,
             skip_owed=out_sum if scoped else None,
             may_defer_sum=may_defer,
             always_defer_sum=always,
-            may_defer_finalize=decl.kind is StageKind.FFN and decl.sparse and not dp,
-            dp_returns=dp_returns,
+            may_defer_finalize=is_ffn and decl.sparse and not dp,
+            rows=ordinary_rows,
         )
     if "fusions" in options:
         fusions: tuple[Any, ...] = (options["fusions"],) if options["fusions"] is not None else ()
@@ -257,46 +268,11 @@ def build_stage(
         refusals=refused_variants,
     )
     _bind_candidates(plan, context)
-    return StageBoundary(plan)
-
-
-def _scattered_paths(decl: Any, topology: Topology, capture_owned: bool, out_sum: Optional[Owed],
-                     scoped: bool, variant: BatchVariant = BatchVariant.INPUT_SCATTERED,
-                     ) -> tuple[EntryPath, ExitPath]:
-    """Paths of the input-scattered variant: the residual lives on this rank's row slice.
-
-    Sequence parallel (no attention DP) runs the same moves: the residual sharded over the TP
-    rows between stages, all-gathered before the column-parallel projections and reduce-scattered
-    after the row-parallel ones.
-    """
-    is_ffn = decl.kind is StageKind.FFN
-    scatter = "all" if is_ffn else "group"
-    entry = EntryPath(
-        variant=variant,
-        accepts=_accepts(decl.previous, topology),
-        expected_update=decl.previous.update.name if decl.previous is not None else None,
-        capture_owned=capture_owned,
-        scatter=scatter,
-    )
-    mixer_sum = out_sum if (decl.is_mixer and out_sum is not None) else None
-    exit_ = ExitPath(
-        variant=variant,
-        static_owed=(out_sum,) if (out_sum is not None and not scoped) else (),
-        # A mixer leaves its attention-TP sum to the next input, which reduce-scatters it.
-        skip_owed=mixer_sum,
-        may_defer_sum=mixer_sum is not None,
-        always_defer_sum=mixer_sum is not None,
-        may_defer_finalize=False,
-        scatter_return=is_ffn,
-    )
-    return entry, exit_
+    return plan
 
 
 def _bind_candidates(plan: StagePlan, context: Any) -> None:
     """Ask each fusion provider for consumer candidates; keep those that accept this stage."""
-    from .providers import offered_candidates, refusal
-    from .selection import Candidate, Selection
-
     if not plan.fusions:
         return
     hook = "attention_input" if plan.declaration.kind is StageKind.ATTN else "ffn_input"
@@ -322,10 +298,9 @@ def _bind_candidates(plan: StagePlan, context: Any) -> None:
     if not cands:
         return  # no provider offers anything here (e.g. nothing is owed on one rank): no row
     for variant, entry in list(plan.entries.items()):
-        if entry.scatter is not None:
+        if entry.rows.sliced_residual:
             continue  # a row slice reduce-scatters what it owes: no candidate runs there
-        local = replace(entry.local, candidates=tuple(accepted)) if entry.local is not None else None
-        plan.entries[variant] = replace(entry, candidates=tuple(accepted), local=local)  # type: ignore[index]
+        plan.entries[variant] = replace(entry, candidates=tuple(accepted))  # type: ignore[index]
         context.report.add(Selection(
             plan.name, variant.name, "consumer fusion", hook,
             accepted[0].name if accepted else None, tuple(cands),
@@ -334,8 +309,6 @@ def _bind_candidates(plan: StagePlan, context: Any) -> None:
 
 def _report_returns(context: Any, stage: str, variant: str, policy: str, chosen: tuple[str, ...],
                     refused: dict[str, str]) -> None:
-    from .selection import Candidate, Selection
-
     cands = [Candidate(p, "policy", refused.get(p)) for p in ("rsv", "rs") if p in refused or p in chosen]
     cands.append(Candidate("ar", "core"))
     context.report.add(Selection(stage, variant, "output return", f"policy {policy}",

@@ -26,7 +26,7 @@ move                   shapes                           collective
                                                         rank ``t`` receives CP rank ``t % C``'s rows
 =====================  ===============================  ==============================================
 
-What the boundary does with them in a CP batch (see ``construction`` and ``variants``):
+What the boundary does with them in a CP batch (``CpRows``, bound at construction):
 
 * attention input: read on the local rows; the attention itself gathers its keys and values
   through ``gather`` and computes causal attention for its local query rows (``causal_mask``);
@@ -47,12 +47,15 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import ops
+from .batch_rows import BatchRows, Capture
 from .errors import BoundaryError
 from .forward import ForwardMode, active_variant
 from .layout import BatchVariant
+from .prepare import run_entry
+from .rows import move_input
 from .topology import GroupInfo, Topology
 
-__all__ = ["CpSplit", "context_parallel_split", "run_cp_entry"]
+__all__ = ["CpSplit", "CpRows", "context_parallel_split", "checked_split"]
 
 
 def _zigzag_chunks(length: int, c: int) -> list[tuple[int, int]]:
@@ -270,15 +273,44 @@ def checked_split(plan: Any, forward_batch: Any) -> CpSplit:
     return split
 
 
-def run_cp_entry(plan: Any, entry: Any, stream: Any, hidden: Any, capture: Any, collector: Any,
-                 forward_batch: Any) -> Any:
-    """A stage's input in a CP batch: the ordinary read on the local rows, then (an FFN) the
-    normalized input gathered to every token's rows."""
-    from .prepare import run_entry
-    from .rows import move_input
+class CpRows(BatchRows):
+    """Row movement of a stage in a CP batch: every stage reads on this rank's tokens exactly as an
+    ordinary batch does (the residual holds them); an FFN then gathers its normalized input to
+    every token's rows and returns its output to the local tokens by a reduce-scatter over its sum
+    group (``output_group``) at ``finish()``, so it leaves nothing owed. An attention's (or
+    mixer's) output stays on the local rows, owing its sum over the head group.
+    """
 
-    split = checked_split(plan, forward_batch)
-    x = run_entry(plan, entry.local, stream, hidden, capture, collector, forward_batch)
-    if entry.cp == "gather":
-        return move_input(split.gather, x)
-    return x
+    __slots__ = ("token_gather", "input_move", "output_return", "reduce_scatters", "_group")
+
+    def __init__(self, output_group: Optional[GroupInfo]) -> None:
+        self._group = output_group
+        ffn = output_group is not None
+        self.token_gather = ffn
+        self.input_move = "gather" if ffn else "local"
+        self.output_return = "cp" if ffn else None
+        self.reduce_scatters = ffn
+
+    @property
+    def output_group(self) -> Optional[GroupInfo]:
+        return self._group
+
+    def enter(self, plan: Any, entry: Any, stream: Any, hidden: Any, capture: Optional[Capture],
+              collector: Any, forward_batch: Any) -> Any:
+        split = checked_split(plan, forward_batch)
+        # (This batch's ranks hold different rows by design: its split is checked, not the counts.)
+        x = run_entry(plan, entry, stream, hidden, capture, collector, forward_batch)
+        return move_input(split.gather, x) if self.token_gather else x
+
+    def give_back(self, plan: Any, stream: Any, forward_batch: Any, value: torch.Tensor) -> torch.Tensor:
+        assert self._group is not None
+        return checked_split(plan, forward_batch).reduce_scatter(value, self._group)
+
+    def postprocess(self, plan: Any, stream: Any, forward_batch: Any, value: torch.Tensor) -> torch.Tensor:
+        if self._group is None:
+            return value
+        # Fully reduced on every token's rows: keep this rank's.
+        return checked_split(plan, forward_batch).take_local(value)
+
+    def __repr__(self) -> str:
+        return f"CpRows({self.input_move})"

@@ -7,17 +7,19 @@ completes it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .construction import ExitPath, StagePlan
-from .contracts import Owed, OwedKind
+from .contracts import Owed, OwedKind, StageKind
 from .errors import BoundaryError
 from .forward import _FLAGS
 from .output import HandoffOutput
-from .prepare import publish
+from .publish import publish
 from .residual.stream import Handle, ResidualStream
+
+if TYPE_CHECKING:
+    from .construction import ExitPath, StagePlan
 
 __all__ = ["FfnExit", "MixerExit", "decide"]
 
@@ -34,7 +36,7 @@ def decide(plan: StagePlan, path: ExitPath, forward_batch: Any) -> tuple[bool, b
     """
     defer_finalize = False
     defer_sum = path.always_defer_sum
-    if plan.declaration.kind.value == "ffn":
+    if plan.declaration.kind is StageKind.FFN:
         for ask in plan.finalize_askers:
             if ask(plan, forward_batch):
                 defer_finalize = path.may_defer_finalize
@@ -51,31 +53,38 @@ def decide(plan: StagePlan, path: ExitPath, forward_batch: Any) -> tuple[bool, b
 
 class _Exit:
     __slots__ = ("_plan", "_path", "_stream", "_defer_sum", "_defer_finalize", "_saved", "_done",
-                 "_return", "_fb")
+                 "_return", "_fb", "_rs")
 
     def __init__(self, plan: StagePlan, path: ExitPath, stream: ResidualStream, forward_batch: Any) -> None:
         self._plan = plan
         self._path = path
         self._stream = stream
         self._fb = forward_batch
-        self._defer_sum, self._defer_finalize = decide(plan, path, forward_batch)
-        # Under attention DP the output returns to its group's rows at finish(); a scatter
-        # return leaves the sum to that reduce-scatter (mlp_reduce_scatter).
-        self._return = ("scatter" if path.scatter_return else "cp" if path.cp_return is not None
-                        else (path.dp_returns[0] if path.dp_returns else None))
+        if plan.finalize_askers or (path.may_defer_sum and plan.sum_askers):
+            self._defer_sum, self._defer_finalize = decide(plan, path, forward_batch)
+        else:  # no provider to ask: decide() would return exactly this
+            self._defer_sum, self._defer_finalize = path.always_defer_sum, False
+        # An FFN output that returns to the residual's rows at finish() (attention DP, a row
+        # slice, CP tokens) goes through the variant's rows; a reduce-scatter return leaves the
+        # sum to that collective (mlp_reduce_scatter).
+        self._return = path.rows.output_return
+        self._rs = path.rows.reduce_scatters
         self._saved: Optional[tuple[bool, bool, bool]] = None
         self._done = False
 
     def __enter__(self) -> "_Exit":
-        self._saved = _FLAGS.snapshot()
-        _FLAGS.restore((self._defer_sum, self.mlp_reduce_scatter, self._defer_finalize))
-        _FLAGS.open_scopes += 1
+        f = _FLAGS
+        self._saved = (f.fuse_mlp_allreduce, f.mlp_reduce_scatter, f.defer_moe_finalize)
+        f.fuse_mlp_allreduce, f.mlp_reduce_scatter, f.defer_moe_finalize = (
+            self._defer_sum, self._rs, self._defer_finalize)
+        f.open_scopes += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
         assert self._saved is not None
-        _FLAGS.restore(self._saved)
-        _FLAGS.open_scopes -= 1
+        f = _FLAGS
+        f.fuse_mlp_allreduce, f.mlp_reduce_scatter, f.defer_moe_finalize = self._saved
+        f.open_scopes -= 1
 
     @property
     def fuse_mlp_allreduce(self) -> bool:
@@ -83,7 +92,7 @@ class _Exit:
 
     @property
     def mlp_reduce_scatter(self) -> bool:
-        return self._return in ("rs", "rsv", "scatter", "cp")
+        return self._rs
 
     @property
     def output_return(self) -> Optional[str]:
@@ -137,24 +146,10 @@ class _Exit:
         return publish(self._plan, self._stream, hidden_states, owed)
 
     def _returned(self, value: Any, owed: tuple[Owed, ...]) -> torch.Tensor:
-        """Move a DP-gathered output back to this group's rows, completing its sum."""
-        from .prepare import dp_rows, scatter_rows
-
+        """Move an output back to the residual's rows, completing its sum."""
         if owed:  # a handoff: its finalize runs before the rows move
             value = value.complete()
-        if self._return == "scatter":
-            return scatter_rows(self._stream, self._plan, self._fb).reduce_scatter_all(value)
-        if self._return == "cp":
-            from .cp import checked_split
-
-            assert self._path.cp_return is not None
-            return checked_split(self._plan, self._fb).reduce_scatter(value, self._path.cp_return)
-        rows = dp_rows(self._stream, self._plan, self._fb)
-        if self._return == "ar":
-            return rows.take_local(value)  # compute summed over TP: flags asked it to
-        if self._return == "rs":
-            return rows.reduce_scatter(value)
-        return rows.reduce_scatter_v(value)
+        return self._path.rows.give_back(self._plan, self._stream, self._fb, value)
 
     def __repr__(self) -> str:
         return (

@@ -262,6 +262,7 @@ def make_stages(
     with neither the single-rank topology is used when torch.distributed runs one process.
     """
     from .construction import build_stage
+    from .stage import StageBoundary
 
     if not items:
         raise TypeError("make_stages needs at least one (declaration, norm) item")
@@ -304,9 +305,9 @@ def make_stages(
         nxt = decls[i + 1] if i + 1 < len(decls) else following
         next_local = split[i + 1][1] if i + 1 < len(decls) else None
         boundaries.append(
-            build_stage(decl, norm, options, following=nxt, next_local_norm=next_local,
-                        next_local_decl=(decls[i + 1] if i + 1 < len(decls) else None),
-                        context=ctx)
+            StageBoundary(build_stage(decl, norm, options, following=nxt, next_local_norm=next_local,
+                                      next_local_decl=(decls[i + 1] if i + 1 < len(decls) else None),
+                                      context=ctx))
         )
     if prepared_from is not None:
         from .adapters.branch import bind_branch
@@ -365,6 +366,7 @@ def _make_single(
     context: Any,
 ) -> Any:
     from .construction import build_stage
+    from .stage import StageBoundary
 
     decl, norm, opts = _split_item(0, (declaration, norm, options or {}))
     if decl.kind is not kind:
@@ -381,8 +383,8 @@ def _make_single(
             raise DeclarationError("a terminal stage has no following consumer; drop following=")
     ctx = _resolve_context(context, topology)
     _check_neighbours(ctx, decl)
-    boundary = build_stage(decl, norm, opts, following=following, next_local_norm=None,
-                           next_local_decl=None, context=ctx)
+    boundary = StageBoundary(build_stage(decl, norm, opts, following=following, next_local_norm=None,
+                                         next_local_decl=None, context=ctx))
     if decl.prepared_from is not None:
         from .adapters.branch import bind_branch
 

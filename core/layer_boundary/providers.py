@@ -15,9 +15,10 @@ from torch import nn
 
 from .residual import ReadSpec, StageUpdate
 from .quant import QuantizedRows
-from .residual.add_norm import NormKernels
+from .residual.add_norm import NormKernels, NormRequest
 
-# NormKernels (what kernels() returns) and QuantizedRows (what a quantized request's kernels
+# NormRequest (what a provider is asked; it lives beside NormKernels, which answers it), NormKernels
+# (what kernels() returns) and QuantizedRows (what a quantized request's kernels
 # return) are re-exported: a plugin finds everything it implements or returns here.
 __all__ = [
     "NormKernels",
@@ -35,26 +36,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("layer_boundary")
-
-
-@dataclass(frozen=True, slots=True)
-class NormRequest:
-    """What a stage's norm read needs from a kernel, known at construction.
-
-    ``weight_offset`` 0 is RMSNorm, 1 Gemma RMSNorm. ``quant`` names a quantized output format
-    for a quantized consumer (``None``: the activation dtype; ``"fp8_e4m3"``: per-token FP8).
-    """
-
-    device_type: str
-    dtype: torch.dtype
-    hidden_size: int
-    weight_offset: float = 0.0
-    quant: Optional[str] = None
-
-    def describe(self) -> str:
-        kind = "gemma_rmsnorm" if self.weight_offset == 1.0 else "rmsnorm"
-        q = f" -> {self.quant}" if self.quant else ""
-        return f"{kind} {self.device_type} {str(self.dtype).replace('torch.', '')} H={self.hidden_size}{q}"
 
 
 @runtime_checkable

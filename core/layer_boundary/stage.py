@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from .construction import EntryPath, ExitPath, StagePlan
+from .adapters.branch import branch_input, check_entry
+from .adapters.lora import InputRows, input_rows
 from .contracts import ProducerReduction, StageKind
 from .errors import BRANCH_ENTRY, SNAPSHOT_PLAIN, BoundaryError, no_path
 from .exit import FfnExit, MixerExit
 from .forward import active_variant
 from .ops import all_reduce
-from .prepare import publish, run_entry
+from .pp import from_pp
+from .publish import publish
 from .residual.add_norm import explain_width
+from .residual.rows import complete_on_rows, completed_copy_on_rows, to_model_rows
 from .residual.stream import Handle, StreamState, started_stream
+
+if TYPE_CHECKING:
+    from .construction import EntryPath, ExitPath, StagePlan
 
 __all__ = ["StageBoundary"]
 
@@ -35,7 +41,7 @@ class StageBoundary:
         hidden_states = output.finish(y)
     """
 
-    __slots__ = ("plan", "_entries", "_exits", "_is_attn", "_scoped", "_prepared")
+    __slots__ = ("plan", "_entries", "_exits", "_is_attn", "_scoped", "_prepared", "_exit_cls")
 
     def __init__(self, plan: StagePlan) -> None:
         self.plan = plan
@@ -44,6 +50,7 @@ class StageBoundary:
         self._is_attn = plan.declaration.kind is StageKind.ATTN
         self._scoped = plan.declaration.reduction is not ProducerReduction.PARTIAL
         self._prepared = plan.declaration.prepared_from is not None
+        self._exit_cls = MixerExit if self._is_attn else FfnExit
 
     @property
     def declaration(self) -> Any:
@@ -76,23 +83,26 @@ class StageBoundary:
         ``capture_output(value, owned=...)`` (attention only) receives the updated residual;
         ``captured_last_layer_outputs`` (attention only) collects it on the compute-input rows.
         """
-        stream = started_stream(forward_batch)
+        # The per-layer calls read the stream and the variant's path inline (one dict lookup);
+        # started_stream and _entry raise the spec's errors when the fast test fails.
+        stream = getattr(forward_batch, "residual_stream", None)
+        if stream is None or stream.released:
+            stream = started_stream(forward_batch)
         if self._prepared:
             raise BoundaryError(BRANCH_ENTRY)
         if stream.branches:  # a branch output is set aside: only the branch's stages may read
-            from .adapters.branch import check_entry
-
             check_entry(self, stream)
         if not self._is_attn and (capture_output is not None or captured_last_layer_outputs is not None):
             raise TypeError(
                 "FFN prepare() does not accept capture_output/captured_last_layer_outputs; capture "
                 "at the attention stage's prepare() or at residual_batch.norm()"
             )
+        entry = self._entries.get(active_variant(forward_batch))
+        if entry is None:
+            entry = self._entry(forward_batch, stream)
         try:
-            return run_entry(
-                self.plan, self._entry(forward_batch, stream), stream, hidden_states,
-                capture_output, captured_last_layer_outputs, forward_batch,
-            )
+            return entry.rows.enter(self.plan, entry, stream, hidden_states, capture_output,
+                                    captured_last_layer_outputs, forward_batch)
         except RuntimeError as e:
             if isinstance(hidden_states, torch.Tensor) and not isinstance(e, BoundaryError):
                 explain_width(self.plan.name, self.plan.read, hidden_states, e)
@@ -102,13 +112,13 @@ class StageBoundary:
         """Enter a ``prepared_from`` stage: ``source``'s prepared input (what its ``prepare()``
         returned) on this stage's compute rows, without reading the residual again; the residual
         passes to this branch. See ``layer_boundary.adapters.branch``."""
-        from .adapters.branch import branch_input
-
         return branch_input(self, source, hidden_states, forward_batch)
 
     def finish(self, hidden_states: torch.Tensor, forward_batch: Any) -> Handle:
         """Register a PARTIAL attention's contribution; return the handle the model keeps."""
-        stream = started_stream(forward_batch)
+        stream = getattr(forward_batch, "residual_stream", None)
+        if stream is None or stream.released:
+            stream = started_stream(forward_batch)
         if self._scoped:
             raise BoundaryError(
                 f"{self.plan.name} stage is {self.plan.declaration.reduction.name}: publish its "
@@ -119,20 +129,25 @@ class StageBoundary:
             raise TypeError(
                 f"finish() takes the attention output tensor, got {type(hidden_states).__name__}"
             )
-        path = self._exit_path(forward_batch, stream)
+        path = self._exits.get(active_variant(forward_batch))
+        if path is None:
+            path = self._exit_path(forward_batch, stream)
         return publish(self.plan, stream, hidden_states, path.static_owed)
 
     def exit(self, forward_batch: Any) -> FfnExit | MixerExit:
         """Decide this batch's output completion; use as a context manager around compute."""
-        stream = started_stream(forward_batch)
+        stream = getattr(forward_batch, "residual_stream", None)
+        if stream is None or stream.released:
+            stream = started_stream(forward_batch)
         if not self._scoped:
             raise BoundaryError(
                 "this attention stage is PARTIAL: its compute always returns an unreduced "
                 "contribution; call boundary.finish(hidden_states, forward_batch) instead of exit()"
             )
-        path = self._exit_path(forward_batch, stream)
-        cls = FfnExit if not self._is_attn else MixerExit
-        return cls(self.plan, path, stream, forward_batch)
+        path = self._exits.get(active_variant(forward_batch))
+        if path is None:
+            path = self._exit_path(forward_batch, stream)
+        return self._exit_cls(self.plan, path, stream, forward_batch)
 
     def postprocess(self, hidden_states: torch.Tensor, forward_batch: Any) -> Handle:
         """Publish a fully reduced output computed without an exit scope (operation-scheduled
@@ -144,19 +159,7 @@ class StageBoundary:
         path = self._exit_path(forward_batch)
         transform = self.plan.declaration.output_transform
         value = transform.fn(hidden_states) if transform is not None else hidden_states
-        if path.scatter_return:  # fully reduced on every group's rows: keep this rank's slice
-            from .prepare import scatter_rows
-
-            rows = scatter_rows(stream, self.plan, forward_batch)
-            value = rows.my_slice(rows.take_group(value, "the postprocess input"))
-        elif path.cp_return is not None:  # fully reduced on every token's rows: keep this rank's
-            from .cp import checked_split
-
-            value = checked_split(self.plan, forward_batch).take_local(value)
-        elif path.dp_returns:  # fully reduced on every group's rows: keep this group's
-            from .prepare import dp_rows
-
-            value = dp_rows(stream, self.plan, forward_batch).take_local(value)
+        value = path.rows.postprocess(self.plan, stream, forward_batch, value)
         return publish(self.plan, stream, value, (), transformed=True)
 
     def from_pp(self, tensors: dict[str, torch.Tensor], forward_batch: Any) -> Handle:
@@ -167,96 +170,13 @@ class StageBoundary:
         boundary's own group, and exactly when ``previous`` declares a producer that leaves one;
         anything else is refused before any collective runs.
         """
-        from .contracts import Owed, OwedKind
-        from .construction import _output_sum
-        from .prepare import check_edge
-        from .residual import batch as residual_batch
-        from .residual.stream import ResidualStream
-
         if self._prepared:
             raise BoundaryError(BRANCH_ENTRY)
-        meta_t = tensors.get(residual_batch.PP_META) if isinstance(tensors, dict) else None
-        if meta_t is None:
-            raise TypeError(
-                "from_pp() takes the tensor dict residual_batch.to_pp() produced on the previous "
-                f"pipeline stage (with its {residual_batch.PP_META!r} entry)"
-            )
-        meta = [int(v) for v in meta_t.tolist()]
-        state, n = meta[0], meta[1]
-        if state == residual_batch.PP_INITIAL:
-            # Nothing read yet upstream: this stage must start the residual (previous=None), and
-            # prepare() says so otherwise.
-            residual_batch.start(forward_batch)
-            return tensors["output"]
-        prev = self.plan.declaration.previous
-        if prev is None:
-            raise BoundaryError(
-                f"from_pp(): {self.plan.name} stage was built with previous=None (stack entry) but "
-                "the previous pipeline stage hands on a residual stream; pass previous= the "
-                "producer that ends the previous pipeline partition"
-            )
-        if not prev.update.plain_add:
-            raise BoundaryError(
-                f"from_pp(): previous= declares the update {prev.update.name!r}, which is not a plain "
-                "add; nonlinear updates (for example MHC) are not supported across pipeline stages yet"
-            )
-        topo = self.plan.topology
-        groups = residual_batch.pp_sum_groups()
-        static: list[Owed] = []
-        for i in range(n):
-            name, size = groups[meta[2 + 2 * i]], meta[3 + 2 * i]
-            group = topo.sum_group(name)
-            if group.size != size:
-                raise BoundaryError(
-                    f"from_pp(): the sender left a partial sum over {name.name} of {size} ranks, but "
-                    f"this stage's {name.name} group has {group.size}; every pipeline stage needs the "
-                    "same tensor-parallel layout"
-                )
-            static.append(Owed(OwedKind.SUM, name, group, static=True))
-        if state == residual_batch.PP_PENDING:
-            declared = _output_sum(prev, topo)
-            want = (declared.group_name,) if declared is not None and declared.static else ()
-            got = tuple(o.group_name for o in static)
-            if got != want:
-                said = (f"a partial sum over {', '.join(g.name for g in got)}" if got
-                        else "a complete output (no partial sum owed)")
-                expected = (f"a partial sum over {want[0].name}" if want else "no partial sum")
-                raise BoundaryError(
-                    f"from_pp(): the previous pipeline stage sent {said}, but this {self.plan.name} "
-                    f"stage was built with previous={prev.describe()}, which leaves {expected}; "
-                    "previous= does not describe the real producer (or complete_output() ran before "
-                    "to_pp()), which would reduce twice or not at all"
-                )
-            stream, handle = ResidualStream.arrive(
-                residual=tensors.get("residual"), output=tensors["output"], update=prev.update,
-                owed=tuple(static),
-            )
-        elif state == residual_batch.PP_WRITTEN:
-            if static:
-                raise BoundaryError("from_pp(): a written stream cannot owe a partial sum")
-            stream, handle = ResidualStream.arrive(residual=tensors["residual"])
-        else:
-            raise BoundaryError(f"from_pp(): unknown pipeline handoff state {state}")
-        if stream.pending is not None:
-            check_edge(self.plan, self._entry(forward_batch, stream), stream.pending)
-        old = getattr(forward_batch, "residual_stream", None)
-        if old is not None:
-            old.release()
-        try:
-            forward_batch.residual_stream = stream
-        except AttributeError as e:
-            raise TypeError(
-                f"{type(forward_batch).__name__} has no settable residual_stream attribute; the "
-                "boundary owns that attribute of the engine's batch object (see ForwardBatchLike)"
-            ) from e
-        assert handle is not None
-        return handle
+        return from_pp(self.plan, self._entry, tensors, forward_batch)
 
     def capture_output(self, hidden_states: Any, forward_batch: Any) -> tuple[Handle, torch.Tensor]:
         """``(handle, snapshot)``: dynamic owed work is completed on the main output (a fresh
         handle); a statically declared sum is computed on a copy for the snapshot only."""
-        from .residual.rows import complete_on_rows, completed_copy_on_rows, to_model_rows
-
         stream = started_stream(forward_batch)
         stream.expect(hidden_states)
         self._entry(forward_batch)
@@ -294,11 +214,9 @@ class StageBoundary:
             snap = snap.clone()
         return handle, snap
 
-    def input_rows(self, forward_batch: Any) -> Any:
+    def input_rows(self, forward_batch: Any) -> InputRows:
         """The rows this stage's compute input lives on for this batch (the LoRA adapter hook:
         see ``layer_boundary.adapters.lora``). Host-side only; no collective runs."""
-        from .adapters.lora import input_rows
-
         return input_rows(self, forward_batch)
 
     def __repr__(self) -> str:

@@ -26,15 +26,15 @@ topology is refused with the input-scattered reason, never run as CP.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Optional
+from typing import Any
 
 from .contracts import StageKind
 from .errors import DeclarationError
 from .layout import BatchVariant, SumGroup
+from .selection import Candidate, Selection
 from .topology import Topology
 
-__all__ = ["stage_variants", "check_topology", "cp_paths", "report_cp_return"]
+__all__ = ["stage_variants", "check_topology", "report_cp_return"]
 
 
 def check_topology(topology: Topology) -> None:
@@ -109,30 +109,8 @@ def stage_variants(decl: Any, topology: Topology) -> tuple[tuple[BatchVariant, .
     return tuple(out), refused
 
 
-def cp_paths(decl: Any, entry: Any, exit_: Any, out_sum: Optional[Any]) -> tuple[Any, Any]:
-    """The CP variant's entry and exit, built from the stage's ordinary ones.
-
-    Every stage reads on this rank's tokens exactly as an ordinary batch does (the residual holds
-    them); an FFN then gathers its normalized input over CP and returns its output to the local
-    tokens by a reduce-scatter over its sum group at finish(), so it leaves nothing owed. An
-    attention's (or mixer's) output stays on the local rows, owing its sum over the head group.
-    """
-    variant = BatchVariant.CP
-    local = replace(entry, variant=variant)
-    if decl.kind is StageKind.FFN:
-        assert out_sum is not None, "CP > 1 implies a TP sum"
-        cp_entry = replace(entry, variant=variant, cp="gather", local=local)
-        cp_exit = replace(exit_, variant=variant, static_owed=(), skip_owed=None, may_defer_sum=False,
-                          always_defer_sum=False, may_defer_finalize=False, dp_returns=(),
-                          cp_return=out_sum.group)
-        return cp_entry, cp_exit
-    return replace(entry, variant=variant, cp="local", local=local), replace(exit_, variant=variant)
-
-
 def report_cp_return(context: Any, stage: str) -> None:
     """Say in the selection report how a CP FFN's output returns (a required row move, which the
     reduction policy does not govern: the policy's permissions are about attention DP)."""
-    from .selection import Candidate, Selection
-
     context.report.add(Selection(stage, BatchVariant.CP.name, "output return", "CP token mapping",
                                  "reduce-scatter", (Candidate("reduce-scatter", "core"),)))

@@ -49,6 +49,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..contracts import OwedKind, StageKind
+from ..dp import dp_rows
 from ..errors import BoundaryError, DeclarationError, no_path
 from ..forward import active_variant
 from ..layout import BatchVariant
@@ -194,8 +195,6 @@ def branch_input(boundary: Any, source: Any, hidden_states: Any, forward_batch: 
     src_ffn = src.kind is StageKind.FFN
     dp = topo.attn_dp.size > 1
     # Under attention DP an FFN computes on every group's rows, an attention on its own.
-    from ..prepare import dp_rows
-
     rows = dp_rows(stream, plan, forward_batch) if dp else None
     want = rows.total if (rows is not None and src_ffn) else forward_batch.num_tokens
     if _rows(hidden_states) != want:

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..dp import DpRows
 from ..errors import BoundaryError, no_path
 from ..forward import active_variant
 from ..layout import BatchVariant
@@ -113,8 +114,6 @@ class InputRows:
             )
         if self.kind is RowKind.LOCAL or len(self.counts) == 1:
             return values_local
-        from ..rows import DpRows
-
         return DpRows(self.counts, self.topology).gather(values_local)
 
     def __repr__(self) -> str:
@@ -134,7 +133,8 @@ def input_rows(boundary: Any, forward_batch: Any) -> InputRows:
     if entry is None:
         raise no_path(variant.name, plan.name, plan.refusals.get(variant))
     topo: Topology = plan.topology
-    if entry.cp == "gather":
+    rows = entry.rows
+    if rows.token_gather:
         raise BoundaryError(
             f"{plan.name}: LoRA input rows of a context-parallel FFN are not supported yet: its input "
             "is gathered to every token of the CP group through the batch's CP token mapping "
@@ -142,10 +142,10 @@ def input_rows(boundary: Any, forward_batch: Any) -> InputRows:
         )
     counts = _counts(topo, forward_batch, plan.name)
     d = topo.attn_dp.rank if topo.attn_dp.size > 1 else 0
-    every_group = (entry.dp_gather is not None or entry.scatter == "all") and len(counts) > 1
+    every_group = rows.every_group_input and len(counts) > 1
     local = counts[d]
     residual = (0, local)
-    if entry.scatter is not None:
+    if rows.sliced_residual:
         a = topo.attn_tp.size
         s = -(-max(counts) // a) if counts else 0
         lo = topo.attn_tp.rank * s

@@ -49,6 +49,7 @@ from ..errors import BoundaryError
 from ..forward import ForwardMode, get_forward
 from ..output import Contribution, HandoffOutput
 from ..residual.rows import complete_on_rows
+from ..scatter import ScatterRows
 from ..residual.stream import Handle, ResidualStream, StreamState, started_stream
 
 __all__ = [
@@ -316,8 +317,6 @@ def _install(forward_batch: Any, stream: ResidualStream) -> None:
 
 
 def _scatter_rows_for(forward_batch: Any, topology: Any) -> Any:
-    from ..rows import ScatterRows
-
     counts = getattr(forward_batch, "dp_num_tokens", None)
     return ScatterRows(counts if counts is not None else (forward_batch.num_tokens,), topology)
 

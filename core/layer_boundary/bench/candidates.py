@@ -87,8 +87,7 @@ def strip_candidates(stages: Iterable[Any]) -> int:
         for variant, entry in list(entries.items()):
             if entry.candidates:
                 dropped += len(entry.candidates)
-                local = replace(entry.local, candidates=()) if entry.local is not None else None
-                entries[variant] = replace(entry, candidates=(), local=local)
+                entries[variant] = replace(entry, candidates=())
     return dropped
 
 

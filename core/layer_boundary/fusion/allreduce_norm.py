@@ -243,9 +243,9 @@ class AllReduceNormProvider:
             and getattr(forward_batch, "dp_num_tokens", None) is None
 
     def _serves_output_of(self, plan: Any) -> int:
-        from ..construction import _output_sum
+        from ..construction import output_sum
 
-        owed = _output_sum(plan.declaration, plan.topology)
+        owed = output_sum(plan.declaration, plan.topology)
         weight = getattr(plan.read, "weight", None)
         if owed is None or weight is None:
             return 0
@@ -275,7 +275,7 @@ class AllReduceNormProvider:
         if owed is None:
             return ()  # nothing owed to fuse here: no candidate, no workspace
         entry = plan.entries[BatchVariant.ORDINARY]
-        if entry.dp_gather is not None:
+        if entry.rows.every_group_input:
             return (RefusedCandidate(self.candidate_name, "attention DP moves this input's rows; "
                                      "the fused all-reduce serves ordinary rows only"),)
         read = plan.read

@@ -281,7 +281,7 @@ class MoeFinalizeFusion:
         if entry is None:
             return ()
         name = f"{self.candidate_name} ({self.kernel})"
-        if entry.dp_gather is not None:
+        if entry.rows.every_group_input:
             return (RefusedCandidate(name, "attention DP moves this input's rows; the fused finalize "
                                      "serves ordinary rows only"),)
         read = plan.read

@@ -26,6 +26,7 @@ from . import StageRead, StageUpdate
 __all__ = [
     "PlainAdd",
     "PLAIN_ADD",
+    "NormRequest",
     "NormKernels",
     "REFERENCE_KERNELS",
     "REFERENCE_FP8_KERNELS",
@@ -56,6 +57,26 @@ class PlainAdd:
 
 
 PLAIN_ADD = PlainAdd()
+
+
+@dataclass(frozen=True, slots=True)
+class NormRequest:
+    """What a stage's norm read needs from a kernel, known at construction.
+
+    ``weight_offset`` 0 is RMSNorm, 1 Gemma RMSNorm. ``quant`` names a quantized output format
+    for a quantized consumer (``None``: the activation dtype; ``"fp8_e4m3"``: per-token FP8).
+    """
+
+    device_type: str
+    dtype: torch.dtype
+    hidden_size: int
+    weight_offset: float = 0.0
+    quant: Optional[str] = None
+
+    def describe(self) -> str:
+        kind = "gemma_rmsnorm" if self.weight_offset == 1.0 else "rmsnorm"
+        q = f" -> {self.quant}" if self.quant else ""
+        return f"{kind} {self.device_type} {str(self.dtype).replace('torch.', '')} H={self.hidden_size}{q}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +207,15 @@ class RMSNormRead:
         if residual is not None and update.name in self.fuses_with:
             if not self._checked_fused:
                 return self._first_call("fused_add_rmsnorm", contribution, residual)
-            return self._fused(self.kernels, contribution, residual)
+            # _fused's body, inline: this is the call every layer's entry makes.
+            k = self.kernels
+            p = self._params
+            weight = p["weight"] if p is not None else self.norm.weight
+            eps = self._eps if self._eps64 is None else self._eps_of(residual)
+            if k.input_as_out:
+                return k.fused_add_rmsnorm(contribution, residual, weight, eps, weight_offset=self.offset,
+                                           out=contribution)
+            return k.fused_add_rmsnorm(contribution, residual, weight, eps, weight_offset=self.offset)
         new = update.apply(residual, contribution)
         return self.read(new), new
 
@@ -330,8 +359,6 @@ class AddNormReadSpec:
             if select is None:
                 kernels = reference_kernels(self.quant)
             else:
-                from ..providers import NormRequest
-
                 request = NormRequest(weight.device.type, weight.dtype, weight.shape[0], offset, self.quant)
                 kernels = select(request)
         read = RMSNormRead(norm, offset, kernels, self.quant, eps)

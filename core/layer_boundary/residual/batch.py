@@ -11,13 +11,17 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..adapters.branch import refuse_unmerged
 from ..errors import SNAPSHOT_PLAIN, WRITE_BEFORE_TAKE, BoundaryError
-from ..output import fusable_handoff
+from ..forward import active_variant
+from ..layout import BatchVariant
+from ..output import UnreducedOutput, fusable_handoff
+from ..pp import PP_META, to_pp
 from . import StageRead
 from .access import check_shape
 from .add_norm import ADD_NORM, PLAIN_ADD, ModuleRead, RMSNormRead, explain_width
 from .rows import complete_on_rows, completed_copy_on_rows, to_model_rows, to_stream_rows
-from .stream import Handle, ResidualStream, StreamState, started_stream
+from .stream import Handle, ResidualStream, StreamState, start, started_stream
 
 __all__ = [
     "bind_final_norm",
@@ -74,32 +78,6 @@ def bind_final_norm(layernorm: nn.Module, *, context: Any = None, read: Any = No
     bound = spec.bind(layernorm, select)
     layernorm.__dict__[_READ_ATTR] = bound
     return bound
-
-
-def start(forward_batch: Any) -> ResidualStream:
-    """Give the batch a fresh (initial) stream; any earlier stream of the batch is released."""
-    old = getattr(forward_batch, "residual_stream", None)
-    if old is not None:
-        if not old.released and old.state is not StreamState.INITIAL:
-            # The one place a forward that never left the stack shows: a model that normalized
-            # the last layer's output itself (not residual_batch.norm) lost the last residual add.
-            import warnings
-
-            warnings.warn(
-                f"residual_batch.start(): this batch's previous forward never left the layer stack "
-                f"(its stream is {old.state.value}); leave it through residual_batch.norm(), to_pp() or "
-                "take_output(), which complete the last layer's residual update. The old stream is dropped",
-                stacklevel=2)
-        old.release()
-    stream = ResidualStream()
-    try:
-        forward_batch.residual_stream = stream
-    except AttributeError as e:
-        raise TypeError(
-            f"{type(forward_batch).__name__} has no settable residual_stream attribute; the "
-            "boundary owns that attribute of the engine's batch object (see ForwardBatchLike)"
-        ) from e
-    return stream
 
 
 def norm(
@@ -196,99 +174,6 @@ def norm(
         raise
     finally:
         stream.release()
-
-
-# Pipeline handoff metadata: one small int64 tensor under ``tensors[PP_META]``:
-# ``[state, n, (sum group code, group size) * n]``; state 0 initial (``output`` is the embedding
-# output), 1 written (``residual`` only), 2 pending (``output`` + ``residual`` when there is one);
-# ``n`` statically declared partial sums the receiver still owes, in order. Codes index
-# ``PP_SUM_GROUPS``.
-PP_META = "meta"
-PP_INITIAL, PP_WRITTEN, PP_PENDING = 0, 1, 2
-
-
-def pp_sum_groups() -> tuple[Any, ...]:
-    from ..layout import SumGroup
-
-    return tuple(SumGroup)
-
-
-def to_pp(hidden_states: Any, forward_batch: Any) -> dict[str, torch.Tensor]:
-    """Leave this pipeline partition: the tensors the next stage's ``from_pp()`` rebuilds from.
-
-    Dynamic owed work (sums an exit deferred for this batch, finalize handoffs, the output
-    transform) is completed here; a statically declared partial sum (a PARTIAL attention's) is
-    not: it travels as a partial and the receiver's first stage completes it. Plain-add updates
-    only. The stream is released, also when this raises.
-    """
-    stream = started_stream(forward_batch)
-    try:
-        _refuse_open_branches(stream, "to_pp()")
-        state = stream.state
-        if stream.scatter_rows is not None:
-            raise BoundaryError(
-                "to_pp(): an input-scattered (or sequence-parallel) batch holds a row slice per "
-                "attention-TP rank; these variants are not supported across pipeline stages yet"
-            )
-        if state is StreamState.INITIAL:
-            if not isinstance(hidden_states, torch.Tensor):
-                raise TypeError(f"to_pp() expects a tensor, got {type(hidden_states).__name__}")
-            return {"output": hidden_states, PP_META: _meta(PP_INITIAL, (), hidden_states.device)}
-        stream.expect(hidden_states)
-        if state is StreamState.WRITTEN:
-            assert stream.residual is not None
-            if stream.next_update is not None and not stream.next_update.plain_add:
-                raise BoundaryError(_NOT_PLAIN_PP.format(stream.next_update.name))
-            return {"residual": stream.residual, PP_META: _meta(PP_WRITTEN, (), stream.residual.device)}
-        c = stream.pending
-        assert c is not None
-        if not c.update.plain_add:
-            raise BoundaryError(_NOT_PLAIN_PP.format(c.update.name))
-        from ..contracts import OwedKind
-        from ..output import HandoffOutput
-        from .. import ops
-
-        static = tuple(o for o in c.owed if o.kind is OwedKind.SUM and o.static)
-        if static and c.transform is not None:
-            raise BoundaryError(
-                "to_pp(): the output carries a statically declared partial sum and an output "
-                "transform, which must run after that sum; a transform on a PARTIAL output is not "
-                "supported across pipeline stages yet"
-            )
-        value = c.value
-        for o in c.owed:  # dynamic work in order; static sums are left to the receiver
-            if o.kind is OwedKind.FINALIZE:
-                assert isinstance(value, HandoffOutput)
-                value = value.complete()
-            elif not o.static:
-                assert isinstance(value, torch.Tensor) and o.group is not None
-                value = ops.all_reduce(value, o.group)
-        if isinstance(value, HandoffOutput):
-            value = value.complete()
-        if c.transform is not None:
-            value = c.transform.fn(value)
-        stream.consume()
-        out = {"output": value, PP_META: _meta(PP_PENDING, static, value.device)}
-        if stream.residual is not None:
-            check_shape("the layer output", value, stream.residual)
-            out["residual"] = stream.residual
-        return out
-    finally:
-        stream.release()
-
-
-_NOT_PLAIN_PP = (
-    "to_pp(): the residual update {!r} is not a plain add; nonlinear updates (for example MHC) are "
-    "not supported across pipeline stages yet"
-)
-
-
-def _meta(state: int, static: tuple[Any, ...], device: Any) -> torch.Tensor:
-    groups = pp_sum_groups()
-    vals = [state, len(static)]
-    for o in static:
-        vals += [groups.index(o.group_name), o.group.size]
-    return torch.tensor(vals, dtype=torch.int64, device=device)
 
 
 def fold(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
@@ -423,16 +308,11 @@ def add_to_output(hidden_states: Any, forward_batch: Any, extra: torch.Tensor) -
 def _refuse_open_branches(stream: ResidualStream, what: str) -> None:
     """Leaving the stack would drop a branch output set aside and never merged."""
     if stream.branches:
-        from ..adapters.branch import refuse_unmerged
-
         refuse_unmerged(stream, what)
 
 
 def _refuse_scattered_start(what: str, forward_batch: Any) -> None:
     """An input-scattered residual is a row slice that only a stage's prepare() can cut."""
-    from ..forward import active_variant
-    from ..layout import BatchVariant
-
     variant = active_variant(forward_batch)
     if variant in (BatchVariant.INPUT_SCATTERED, BatchVariant.SEQUENCE_PARALLEL):
         name = "an input-scattered" if variant is BatchVariant.INPUT_SCATTERED else "a sequence-parallel"
@@ -444,6 +324,4 @@ def _refuse_scattered_start(what: str, forward_batch: Any) -> None:
 
 
 def _plain(value: torch.Tensor) -> Any:
-    from ..output import UnreducedOutput
-
     return UnreducedOutput(value, PLAIN_ADD)

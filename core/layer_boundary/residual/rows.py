@@ -3,7 +3,7 @@
 In the ordinary and attention-DP variants the residual, a pending contribution once complete, and
 every value the model sees share one row set: this DP group's rows ``[T_d, H]``. In the
 input-scattered variant the residual holds a slice ``[S, H]`` of those rows per attention-TP rank
-(see ``layer_boundary.rows.ScatterRows``), a complete contribution lands on that slice, and the
+(see ``layer_boundary.scatter.ScatterRows``), a complete contribution lands on that slice, and the
 model still sees the group's rows. These helpers keep that split in one place:
 
 =========================  ==================================  =============================
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..output import Contribution
+from ..scatter import complete_scattered
 from .access import complete, completed_copy
 
 __all__ = ["complete_on_rows", "completed_copy_on_rows", "to_model_rows", "to_stream_rows", "scattered"]
@@ -37,8 +38,6 @@ def complete_on_rows(stream: Any, c: Contribution) -> torch.Tensor:
     rows = stream.scatter_rows
     if rows is None:
         return complete(c)
-    from ..prepare import complete_scattered
-
     return complete_scattered(c, rows)
 
 
@@ -47,8 +46,6 @@ def completed_copy_on_rows(stream: Any, c: Contribution) -> torch.Tensor:
     rows = stream.scatter_rows
     if rows is None:
         return completed_copy(c)
-    from ..prepare import complete_scattered
-
     assert isinstance(c.value, torch.Tensor), "callers refuse handoffs before copying"
     return complete_scattered(Contribution(c.value.clone(), c.update, c.owed, c.transform), rows)
 

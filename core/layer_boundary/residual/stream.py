@@ -17,6 +17,7 @@ fail.
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -25,8 +26,9 @@ from ..contracts import Owed
 from ..errors import START_FIRST, BoundaryError, foreign_output
 from ..output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
 from . import StageUpdate
+from .add_norm import PLAIN_ADD
 
-__all__ = ["StreamState", "ResidualStream", "Handle", "started_stream"]
+__all__ = ["StreamState", "ResidualStream", "Handle", "start", "started_stream"]
 
 Handle = Union[torch.Tensor, OwedOutput]
 
@@ -52,9 +54,9 @@ class ResidualStream:
         self.released = False
         # The update the current stage's output will carry, when its read made one.
         self.next_update: Optional[StageUpdate] = None
-        # Attention-DP row counts of this batch (built on first use; see prepare.dp_rows).
+        # Attention-DP row counts of this batch (built on first use; see dp.dp_rows).
         self.dp_rows: Any = None
-        # Input-scattered row slices of this batch (see prepare.scatter_rows).
+        # Input-scattered row slices of this batch (see scatter.scatter_rows).
         self.scatter_rows: Any = None
         # Branch outputs set aside and not merged yet (see adapters.branch).
         self.branches: tuple[Any, ...] = ()
@@ -87,9 +89,15 @@ class ResidualStream:
         transform: Optional[OutputTransform] = None,
     ) -> Handle:
         """``leave()`` without building the intermediate ``UnreducedOutput`` (the hot path)."""
-        self.check_free()
+        if self.pending is not None or self.handle is not None:
+            self.check_free()
         self.pending = Contribution(value, update, owed, transform)
-        return self._hand_out(self.pending)
+        if owed or isinstance(value, HandoffOutput):
+            handle: Handle = OwedOutput(self, owed)
+        else:
+            handle = value  # type: ignore[assignment]
+        self.handle = handle
+        return handle
 
     def check_free(self) -> None:
         """Refuse a new producer output while an earlier one is still outstanding."""
@@ -219,8 +227,6 @@ class ResidualStream:
                 stream.write(residual, residual)
             return stream, stream.handle
         if update is None:
-            from .add_norm import PLAIN_ADD
-
             update = PLAIN_ADD
         stream.residual = residual
         return stream, stream.leave(UnreducedOutput(output, update, owed, transform))
@@ -240,4 +246,28 @@ def started_stream(forward_batch: Any) -> ResidualStream:
             err.add_note("this batch's layer stack already ended (its final norm ran); a new forward starts "
                          "with residual_batch.start(forward_batch)")
         raise err
+    return stream
+
+
+def start(forward_batch: Any) -> ResidualStream:
+    """Give the batch a fresh (initial) stream; any earlier stream of the batch is released."""
+    old = getattr(forward_batch, "residual_stream", None)
+    if old is not None:
+        if not old.released and old.state is not StreamState.INITIAL:
+            # The one place a forward that never left the stack shows: a model that normalized
+            # the last layer's output itself (not residual_batch.norm) lost the last residual add.
+            warnings.warn(
+                f"residual_batch.start(): this batch's previous forward never left the layer stack "
+                f"(its stream is {old.state.value}); leave it through residual_batch.norm(), to_pp() or "
+                "take_output(), which complete the last layer's residual update. The old stream is dropped",
+                stacklevel=2)
+        old.release()
+    stream = ResidualStream()
+    try:
+        forward_batch.residual_stream = stream
+    except AttributeError as e:
+        raise TypeError(
+            f"{type(forward_batch).__name__} has no settable residual_stream attribute; the "
+            "boundary owns that attribute of the engine's batch object (see ForwardBatchLike)"
+        ) from e
     return stream

@@ -18,6 +18,7 @@ from ..forward import ForwardBatch
 from ..kernels.reference import fused_add_rmsnorm_ref
 from ..norms import RMSNorm
 from ..output import HandoffOutput
+from .collectives import no_collectives
 
 __all__ = ["HandoffConformance", "make_handoff"]
 
@@ -82,8 +83,6 @@ class HandoffConformance:
 
     def test_handoff_candidates_decline_untouched(self, provider: Any, hidden_size: int,
                                                   dtype: torch.dtype, device: str) -> None:
-        from .fusion import no_collectives
-
         def check(cand: Any, read: Any) -> None:
             h = make_handoff(3, hidden_size, dtype, device, payload=False)
             r = torch.randn(3, hidden_size).to(dtype).to(device)

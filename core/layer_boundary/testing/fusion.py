@@ -2,42 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ..factories import declare_attn, declare_ffn, make_stages
 from ..forward import ForwardBatch
 from ..kernels.reference import fused_add_rmsnorm_ref
 from ..norms import RMSNorm
+from .collectives import no_collectives
 from .finalize import HandoffConformance
 from .tolerances import tolerance_of
 
 __all__ = ["FusionProviderConformance"]
-
-_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
-                "reduce_scatter", "broadcast", "all_to_all_single", "send", "recv")
-
-
-@contextlib.contextmanager
-def no_collectives() -> Iterator[None]:
-    """Any torch.distributed collective started inside raises."""
-    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
-
-    def refuse(*a: Any, **k: Any) -> None:
-        raise AssertionError("a collective started before the candidate declined")
-
-    try:
-        for n in saved:
-            setattr(dist, n, refuse)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
-
 
 class FusionProviderConformance(HandoffConformance):
     """Subclass and provide fixtures:
