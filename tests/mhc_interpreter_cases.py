@@ -253,7 +253,7 @@ def test_a_stack_on_mhc_runs_the_kernels_and_matches_the_torch_reference():
     update and read, and the update its coefficients carry) and a small Qwen3 matches the same
     model on the torch reference."""
     from layer_boundary import ForwardBatch
-    from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+    from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 
     def model(kernels: str) -> Qwen3ForCausalLM:
         m = Qwen3ForCausalLM(small_random_config(), residual=MhcSemantics(kernels=kernels, seed=3))
@@ -276,7 +276,7 @@ def test_a_stack_on_mhc_runs_the_kernels_and_matches_the_torch_reference():
 def test_bench_methods_run_the_kernels_into_their_destinations():
     """``bench mhc``'s Triton methods (checked once, then timed over destinations allocated once)
     under the interpreter: the same numbers both ways, within tolerance of the reference."""
-    from layer_boundary.bench import mhc as bench
+    from layer_boundary_app.bench import mhc as bench
     from layer_boundary_mhc import triton_ops
 
     inputs = bench._inputs(2, 4, 32, BF16, "cpu")

@@ -10,7 +10,7 @@ import torch
 
 from layer_boundary.cli.main import main
 from layer_boundary.forward import ForwardBatch
-from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 
 
 def test_default_run_prints_stages_and_saves_logits(tmp_path, capsys):
@@ -284,7 +284,7 @@ def test_a_residual_scheme_is_any_registered_name_and_an_unknown_one_says_which_
 
 
 def test_a_plugins_scheme_is_never_described_with_the_plain_formula():
-    from layer_boundary.cli.run import _describe_residual
+    from layer_boundary_app.cli.run import _describe_residual
     from layer_boundary.residual.semantics import PLAIN_RESIDUAL
 
     class Vendor:
@@ -298,7 +298,7 @@ def test_non_finite_logits_name_the_plugin_kernels_the_model_ran_as_suspects():
     # A trial: a plugin kernel that produced NaN was blamed on the checkpoint's weights alone.
     from types import SimpleNamespace
 
-    from layer_boundary.cli.run import _plugin_suspects
+    from layer_boundary_app.cli.run import _plugin_suspects
     from layer_boundary.selection import Selection, SelectionReport
 
     norm = SimpleNamespace(name="acme-norm")
@@ -317,16 +317,16 @@ def test_non_finite_logits_name_the_plugin_kernels_the_model_ran_as_suspects():
 ])
 def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(argv, said, capsys, monkeypatch):
     # A trial: --tp 3 said so only after 23 s, from rank 1, once every rank had started.
-    from layer_boundary.cli import run as run_cli
-    from layer_boundary.cli.run import _check_layout
-    from layer_boundary.models.runner import _config
+    from layer_boundary_app.cli import run as run_cli
+    from layer_boundary_app.cli.run import _check_layout
+    from layer_boundary_app.models.runner import _config
 
     def no_ranks(*a, **k):
         raise AssertionError("a rank was started")
 
     monkeypatch.setattr(run_cli, "spawn", no_ranks)
     if said is None:
-        from layer_boundary.models.runner import RunSpec
+        from layer_boundary_app.models.runner import RunSpec
 
         spec = RunSpec(sequences=((1, 2),), tp=4, dp=2)
         _check_layout(spec, _config(spec))

@@ -176,7 +176,7 @@ def test_bench_mhc_on_cpu_end_to_end(tmp_path, capsys):
 
 
 def test_bench_mhc_says_when_the_plugin_is_missing_or_a_setting_is_wrong(monkeypatch, capsys, tmp_path):
-    from layer_boundary.bench import mhc as bench
+    from layer_boundary_app.bench import mhc as bench
     from layer_boundary.cli.main import main
 
     assert main(["bench", "mhc", "--device", "cpu", "--tune", "WARPS=4", "--out", str(tmp_path)]) == 2
@@ -206,7 +206,7 @@ def test_the_check_takes_a_stream_rounded_the_other_way_and_the_read_of_it():
     read of those streams, whose coefficients then lie further from the reference's than FP32
     accuracy. The check passes it, and fails a read of other streams, two ulps, another token's
     coefficients and a NaN."""
-    from layer_boundary.bench import mhc as bench
+    from layer_boundary_app.bench import mhc as bench
 
     i = bench._inputs(4, 4, 256, BF16, "cpu")
     method = bench.MhcMethod("kernel", "update+read", lambda _: ())
@@ -478,7 +478,7 @@ def test_gpu_compiled_fullgraph_matches_eager():
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_gpu_model_selects_triton_and_matches_the_torch_reference(dtype):
     from layer_boundary import ForwardBatch
-    from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+    from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 
     def model(kernels: str) -> Qwen3ForCausalLM:
         m = Qwen3ForCausalLM(small_random_config(), dtype=dtype, residual=MhcSemantics(kernels=kernels, seed=3))

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from layer_boundary.fusion import AllReduceNormProvider, FusedSum, WorkspaceUnavailable
-from layer_boundary.launch import gather_objects
+from layer_boundary.ops import gather_objects
 from layer_boundary.topology import GroupInfo
 
 from .api import AiterApi

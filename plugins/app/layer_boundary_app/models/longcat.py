@@ -38,10 +38,10 @@ from torch import nn
 
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
 from layer_boundary.adapters.branch import branch_output, merge_branch
-from layer_boundary.models.config import Qwen3Config, small_random_config
-from layer_boundary.models.layers import RotaryEmbedding
-from layer_boundary.models.moe import SparseMoeBlock
-from layer_boundary.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
+from layer_boundary_app.models.config import Qwen3Config, small_random_config
+from layer_boundary_app.models.layers import RotaryEmbedding
+from layer_boundary_app.models.moe import SparseMoeBlock
+from layer_boundary_app.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 from layer_boundary.norms import RMSNorm
 from layer_boundary.topology import Topology
 
@@ -276,7 +276,7 @@ def plain_forward(model: LongcatForCausalLM, input_ids: torch.Tensor, positions:
     """``logits [T, vocab]`` of ``model`` written out without boundaries (the layer formula in
     the module docstring, with the add+norm references); one pipeline stage, no attention DP."""
     from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
-    from layer_boundary.models.qwen3_plain import attention_half
+    from layer_boundary_app.models.qwen3_plain import attention_half
 
     topo = model.topology
     if topo.attn_dp.size != 1 or topo.pp.size != 1:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.models.qwen3 import Qwen3ForCausalLM
+from layer_boundary_app.models.qwen3 import Qwen3ForCausalLM
 from layer_boundary.ops import all_reduce
 
 __all__ = ["plain_forward", "attention_half"]

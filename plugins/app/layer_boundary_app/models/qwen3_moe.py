@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from layer_boundary import BoundaryContext, declare_ffn
-from layer_boundary.models.config import Qwen3MoeConfig
-from layer_boundary.models.layers import RotaryEmbedding
-from layer_boundary.models.moe import SparseMoeBlock
-from layer_boundary.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
+from layer_boundary_app.models.config import Qwen3MoeConfig
+from layer_boundary_app.models.layers import RotaryEmbedding
+from layer_boundary_app.models.moe import SparseMoeBlock
+from layer_boundary_app.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 from layer_boundary.providers import ResidualSemantics
 from layer_boundary.topology import Topology
 

@@ -57,7 +57,7 @@ def plain_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, for
     The final norm uses the last FFN stage's kernels: its request (RMSNorm, dtype, width, device)
     is the same, so selection chose the same provider for it.
     """
-    from ..ops import all_reduce
+    from layer_boundary.ops import all_reduce
 
     m = model.model
     attn_tp = model.topology.attn_tp
@@ -113,9 +113,9 @@ COLUMNS = [
 
 
 def _decode_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
-    from ..context import BoundaryContext
-    from ..forward import ForwardBatch, ForwardMode
-    from ..topology import Topology
+    from layer_boundary.context import BoundaryContext
+    from layer_boundary.forward import ForwardBatch, ForwardMode
+    from layer_boundary.topology import Topology
 
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     # cuda (NCCL) for the benchmark; cpu (gloo) only exercises the harness.
@@ -196,7 +196,7 @@ def _decode_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _registry() -> Any:
-    from ..plugins import discover
+    from layer_boundary.plugins import discover
 
     return discover()
 

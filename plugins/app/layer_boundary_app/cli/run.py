@@ -10,10 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..launch import RankError, gather_objects, spawn, under_torchrun
+from layer_boundary.ops import gather_objects
+
+from ..launch import RankError, spawn, under_torchrun
 from ..models.runner import RunSpec, build_model, describe_model, rank_forward, single_rank_logits
-from ..plugins import PluginError
-from ..topology import Topology
+from layer_boundary.plugins import PluginError
+from layer_boundary.topology import Topology
 
 __all__ = ["run_command", "describe_stages"]
 
@@ -356,7 +358,7 @@ def _describe_residual(semantics: Any) -> str:
     describe = getattr(semantics, "describe", None)
     if callable(describe):
         return describe()
-    from ..residual.semantics import PLAIN_RESIDUAL
+    from layer_boundary.residual.semantics import PLAIN_RESIDUAL
 
     # A plugin's scheme that does not describe itself is named, never given the plain formula.
     return (f"{semantics.name}: r' = r + y, add+RMSNorm reads" if semantics is PLAIN_RESIDUAL

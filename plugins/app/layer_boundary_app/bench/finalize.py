@@ -41,10 +41,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..fusion.moe_finalize import FINALIZE_TOLERANCE
-from ..kernels.reference import fused_add_rmsnorm_ref
+from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE
+from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
+
 from ..models.moe import moe_finalize
-from ..providers import NormRequest
+from layer_boundary.providers import NormRequest
+
 from . import report
 from .allreduce import best_separate, us_panels
 from .norm import COPY_BYTES, DTYPES, EPS, NormMethod, norm_methods, peer_methods, providers_for
@@ -133,7 +135,7 @@ def whole_call(i: Inputs, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) 
 
 
 def _fused_call(i: Inputs, ws: Any) -> Call:
-    from ..fusion.symm_mem import launch
+    from layer_boundary.fusion.symm_mem import launch
 
     r, y = i.residual.clone(), torch.empty_like(i.residual)
 
@@ -256,8 +258,8 @@ def _shape(run: _Rank, t: int, h: int, norms: list[NormMethod], ws: Any) -> list
 def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ..fusion.symm_mem import make_symm_workspace
-    from ..topology import Topology
+    from layer_boundary.fusion.symm_mem import make_symm_workspace
+    from layer_boundary.topology import Topology
 
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     device = this_device("cuda")

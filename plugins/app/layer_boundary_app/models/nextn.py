@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from layer_boundary import BoundaryContext
-from layer_boundary.models.config import Qwen3Config
-from layer_boundary.models.layers import RotaryEmbedding
-from layer_boundary.models.loader import load_tensors
-from layer_boundary.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
+from layer_boundary_app.models.config import Qwen3Config
+from layer_boundary_app.models.layers import RotaryEmbedding
+from layer_boundary_app.models.loader import load_tensors
+from layer_boundary_app.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
 from layer_boundary.norms import RMSNorm
 from layer_boundary.residual import batch as residual_batch
 

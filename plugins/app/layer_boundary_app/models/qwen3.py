@@ -29,8 +29,8 @@ from torch import nn
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages, ops
 from layer_boundary.adapters.tbo import model_forward_stages, plan_overlap
 from layer_boundary.cp import context_parallel_split
-from layer_boundary.models.config import Qwen3Config
-from layer_boundary.models.layers import (
+from layer_boundary_app.models.config import Qwen3Config
+from layer_boundary_app.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -38,7 +38,7 @@ from layer_boundary.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from layer_boundary.models.loader import load_checkpoint
+from layer_boundary_app.models.loader import load_checkpoint
 from layer_boundary.norms import GemmaRMSNorm, RMSNorm
 from layer_boundary.providers import ResidualSemantics, residual_part
 from layer_boundary.residual import batch as residual_batch
