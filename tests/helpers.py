@@ -20,16 +20,15 @@ from layer_boundary import (
     GemmaRMSNorm,
     GroupInfo,
     HandoffOutput,
-    Owed,
-    OwedKind,
     ProducerReduction,
     RMSNorm,
-    SumGroup,
     Topology,
     declare_attn,
     declare_ffn,
     make_stages,
 )
+from layer_boundary.contracts import Owed, OwedKind
+from layer_boundary.layout import SumGroup
 
 EPS = 1e-6
 

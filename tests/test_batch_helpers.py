@@ -26,16 +26,15 @@ from layer_boundary import (
     BoundaryError,
     ForwardBatch,
     GemmaRMSNorm,
-    Owed,
-    OwedKind,
-    OwedOutput,
     ResidualStream,
-    StreamState,
-    SumGroup,
     declare_attn,
     declare_ffn,
     make_stages,
 )
+from layer_boundary.contracts import Owed, OwedKind
+from layer_boundary.layout import SumGroup
+from layer_boundary.output import OwedOutput
+from layer_boundary.residual.stream import StreamState
 from layer_boundary.errors import FOREIGN_OUTPUT, SNAPSHOT_PLAIN, START_FIRST, WRITE_BEFORE_TAKE
 from layer_boundary.residual import batch as rb
 

@@ -23,16 +23,15 @@ from layer_boundary import (
     AuxHiddenStateList,
     BoundaryError,
     ForwardBatch,
-    Owed,
-    OwedKind,
-    OwedOutput,
     ResidualStream,
-    StreamState,
-    SumGroup,
     declare_attn,
     declare_ffn,
     make_stages,
 )
+from layer_boundary.contracts import Owed, OwedKind
+from layer_boundary.layout import SumGroup
+from layer_boundary.output import OwedOutput
+from layer_boundary.residual.stream import StreamState
 from layer_boundary.errors import SNAPSHOT_PLAIN
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
 from layer_boundary.residual import batch as rb

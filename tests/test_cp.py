@@ -100,7 +100,7 @@ def test_a_split_must_partition_the_tokens():
 
 
 def test_attention_sums_over_the_head_group():
-    from layer_boundary import SumGroup
+    from layer_boundary.layout import SumGroup
 
     topo = fake_cp_topology(tp=4, cp=2)
     assert topo.attn_heads.ranks == (0, 2) and topo.attn_cp.ranks == (0, 1)

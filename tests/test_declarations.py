@@ -22,13 +22,11 @@ from layer_boundary import (
     DeclarationError,
     ForwardBatch,
     OutputTransform,
-    OwedOutput,
     ProducerReduction,
     ResidualStream,
     StageBoundary,
     StageDeclaration,
     StageKind,
-    StreamState,
     Topology,
     declare_attn,
     declare_ffn,
@@ -37,6 +35,8 @@ from layer_boundary import (
     make_ffn_stage,
     make_stages,
 )
+from layer_boundary.output import OwedOutput
+from layer_boundary.residual.stream import StreamState
 from layer_boundary.residual import batch as rb
 from layer_boundary.residual.add_norm import ADD_NORM, PLAIN_ADD
 

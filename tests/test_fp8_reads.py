@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from helpers import EPS, make_norm, rms64
-from layer_boundary import BoundaryContext, ForwardBatch, QuantizedRows, declare_attn, declare_ffn, make_stages
+from layer_boundary import BoundaryContext, ForwardBatch, declare_attn, declare_ffn, make_stages
+from layer_boundary.quant import QuantizedRows
 from layer_boundary.kernels.providers import REFERENCE_PROVIDER
 from layer_boundary.kernels.reference import (
     fused_add_rmsnorm_fp8_ref,

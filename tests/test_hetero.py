@@ -22,8 +22,6 @@ from layer_boundary import (
     BoundaryContext,
     DeclarationError,
     ForwardBatch,
-    MixerExit,
-    OwedOutput,
     declare_attn,
     declare_ffn,
     get_forward,
@@ -32,6 +30,8 @@ from layer_boundary import (
     make_stages,
     ops,
 )
+from layer_boundary.exit import MixerExit
+from layer_boundary.output import OwedOutput
 from layer_boundary.cli.main import main
 from layer_boundary_app.launch import spawn
 from layer_boundary_app.models.hetero import (

@@ -28,13 +28,13 @@ from layer_boundary import (
     ForwardBatch,
     HandoffOutput,
     OutputTransform,
-    OwedOutput,
     Topology,
     declare_attn,
     declare_ffn,
     get_forward,
     make_stages,
 )
+from layer_boundary.output import OwedOutput
 from layer_boundary_app.models.moe import SparseMoeBlock
 from layer_boundary.residual import batch as rb
 from layer_boundary.topology import GroupInfo

@@ -10,7 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from layer_boundary import BoundaryContext, BoundaryError, ForwardBatch, Topology, declare_attn, declare_ffn, make_stages
+from layer_boundary import (
+    BoundaryContext,
+    BoundaryError,
+    ForwardBatch,
+    Topology,
+    declare_attn,
+    declare_ffn,
+    make_stages,
+)
 from layer_boundary.residual import batch as residual_batch
 from layer_boundary.residual.stream import ResidualStream
 

@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from helpers import NORM_OF, make_norm, rms, solo_sum, two_layer
-from layer_boundary import BoundaryError, ForwardBatch, OwedOutput, ResidualStream, StreamState
+from layer_boundary import BoundaryError, ForwardBatch, ResidualStream
+from layer_boundary.output import OwedOutput
+from layer_boundary.residual.stream import StreamState
 from layer_boundary.errors import FOREIGN_OUTPUT, START_FIRST, WRITE_BEFORE_TAKE
 from layer_boundary.residual import batch as rb
 

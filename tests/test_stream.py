@@ -24,16 +24,9 @@ from helpers import (
     solo_sum,
     two_layer,
 )
-from layer_boundary import (
-    BoundaryError,
-    ForwardBatch,
-    OwedOutput,
-    ResidualStream,
-    StreamState,
-    declare_attn,
-    declare_ffn,
-    make_stages,
-)
+from layer_boundary import BoundaryError, ForwardBatch, ResidualStream, declare_attn, declare_ffn, make_stages
+from layer_boundary.output import OwedOutput
+from layer_boundary.residual.stream import StreamState
 from layer_boundary.errors import FOREIGN_OUTPUT, START_FIRST
 from layer_boundary.residual import batch as rb
 

@@ -14,8 +14,19 @@ import pytest
 import torch
 
 from helpers import counted_handoff, make_norm, raises_exact, rand, solo_sum
-from layer_boundary import (BoundaryContext, BoundaryError, ForwardBatch, Owed, OwedKind, OwedOutput,
-                            ResidualStream, StreamState, Topology, declare_attn, declare_ffn, make_stages)
+from layer_boundary import (
+    BoundaryContext,
+    BoundaryError,
+    ForwardBatch,
+    ResidualStream,
+    Topology,
+    declare_attn,
+    declare_ffn,
+    make_stages,
+)
+from layer_boundary.contracts import Owed, OwedKind
+from layer_boundary.output import OwedOutput
+from layer_boundary.residual.stream import StreamState
 from layer_boundary.adapters.tbo import (TboRows, TboSplit, balanced_split, entry_rows, handoff_rows,
                                          interleave, merge_streams, plan_overlap, split_batch, split_stream)
 from layer_boundary.cli.main import main

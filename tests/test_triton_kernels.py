@@ -27,7 +27,9 @@ import pytest
 import torch
 
 from helpers import EPS, make_norm
-from layer_boundary import BoundaryContext, ForwardBatch, NormRequest, QuantizedRows, declare_attn, declare_ffn, make_stages
+from layer_boundary import BoundaryContext, ForwardBatch, declare_attn, declare_ffn, make_stages
+from layer_boundary.providers import NormRequest
+from layer_boundary.quant import QuantizedRows
 from layer_boundary.kernels.providers import REFERENCE_PROVIDER, TRITON_PROVIDER, core_norm_providers
 from layer_boundary.kernels.reference import (
     fused_add_rmsnorm_fp8_ref,

@@ -11,11 +11,11 @@ from layer_boundary import (
     ForwardBatch,
     ProducerReduction,
     RMSNorm,
-    active_variant,
     declare_attn,
     declare_ffn,
     make_stages,
 )
+from layer_boundary.forward import active_variant
 from layer_boundary.errors import NO_PATH
 from layer_boundary.residual import batch as rb
 

@@ -7,7 +7,7 @@ here. The public names below load on first use (PEP 562).
 
 from __future__ import annotations
 
-from layer_boundary.lazy import lazy_exports
+from layer_boundary.plugin_api import lazy_exports
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ imports ``layer_boundary_cutedsl.hooks`` only when both hold.
 
 from __future__ import annotations
 
-from layer_boundary.plugins.manifest import PluginManifest, Provides
+from layer_boundary.plugin_api import PluginManifest, Provides
 
 __all__ = ["MANIFEST"]
 

@@ -32,9 +32,13 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from layer_boundary.fusion.install import install_finalize_fusion, prepare_finalize_fusion
-from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE, MoeFinalizeFusion, finalize_partial_ref
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
+from layer_boundary import install_finalize_fusion, prepare_finalize_fusion
+from layer_boundary.plugin_api import (
+    finalize_partial_ref,
+    FINALIZE_TOLERANCE,
+    fused_add_rmsnorm_ref,
+    MoeFinalizeFusion,
+)
 
 from .shape import VEC, launch_shape
 

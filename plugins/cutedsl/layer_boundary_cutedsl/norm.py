@@ -28,11 +28,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from layer_boundary.kernels.reference import check_rows, fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.kernels.fallback import FallbackNotice
-from layer_boundary.kernels.refusals import cuda_half_norm_refusal
-from layer_boundary.providers import NormRequest
-from layer_boundary.residual.add_norm import NormKernels
+from layer_boundary.plugin_api import (
+    check_rows,
+    cuda_half_norm_refusal,
+    FallbackNotice,
+    fused_add_rmsnorm_ref,
+    NormKernels,
+    NormRequest,
+    rmsnorm_ref,
+)
 
 from .shape import MAX_PER_THREAD, VEC, launch_shape
 
@@ -245,7 +249,7 @@ class CuTeDSLNormProvider:
 
 def _self_check(table: NormKernels, hidden: int, dtype: torch.dtype, offset: float,
                 tol: tuple[float, float]) -> None:
-    from layer_boundary.kernels.reference import check_rows, fused_add_rmsnorm_ref, rmsnorm_ref
+    from layer_boundary.plugin_api import check_rows, fused_add_rmsnorm_ref, rmsnorm_ref
 
     g = torch.Generator(device="cuda").manual_seed(hidden)
     x = torch.randn(5, hidden, generator=g, device="cuda").to(dtype)

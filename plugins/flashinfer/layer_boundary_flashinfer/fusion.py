@@ -65,7 +65,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from layer_boundary.fusion import AllReduceNormProvider, FusedSum
+from layer_boundary.plugin_api import AllReduceNormProvider, FusedSum
 
 __all__ = ["FlashInferAllReduceNorm", "CommApi", "FP8_REFUSAL", "WORLD_SIZES", "ONESHOT_BUDGET_MIB"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional
 
-from layer_boundary.plugins import hookimpl
+from layer_boundary.plugin_api import hookimpl
 
 from .fusion import FlashInferAllReduceNorm
 from .norm import FlashInferNormProvider

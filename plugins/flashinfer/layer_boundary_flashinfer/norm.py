@@ -39,11 +39,15 @@ from typing import Any, Optional
 
 import torch
 
-from layer_boundary.kernels.reference import check_rows, fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.kernels.fallback import FallbackNotice
-from layer_boundary.kernels.refusals import cuda_half_norm_refusal
-from layer_boundary.providers import NormRequest
-from layer_boundary.residual.add_norm import NormKernels
+from layer_boundary.plugin_api import (
+    check_rows,
+    cuda_half_norm_refusal,
+    FallbackNotice,
+    fused_add_rmsnorm_ref,
+    NormKernels,
+    NormRequest,
+    rmsnorm_ref,
+)
 
 __all__ = ["FlashInferNormProvider", "FP8_REFUSAL", "flashinfer_kernels"]
 

@@ -7,7 +7,7 @@ only when it and the declared requirements hold.
 
 from __future__ import annotations
 
-from layer_boundary.plugins.manifest import PluginManifest, Provides
+from layer_boundary.plugin_api import PluginManifest, Provides
 
 from .detect import probe
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from layer_boundary.plugins import hookimpl
+from layer_boundary.plugin_api import hookimpl
 
 from .api import TARGET_VERSION, AiterApi
 from .fusion import AiterAllReduceNorm

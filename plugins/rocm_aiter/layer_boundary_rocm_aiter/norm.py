@@ -26,12 +26,16 @@ from typing import Any, Optional
 
 import torch
 
-from layer_boundary.kernels.reference import check_rows, fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.providers import NormRequest
-from layer_boundary.residual.add_norm import NormKernels
+from layer_boundary.plugin_api import (
+    check_rows,
+    fused_add_rmsnorm_ref,
+    NormKernels,
+    NormRequest,
+    rmsnorm_ref,
+)
 
 try:
-    from layer_boundary.quant import FP8_SCALE_FLOOR, QUANT_FORMATS
+    from layer_boundary.plugin_api import FP8_SCALE_FLOOR, QUANT_FORMATS
 except ImportError:  # a core from before quantized reads: every quantized request is unknown to it
     FP8_SCALE_FLOOR, QUANT_FORMATS = 1e-12, ()
 
