@@ -71,7 +71,7 @@ def test_bad_layout_is_refused(capsys):
 
 @pytest.mark.parametrize("argv,usage", [
     (["run", "--out", "x"], "usage: layer-boundary run"),
-    (["bench", "mhc", "--bogus"], "usage: layer-boundary bench mhc"),
+    (["bench", "norm", "--bogus"], "usage: layer-boundary bench norm"),
     (["bench", "host", "--json", "/nonexistent-folder/x.json"], "usage: layer-boundary bench host"),
 ])
 def test_a_command_error_prints_that_commands_usage(argv, usage, capsys):

@@ -112,3 +112,61 @@ def test_a_planted_import_is_found(tmp_path, source, reason):
 def test_the_core_cli_may_import_itself():
     assert wall_broken("layer_boundary.cli.main", "layer_boundary.cli.commands") is None
     assert wall_broken("layer_boundary.cli.main", "layer_boundary_app.cli.commands") is not None
+
+
+APP = Path(__file__).resolve().parents[1] / "plugins" / "app" / "layer_boundary_app"
+
+# The faces the application may use: it is written as an engine (and, for its benchmarks of
+# providers, a vendor) would write against the core.
+FACES = {"layer_boundary", "layer_boundary.plugin_api", "layer_boundary.testing", "layer_boundary.residual.batch",
+         "layer_boundary.cli", "layer_boundary.cli.commands"}
+# The one exception: the finalize benchmark times the core's symmetric-memory kernel itself, below
+# the provider that serves it (a GPU-only benchmark; going through the provider needs a GPU run).
+APP_EXCEPTIONS = {("bench/finalize.py", "layer_boundary.fusion.symm_mem")}
+
+
+def _face_names(stub: str) -> set[str]:
+    tree = ast.parse((CORE / stub).read_text())
+    return {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names} | {
+        t.id for n in tree.body if isinstance(n, ast.AnnAssign) for t in [n.target] if isinstance(t, ast.Name)}
+
+
+def app_violations(root: Path = APP) -> list[str]:
+    faces = {"layer_boundary": _face_names("__init__.pyi"), "layer_boundary.plugin_api": _face_names("plugin_api.pyi")}
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                mod, names = node.module, [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                mod, names = "", [a.name for a in node.names]
+            else:
+                continue
+            for target in ([mod] if mod else names):
+                if target.split(".")[0] != "layer_boundary" or (rel, target) in APP_EXCEPTIONS:
+                    continue
+                if mod == "layer_boundary.residual" and names == ["batch"]:
+                    continue  # the spec's path of the batch helpers
+                if target not in FACES:
+                    out.append(f"{rel}:{node.lineno} imports {target}, not a face of the core")
+                elif mod in faces:
+                    out += [f"{rel}:{node.lineno} imports {n} from {mod}, which its face does not export"
+                            for n in names if n not in faces[mod]]
+    return out
+
+
+def test_the_application_imports_only_the_faces():
+    assert len(list(APP.rglob("*.py"))) > 20
+    assert app_violations() == []
+
+
+def test_a_private_import_planted_in_the_application_is_found(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "planted.py").write_text(
+        "from layer_boundary import Topology, StreamState\n"
+        "def f():\n    from layer_boundary.ops import all_reduce\n")
+    found = app_violations(tmp_path)
+    assert any("StreamState from layer_boundary" in v for v in found), found
+    assert any("layer_boundary.ops, not a face" in v for v in found), found
+    assert not any("Topology" in v for v in found), found

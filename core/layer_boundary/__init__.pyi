@@ -14,6 +14,7 @@ from .factories import make_stages as make_stages
 from .contracts import ProducerReduction as ProducerReduction
 from .contracts import StageKind as StageKind
 from .output import OutputTransform as OutputTransform
+from .residual.add_norm import AddNormReadSpec as AddNormReadSpec
 
 # The model's process groups and installed plugins
 from .context import BoundaryContext as BoundaryContext
@@ -48,5 +49,6 @@ from .fusion.install import prepare_finalize_fusion as prepare_finalize_fusion
 # Errors
 from .errors import BoundaryError as BoundaryError
 from .errors import DeclarationError as DeclarationError
+from .plugins.discovery import PluginError as PluginError
 
 __version__: str

@@ -13,8 +13,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from layer_boundary.context import BoundaryContext
-from layer_boundary.layout import BatchVariant
+from layer_boundary import BatchVariant, BoundaryContext
 
 __all__ = ["AcceptedCandidate", "accepted_candidates", "no_candidate_reason", "describe_candidates",
            "UnfusedContext", "strip_candidates", "two_stage_plan", "model_stages"]
@@ -96,8 +95,7 @@ def two_stage_plan(ctx: BoundaryContext, hidden: int, dtype: torch.dtype, device
                    seed: int = 0) -> tuple[Any, Any]:
     """An attention and an FFN stage of one decoder layer (previous: an FFN), built on ``ctx``
     with norm weights ``1 + N(0, 0.1^2)`` on ``device``; the context is frozen afterwards."""
-    from layer_boundary.factories import declare_attn, declare_ffn, make_stages
-    from layer_boundary.norms import RMSNorm
+    from layer_boundary import declare_attn, declare_ffn, make_stages, RMSNorm
 
     g = torch.Generator().manual_seed(seed)
     norms = []

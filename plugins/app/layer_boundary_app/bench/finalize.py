@@ -41,13 +41,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
-
-from ..models.moe import moe_finalize
-from layer_boundary.providers import NormRequest
+from layer_boundary.plugin_api import FINALIZE_TOLERANCE, fused_add_rmsnorm_ref, NormRequest
 
 from . import report
+from ..models.moe import moe_finalize
 from .allreduce import best_separate, us_panels
 from .norm import COPY_BYTES, DTYPES, EPS, NormMethod, norm_methods, peer_methods, providers_for
 from .timing import (TimingPlan, cuda_unavailable, max_over_group, reported_copy_bandwidth, slowest,
@@ -259,7 +256,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from layer_boundary.fusion.symm_mem import make_symm_workspace
-    from layer_boundary.topology import Topology
+    from layer_boundary import Topology
 
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     device = this_device("cuda")

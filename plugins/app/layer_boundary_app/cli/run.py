@@ -10,12 +10,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from layer_boundary.ops import gather_objects
+from layer_boundary import PluginError, Topology
+from layer_boundary.plugin_api import gather_objects
 
 from ..launch import RankError, spawn, under_torchrun
 from ..models.runner import RunSpec, build_model, describe_model, rank_forward, single_rank_logits
-from layer_boundary.plugins import PluginError
-from layer_boundary.topology import Topology
 
 __all__ = ["run_command", "describe_stages"]
 
@@ -358,11 +357,8 @@ def _describe_residual(semantics: Any) -> str:
     describe = getattr(semantics, "describe", None)
     if callable(describe):
         return describe()
-    from layer_boundary.residual.semantics import PLAIN_RESIDUAL
-
     # A plugin's scheme that does not describe itself is named, never given the plain formula.
-    return (f"{semantics.name}: r' = r + y, add+RMSNorm reads" if semantics is PLAIN_RESIDUAL
-            else f"{semantics.name} (a plugin's scheme; it has no describe())")
+    return f"{semantics.name} (a plugin's scheme; it has no describe())"
 
 
 def _sync(device: str) -> None:

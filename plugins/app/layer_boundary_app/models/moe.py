@@ -41,12 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layer_boundary.fusion.moe_finalize import moe_finalize
-from layer_boundary.forward import get_forward
-from layer_boundary.ops import all_reduce
-from layer_boundary.output import HandoffOutput
-from layer_boundary.topology import GroupInfo
+from layer_boundary import get_forward, GroupInfo, HandoffOutput
+from layer_boundary.plugin_api import moe_finalize
 
+from .comm import all_reduce
 from .layers import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
 
 __all__ = [
