@@ -166,13 +166,20 @@ def test_a_layout_the_model_refuses_is_its_message_not_a_traceback(capsys):
     assert "cannot be split over 5 pipeline stages" in err and "Traceback" not in err
 
 
-def test_default_ids_outside_a_small_vocabulary_say_they_are_the_defaults(tmp_path, capsys):
+def test_default_ids_fit_a_300_token_vocabulary_and_explicit_ids_past_it_are_refused(tmp_path, capsys):
+    # The defaults (up to id 404) were refused by a checkpoint of 300 tokens: a newcomer's first
+    # run of their own model failed on ids they never gave.
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
-    assert main(["run", "--model", str(tmp_path)]) == 2
-    assert "the default token ids" in capsys.readouterr().err
+    assert main(["run", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "the default token ids [300, 404] are past the vocabulary of 300 tokens: taken modulo 300" in out
+    assert "logits:   [12, 300]" in out
+    assert main(["run", "--model", str(tmp_path), "--input-ids", "1,299,300"]) == 2
+    err = capsys.readouterr().err
+    assert "--input-ids [300] are outside the vocabulary of 300 tokens; pass --input-ids below 300" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

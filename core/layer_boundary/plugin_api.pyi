@@ -20,6 +20,7 @@ from .quant import FP8_SCALE_FLOOR as FP8_SCALE_FLOOR
 from .quant import QUANT_FORMATS as QUANT_FORMATS
 from .quant import QuantizedRows as QuantizedRows
 from .kernels.refusals import cuda_half_norm_refusal as cuda_half_norm_refusal
+from .selection import not_on_this_device as not_on_this_device
 from .kernels.fallback import FallbackNotice as FallbackNotice
 from .norms import norm_params as norm_params
 

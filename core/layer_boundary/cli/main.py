@@ -43,7 +43,8 @@ class _Version(argparse.Action):
                 by_dist.setdefault((e.distribution or "?", e.version or "?"), []).append(" ".join(path))
         for (dist, version), paths in sorted(by_dist.items()):
             lines.append(f"  {dist} {version} (commands: {', '.join(paths)})")
-        parser.exit(message="\n".join(lines) + "\n")
+        print("\n".join(lines))  # stdout, as argparse's own version action
+        parser.exit()
 
 
 class _Missing:
@@ -118,10 +119,6 @@ def _children(paths: dict[Path, Optional[list[CommandEntry]]], parent: Path) -> 
     return [p for p in paths if len(p) == len(parent) + 1 and p[: len(parent)] == parent]
 
 
-def _installed_under(paths: dict[Path, Optional[list[CommandEntry]]], path: Path) -> bool:
-    return any(p[: len(path)] == path and paths[p] is not None for p in paths)
-
-
 def _add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", paths: dict[Path, Optional[list[CommandEntry]]],
          path: Path, chosen: Optional[Path]) -> None:
     """Add ``path``'s parser to ``sub``; import its command only when it is on the chosen path or
@@ -129,14 +126,14 @@ def _add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", paths: dict
     entries = paths[path]
     kids = _children(paths, path)
     # On the chosen path, or under it (``bench --help`` lists its children with their help).
-    on_path = chosen is None or chosen[: len(path)] == path or path[: len(chosen)] == chosen
+    on_path = chosen is None or (chosen != () and (chosen[: len(path)] == path or path[: len(chosen)] == chosen))
     if not on_path:
         sub.add_parser(path[-1])  # a name for argparse's choices; never configured or imported
         return
-    if entries is None and not _installed_under(paths, path):
-        dist = KNOWN_COMMANDS.get(".".join(path), "?")
-        cmd: Command = _Missing(path, dist)
+    if entries is None and not kids:
+        cmd: Command = _Missing(path, KNOWN_COMMANDS.get(".".join(path), "?"))
     elif entries is None:
+        # Its children may come from several distributions: each missing one names its own.
         cmd = _Group(path)
     else:
         cmd = _resolve(path, entries)
@@ -186,7 +183,7 @@ class _Plugins:
 
 def build_parser(chosen: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
     """The parser of every installed command (``chosen``: configure and import only the commands
-    on that path, e.g. ``("bench", "host")``)."""
+    on that path, e.g. ``("bench", "host")``, and those under it; ``()``: none of them)."""
     p = argparse.ArgumentParser(
         prog="layer-boundary",
         description="Transformer layer boundaries: the plugins found here (plugins), and the commands "
@@ -207,12 +204,14 @@ def build_parser(chosen: Optional[Sequence[str]] = None) -> argparse.ArgumentPar
 
 def _chosen(argv: Sequence[str], paths: dict[Path, Optional[list[CommandEntry]]]) -> Optional[Path]:
     """The command path named on the command line (``bench host`` -> ("bench", "host")), None when
-    none is (``--help``, a typo: the full listing then)."""
+    none is (``--help``, a typo: the full listing then), ``()`` when none is needed (``--version``)."""
     path: Path = ()
     for word in argv:
         if word.startswith("-"):
             if path:
                 break  # an option of the command: its children come first
+            if word == "--version":
+                return ()  # no command's object is needed
             return None
         if path + (word,) in paths or (not path and word == "plugins"):
             path = path + (word,)
