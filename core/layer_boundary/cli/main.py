@@ -106,7 +106,7 @@ def _resolve(path: Path, entries: list[CommandEntry]) -> Command:
 def _tree(found: dict[Path, list[CommandEntry]]) -> dict[Path, Optional[list[CommandEntry]]]:
     """Every command path: installed ones with their entries; known but missing ones, and groups
     that have no entry of their own, with None."""
-    paths: dict[Path, Optional[list[CommandEntry]]] = {p: None for p in map(lambda n: tuple(n.split(".")), KNOWN_COMMANDS)}
+    paths: dict[Path, Optional[list[CommandEntry]]] = {tuple(n.split(".")): None for n in KNOWN_COMMANDS}
     paths.update(found)
     for p in list(paths):
         for i in range(1, len(p)):
@@ -140,7 +140,8 @@ def _add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", paths: dict
     parser = sub.add_parser(path[-1], help=cmd.help)
     if kids and not isinstance(cmd, (_Missing, _Broken)):
         cmd.configure(parser)  # a group's description, or options its children share
-        children = parser.add_subparsers(dest=path[-1], required=True, metavar="{" + ",".join(k[-1] for k in kids) + "}")
+        names = "{" + ",".join(k[-1] for k in kids) + "}"
+        children = parser.add_subparsers(dest=path[-1], required=True, metavar=names)
         for kid in kids:
             _add(children, paths, kid, chosen)
         return

@@ -26,7 +26,8 @@ class HostBench:
     help = "host time per boundary and decoder forward time with and without boundaries (CPU)"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--tokens", type=positive, nargs="+", default=[1, 8, 32], help="batch sizes (decode-sized)")
+        parser.add_argument("--tokens", type=positive, nargs="+", default=[1, 8, 32],
+                            help="batch sizes (decode-sized)")
         parser.add_argument("--iters", type=positive, default=2000, help="timed calls per boundary measurement")
         parser.add_argument("--forward-iters", type=positive, default=200, help="timed decoder forwards per measurement")
         parser.add_argument("--hidden", type=positive, nargs="+", default=[64, 1024],
