@@ -49,6 +49,13 @@ def test_a_cuda_kernel_on_a_cpu_is_not_on_this_device_not_refused(capsys):
     assert not any("refused: core-triton" in line for line in norm)
 
 
+def test_a_gpu_fusion_on_gloo_groups_is_not_on_this_device(capsys):
+    assert main(["run", "--input-ids", "1,2"]) == 0
+    fusion = [line for line in _lines(capsys) if "consumer fusion [" in line]
+    assert fusion and all("not on this device: symm-mem all-reduce + add + rmsnorm (core): needs a nccl group; "
+                          in line and "refused: symm-mem" not in line for line in fusion)
+
+
 def test_the_selection_report_lists_device_refusals_apart():
     sel = Selection("attn #1", "ORDINARY", "norm kernels", "rmsnorm cpu float32 H=8", "torch-reference", (
         Candidate("gpu-kernel", "vendor", not_on_this_device("runs on CUDA devices only, not cpu")),

@@ -358,9 +358,10 @@ def test_run_chooses_the_third_party_candidate_and_skips_the_bad_plugins(with_th
     layers = int(re.search(r"^stages: +(\d+) boundaries", proc.stdout, re.M).group(1)) // 2
     # Every attention stage but the first takes the candidate; the first, at the stack entry, has
     # nothing owed to fuse and says so, naming the candidate and its plugin. The core's own
-    # candidate comes after the plugin's and says why it does not serve gloo.
-    assert (f"attn ORDINARY x{layers - 1}: consumer fusion [attention_input] -> {CANDIDATE}   refused: "
-            "symm-mem all-reduce + add + rmsnorm (core): needs a nccl group; tp uses gloo") in fusion
+    # candidate comes after the plugin's and says why it does not serve gloo (the CPU's backend:
+    # not on this device).
+    assert (f"attn ORDINARY x{layers - 1}: consumer fusion [attention_input] -> {CANDIDATE}   not on this "
+            "device: symm-mem all-reduce + add + rmsnorm (core): needs a nccl group; tp uses gloo") in fusion
     assert (f"attn ORDINARY x1: consumer fusion [attention_input] -> none   refused: {CANDIDATE} "
             "(acme_fusion): stack entry: nothing is owed to this input") in fusion
     assert "forward:" in proc.stdout and "logits:   [4, " in proc.stdout

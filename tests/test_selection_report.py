@@ -103,8 +103,9 @@ def test_qwen3_report_lists_candidates_choice_and_refusals():
     assert row == {
         "stage": "ffn #2", "variant": "ORDINARY", "what": "consumer fusion", "request": "ffn_input",
         "chosen": "ffn-fused",
-        "candidates": [{"name": "ffn-fused", "origin": "vendor", "refused": None},
-                       {"name": "ffn-fp8-only", "origin": "vendor", "refused": "FP8 activations only"}],
+        "candidates": [{"name": "ffn-fused", "origin": "vendor", "refused": None, "off_device": False},
+                       {"name": "ffn-fp8-only", "origin": "vendor", "refused": "FP8 activations only",
+                        "off_device": False}],
     }
 
 
