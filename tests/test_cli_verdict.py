@@ -83,4 +83,4 @@ def test_the_output_points_once_to_the_concepts_page(capsys):
     assert main(["run", "--tp", "1", "--input-ids", "1,2"]) == 0
     lines = _lines(capsys)
     assert sum("docs/concepts.md" in line for line in lines) == 1
-    assert lines[-2].startswith("terms:    docs/concepts.md explains the words above")
+    assert lines[-2].startswith("terms:    docs/concepts.md explains every term above")

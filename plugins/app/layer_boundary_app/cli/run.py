@@ -299,7 +299,7 @@ def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any
     if args.save_logits:
         torch.save(logits, args.save_logits)
         print(f"saved:    {args.save_logits}")
-    print(f"terms:    {CONCEPTS} explains the words above (PARTIAL, SCOPED, policies, stream states, owed work)")
+    print(f"terms:    {CONCEPTS} explains every term above (PARTIAL, SCOPED, [policy ...] -> ..., variants, ...)")
     print(_verdict(spec, head["topology"], backend, checked))
     return 0 if checked is None or checked.ok else 1
 
