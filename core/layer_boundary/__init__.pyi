@@ -28,6 +28,9 @@ from .forward import ForwardMode as ForwardMode
 from .forward import get_forward as get_forward
 from .layout import BatchVariant as BatchVariant
 from .stage import StageBoundary as StageBoundary
+# Pipeline parallel: a stage's tensors (residual_batch.to_pp) to the next stage's ranks and back
+from .ops import recv_tensors as recv_tensors
+from .ops import send_tensors as send_tensors
 from .residual import batch as residual_batch
 from .residual.stream import ResidualStream as ResidualStream
 from .output import HandoffOutput as HandoffOutput

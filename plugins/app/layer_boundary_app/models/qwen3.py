@@ -28,12 +28,11 @@ from torch import nn
 
 from layer_boundary import (
     BoundaryContext, context_parallel_split, declare_attn, declare_ffn, GemmaRMSNorm, GroupInfo, make_stages,
-    model_forward_stages, plan_overlap, RMSNorm, Topology,
+    model_forward_stages, plan_overlap, recv_tensors, RMSNorm, send_tensors, Topology,
 )
 from layer_boundary.plugin_api import ResidualSemantics, residual_part
 from layer_boundary.residual import batch as residual_batch
 
-from .comm import recv_tensors, send_tensors
 from .config import Qwen3Config
 from .layers import (
     MergedColumnParallelLinear,
