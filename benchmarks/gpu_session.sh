@@ -247,12 +247,11 @@ m|p)
     grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
     tail -2 "$OUT/m-tests.log"
   fi
-  # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items; MHC_VARIANT_ARGS: more
-  # arguments for the sweep, such as "--steady 30 --eager"; MHC_VARIANT_TOKENS: the
-  # token counts, default 1024 8192) at H = 4096, then
-  # MHC_CLUSTER_VARIANTS_WIDE at H = 7168, each with one profiled call.
+  # Cluster variants (MHC_CLUSTER_VARIANTS: quoted "NAME=VALUE ..." items of MhcKernelConfig fields;
+  # MHC_VARIANT_ARGS: more arguments for the sweep, such as "--eager"; MHC_VARIANT_TOKENS: the
+  # token counts, default 1024 8192) at H = 4096, then MHC_CLUSTER_VARIANTS_WIDE at H = 7168.
   if [ -n "${MHC_CLUSTER_VARIANTS:-}" ]; then
-    ( cd benchmarks/sweeps && eval "timeout ${MHC_VARIANTS_TIMEOUT:-200} python3 mhc_cluster_variants.py $MHC_CLUSTER_VARIANTS --tokens ${MHC_VARIANT_TOKENS:-1024 8192} --phases ${MHC_VARIANT_ARGS:-}" \
+    ( cd benchmarks/sweeps && eval "timeout ${MHC_VARIANTS_TIMEOUT:-200} python3 mhc_cluster_variants.py $MHC_CLUSTER_VARIANTS --tokens ${MHC_VARIANT_TOKENS:-1024 8192} ${MHC_VARIANT_ARGS:-}" \
         > "$OUT/cluster-variants.log" 2>&1
       eval "timeout 120 python3 mhc_cluster_variants.py ${MHC_CLUSTER_VARIANTS_WIDE:-\"\"} --hidden 7168 --tokens 1024 8192" \
         >> "$OUT/cluster-variants.log" 2>&1 )

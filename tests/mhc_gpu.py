@@ -32,13 +32,15 @@ def _inputs(t: int, n: int, c: int, dtype, seed: int = 1, stride: int = 0):
     return x, y, w, h_post, h_res
 
 
-def _launch_forms_agree(one, two, t, n, c, dtype, where) -> bool:
+def _launch_forms_agree(one, two, t, n, c, dtype, where, config=None) -> bool:
     """One launch against two: the same bits where the finish has the stream pass's warps (and
     True); else the same x' (one stream pass) and False: the caller checks the rest against the
-    reference (the finish's own warps reduce in another order: triton_mhc.FINISH_WARPS)."""
+    reference (the finish's own warps reduce in another order: MhcKernelConfig.finish_warps)."""
+    from layer_boundary_mhc import MhcKernelConfig
     from layer_boundary_mhc import triton_mhc as tm
 
-    cfg = tm.boundary_config(t, n, c, torch.empty((), dtype=dtype).element_size(), dtype == BF16)
+    cfg = tm.boundary_config(t, n, c, torch.empty((), dtype=dtype).element_size(), dtype == BF16,
+                             config or MhcKernelConfig())
     if cfg.finish_warps == cfg.num_warps:
         assert all(torch.equal(a, b) for a, b in zip(one, two)), f"{where}: one launch != two launches"
         return True

@@ -3,8 +3,9 @@
 Run by tests/test_mhc_kernels.py in a subprocess with TRITON_INTERPRET=1 (set before the kernel
 module is imported: Triton 3.6 picks the interpreter in ``@triton.jit``). The interpreter runs
 one program at a time in ticket order, so the cooperative launch never waits here; the GPU tests
-take the large shapes and the real concurrency. A fixture shrinks the launch shapes (16-token
-blocks, 32-column slices) so that small tensors still take several blocks, slices and finishes.
+take the large shapes and the real concurrency. Every call passes ``SMALL``, a kernel config of small
+launch shapes (16-token blocks, 32-column slices), so that small tensors still take several blocks,
+slices and finishes.
 
 Outputs are compared by ``layer_boundary_mhc.accuracy`` (its tolerances, with their reasons): the
 read of an update+read against the reference read of the streams the kernel stored.
@@ -12,7 +13,9 @@ read of an update+read against the reference read of the streams the kernel stor
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,28 +26,24 @@ pytest.importorskip("triton", reason="triton is not installed")
 pytest.importorskip("layer_boundary_mhc", reason="the MHC plugin is not installed")
 import triton  # noqa: E402
 
-from layer_boundary_mhc import MhcSemantics, MhcStageParams  # noqa: E402
+from layer_boundary_mhc import MhcKernelConfig, MhcSemantics, MhcStageParams  # noqa: E402
 from layer_boundary_mhc import triton_mhc as tm  # noqa: E402
+from layer_boundary_mhc import triton_ops  # noqa: E402
 from layer_boundary_mhc.accuracy import assert_matches_reference  # noqa: E402
 from layer_boundary_mhc.reference import mhc_read_ref  # noqa: E402
-from layer_boundary_mhc.triton_ops import (  # noqa: E402
-    mhc_read_triton,
-    mhc_update_read_triton,
-    mhc_update_triton,
-)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 EPS = 1e-6
+SMALL = MhcKernelConfig(block_tokens=(16, 16, 16), joined_block_tokens=(16, 16, 16), slice_cols=(32, 32, 32),
+                        finish_tokens=8, lag=2)
+# The kernels as the tests call them: with SMALL unless a test passes its own config.
+mhc_read_triton = functools.partial(triton_ops.mhc_read_triton, config=SMALL)
+mhc_update_read_triton = functools.partial(triton_ops.mhc_update_read_triton, config=SMALL)
+mhc_update_triton = triton_ops.mhc_update_triton  # its shape depends on no setting
 
 
-@pytest.fixture(autouse=True)
-def small_launches(monkeypatch):
-    monkeypatch.setattr(tm, "BLOCK_TOKENS", (16, 16, 16))
-    monkeypatch.setattr(tm, "JOINED_BLOCK_TOKENS", (16, 16, 16))
-    monkeypatch.setattr(tm, "SLICE_COLS", (32, 32, 32))
-    monkeypatch.setattr(tm, "FINISH_TOKENS", 8)
-    monkeypatch.setattr(tm, "LAG", 2)
-    monkeypatch.setattr(tm, "_CONFIGS", {})
+def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool = False, config=SMALL):
+    return tm.boundary_config(tokens, n, hidden, itemsize, bf16, config)
 
 
 def params(n: int, c: int, seed: int = 0) -> MhcStageParams:
@@ -111,20 +110,20 @@ def test_two_launches_give_the_cooperative_result_bitwise():
     coop = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
     two = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
     assert all(torch.equal(a, b) for a, b in zip(coop, two))
-    cfg = tm.boundary_config(37, 4, 70, 2)
-    assert (cfg.blocks(37), cfg.slices, cfg.finishers) == (3, 3, 2)  # what the fixture makes
+    cfg = boundary_config(37, 4, 70, 2)
+    assert (cfg.blocks(37), cfg.slices, cfg.finishers) == (3, 3, 2)  # what SMALL makes
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=str)
-def test_phi_split_before_the_launch_or_in_the_stream_pass_gives_the_same_bits(monkeypatch, dtype):
+def test_phi_split_before_the_launch_or_in_the_stream_pass_gives_the_same_bits(dtype):
     x, y, w, hp, hr = inputs(37, 4, 70, dtype, seed=8)
     p = params(4, 70, seed=9)
-    assert tm.boundary_config(37, 4, 70, x.element_size()).presplit
+    assert boundary_config(37, 4, 70, x.element_size()).presplit
     pre = mhc_update_read_triton(x, y, hp, hr, p, w, EPS)
-    monkeypatch.setattr(tm, "PRESPLIT_TOKENS", 0)
-    monkeypatch.setattr(tm, "_CONFIGS", {})
-    assert not tm.boundary_config(37, 4, 70, x.element_size()).presplit
-    assert all(torch.equal(a, b) for a, b in zip(pre, mhc_update_read_triton(x, y, hp, hr, p, w, EPS)))
+    unsplit = replace(SMALL, presplit_tokens=0)
+    assert not boundary_config(37, 4, 70, x.element_size(), config=unsplit).presplit
+    got = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, config=unsplit)
+    assert all(torch.equal(a, b) for a, b in zip(pre, got))
 
 
 def test_the_sinkhorn_iteration_count_is_the_reference_s():
@@ -163,14 +162,13 @@ def test_unbalanced_logits_saturate_without_nan():
     matches("read", got, x, p, w)
 
 
-def test_rows_wider_than_a_tile_take_the_chunked_finish(monkeypatch):
-    monkeypatch.setattr(tm, "MAX_TILE", 64)
-    monkeypatch.setattr(tm, "CHUNK", 32)
-    cfg = tm.boundary_config(3, 4, 100, 2)
+def test_rows_wider_than_a_tile_take_the_chunked_finish():
+    narrow = replace(SMALL, max_tile=64, chunk=32)
+    cfg = boundary_config(3, 4, 100, 2, config=narrow)
     assert cfg.chunked and cfg.row_tile == 32
     x, y, w, hp, hr = inputs(3, 4, 100, BF16, seed=11)
     p = params(4, 100, seed=12)
-    got = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, norm_offset=1.0)
+    got = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, norm_offset=1.0, config=narrow)
     matches("update+read", got, x, p, w, y, hp, hr, 1.0)
 
 
@@ -256,13 +254,14 @@ def test_a_stack_on_mhc_runs_the_kernels_and_matches_the_torch_reference():
     from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 
     def model(kernels: str) -> Qwen3ForCausalLM:
-        m = Qwen3ForCausalLM(small_random_config(), residual=MhcSemantics(kernels=kernels, seed=3))
+        m = Qwen3ForCausalLM(small_random_config(),
+                             residual=MhcSemantics(kernels=kernels, seed=3, kernel_config=SMALL))
         init_random_weights(m, seed=0)
         return m.eval().requires_grad_(False)
 
     fast, ref = model("auto"), model("torch")
     read = fast.model.layers[0].attn_boundary.plan.read
-    assert read.kernels.serves(torch.zeros(1, 4, 8))
+    assert read.kernels.serves(torch.zeros(1, 4, 8)) and read.kernels.config is SMALL
     assert read.kernels.reason("cpu", FP32).startswith("triton: ")
     assert ref.model.layers[0].attn_boundary.plan.read.kernels.reason("cpu", FP32) == (
         "torch reference: kernels='torch' asks for the torch reference")
@@ -276,11 +275,10 @@ def test_a_stack_on_mhc_runs_the_kernels_and_matches_the_torch_reference():
 def test_bench_methods_run_the_kernels_into_their_destinations():
     """``bench mhc``'s Triton methods (checked once, then timed over destinations allocated once)
     under the interpreter: the same numbers both ways, within tolerance of the reference."""
-    from layer_boundary_app.bench import mhc as bench
-    from layer_boundary_mhc import triton_ops
+    from layer_boundary_mhc import bench
 
     inputs = bench._inputs(2, 4, 32, BF16, "cpu")
-    methods = bench._triton_methods(triton_ops, bench.OPS)
+    methods = bench._triton_methods(triton_ops, bench.OPS, SMALL)
     assert [(m.op, m.name) for m in methods] == [
         ("update+read", "triton"), ("update+read", "triton 2-launch"), ("read", "triton"),
         ("read", "triton 2-launch"), ("update", "triton")]
@@ -288,28 +286,23 @@ def test_bench_methods_run_the_kernels_into_their_destinations():
         got = m.call(inputs)
         check = bench._check(m, got, inputs)
         assert check["ok"] is True and check["tol"] <= 1, (m, check)
-        again = bench._destinations(m, inputs)()
+        again = bench._destinations(m, inputs, SMALL)()
         assert all(torch.equal(a, b) for a, b in zip(again, got)), m
 
 
 @pytest.mark.parametrize("rows", [1, 2], ids=["finish 1 token", "finish 2 tokens"])
 @pytest.mark.parametrize("t,n,c", [(37, 4, 70), (6, 3, 45), (2, 8, 16), (5, 1, 33)], ids=str)
-def test_joined_stream_pass_and_one_launch_forms_match_the_reference(monkeypatch, rows, t, n, c):
+def test_joined_stream_pass_and_one_launch_form_match_the_reference(rows, t, n, c):
     """bf16 streams through ``stream_joined`` (the n streams one MMA operand, phi's bf16 parts split
-    once; padded streams at n = 1 and 3): within the check; the one-launch forms (tickets; folded: a
-    stream pass then finishes an earlier block) give the two-launch bits; finishes that normalize
-    one token at a time or two."""
-    monkeypatch.setattr(tm, "JOINED", (1,) * 3)
-    monkeypatch.setattr(tm, "FINISH_ROWS", rows)
-    monkeypatch.setattr(tm, "_CONFIGS", {})
+    once; padded streams at n = 1 and 3): within the check; the one-launch form (tickets) gives the
+    two-launch bits; finishes that normalize one token at a time or two."""
+    joined = replace(SMALL, joined=(1, 1, 1), finish_rows=rows)
     x, y, w, hp, hr = inputs(t, n, c, BF16, seed=30 + t)
     p = params(n, c, seed=31)
-    assert tm.boundary_config(t, n, c, 2, bf16=True).joined
-    assert not tm.boundary_config(t, n, c, 2, bf16=False).joined  # fp16 is not exact in bf16 parts
-    two = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False)
+    assert boundary_config(t, n, c, 2, bf16=True, config=joined).joined
+    assert not boundary_config(t, n, c, 2, bf16=False, config=joined).joined  # fp16 is not exact in bf16 parts
+    two = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=False, config=joined)
     matches("update+read", two, x, p, w, y, hp, hr)
-    for form in (tm.COOPERATIVE, tm.FOLDED):
-        monkeypatch.setattr(tm, "ONE_LAUNCH", (form,) * 3)
-        one = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True)
-        assert all(torch.equal(a, b) for a, b in zip(one, two)), form
-    matches("read", mhc_read_triton(x, p, w, EPS), x, p, w)
+    one = mhc_update_read_triton(x, y, hp, hr, p, w, EPS, cooperative=True, config=joined)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    matches("read", mhc_read_triton(x, p, w, EPS, config=joined), x, p, w)

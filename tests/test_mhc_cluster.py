@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+from layer_boundary_mhc import MhcKernelConfig
 from layer_boundary_mhc.cluster_ops import cluster_shape, phi_fragments
 from layer_boundary_mhc.cluster_shape import ClusterShape
 from layer_boundary_mhc.projection import bf16_parts
@@ -101,40 +102,47 @@ class _FakeCudaStreams:
         return self._ptr
 
 
-def test_open_calls_dispatch_by_token_count_and_fall_back_when_the_kernel_fails(monkeypatch):
-    """cluster_ops.takes on the CPU, with the device checks and the compiler stood in for."""
+def stand_in_dispatch(compiled: list, y: object, compile=None):
+    """A ``cluster_ops.Dispatch`` whose device checks and compiler are stood in for: every device
+    accepted, compiles recorded in ``compiled`` (or ``compile``), no capture, rows aligned where the
+    fake pointer is (``y``: the stage output of an update, only its presence counts)."""
     from layer_boundary_mhc import cluster_ops
 
+    return cluster_ops.Dispatch(problem=lambda x, *a, **k: "",
+                                compile=compile or (lambda shape: compiled.append((shape.c, shape.sinkhorn))),
+                                rows_ok=lambda v: v is y or v.data_ptr() % 16 == 0, capturing=lambda: False)
+
+
+def test_open_calls_dispatch_by_token_count_and_fall_back_when_the_kernel_fails():
+    """cluster_ops.takes on the CPU, with the device checks and the compiler stood in for."""
     compiled = []
-    monkeypatch.setattr(cluster_ops, "cluster_problem", lambda x, *a, **k: "")
-    monkeypatch.setattr(cluster_ops, "_compiled", lambda shape: compiled.append((shape.c, shape.sinkhorn)))
-    monkeypatch.setattr(cluster_ops, "_ELIGIBLE", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    y = object()  # the stage output of an update: only its presence counts here
-    monkeypatch.setattr(cluster_ops, "_rows_ok", lambda v: v is y or v.data_ptr() % 16 == 0)
-    lo, hi = cluster_ops.READ_TOKENS
-    reads = {t: cluster_ops.takes(_FakeCudaStreams(t), None, None, _FakeCudaStreams(t), 20) for t in (lo, hi, hi + 1)}
+    y = object()
+    d = stand_in_dispatch(compiled, y)
+    default = MhcKernelConfig()
+    lo, hi = default.read_tokens
+    reads = {t: d.takes(_FakeCudaStreams(t), None, None, _FakeCudaStreams(t), 20) for t in (lo, hi, hi + 1)}
     assert reads == {lo: True, hi: True, hi + 1: False}
-    lo, hi = cluster_ops.UPDATE_READ_TOKENS
-    got = {t: cluster_ops.takes(_FakeCudaStreams(t), y, None, _FakeCudaStreams(t), 20)
-           for t in (lo - 1, lo, 128, hi, hi + 1)}
+    lo, hi = default.update_read_tokens
+    got = {t: d.takes(_FakeCudaStreams(t), y, None, _FakeCudaStreams(t), 20) for t in (lo - 1, lo, 128, hi, hi + 1)}
     assert got == {lo - 1: False, lo: True, 128: True, hi: True, hi + 1: False}
     assert compiled == [(4096, True), (4096, True)]  # the read and the update variant, each compiled once
-    # Past SINKHORN_AFTER_TOKENS a call runs (and so is decided on) the variant without the Sinkhorn.
-    monkeypatch.setattr(cluster_ops, "UPDATE_READ_TOKENS", (1, 4 * cluster_ops.SINKHORN_AFTER_TOKENS))
-    assert cluster_ops.takes(_FakeCudaStreams(cluster_ops.SINKHORN_AFTER_TOKENS), y, None,
-                             _FakeCudaStreams(cluster_ops.SINKHORN_AFTER_TOKENS), 20)
+    # Past sinkhorn_after_tokens a call runs (and so is decided on) the variant without the Sinkhorn.
+    after = default.sinkhorn_after_tokens
+    wide = MhcKernelConfig(update_read_tokens=(1, 4 * after))
+    assert d.takes(_FakeCudaStreams(after), y, None, _FakeCudaStreams(after), 20, wide)
     assert compiled[2:] == [(4096, False)]
-    monkeypatch.setattr(cluster_ops, "UPDATE_READ_TOKENS", (lo, hi))
-    assert not cluster_ops.takes(_FakeCudaStreams(128, aligned=False), y, None, _FakeCudaStreams(128), 20)
+    assert not d.takes(_FakeCudaStreams(after), y, None, _FakeCudaStreams(after), 20)  # not by default
+    assert not d.takes(_FakeCudaStreams(128, aligned=False), y, None, _FakeCudaStreams(128), 20)
+    assert not d.takes(_FakeCudaStreams(128), y, None, _FakeCudaStreams(128), 20,
+                       MhcKernelConfig(update_read_tokens=(0, -1)))  # none sent to the cluster kernel
 
     def broken(shape):
         raise RuntimeError("no cubin for this driver")
 
-    monkeypatch.setattr(cluster_ops, "_compiled", broken)
+    d = stand_in_dispatch(compiled, y, compile=broken)
     with pytest.warns(UserWarning, match="no cubin for this driver"):
-        assert not cluster_ops.takes(_FakeCudaStreams(128, c=2048), y, None, _FakeCudaStreams(128, c=2048), 20)
-    assert not cluster_ops.takes(_FakeCudaStreams(128, c=2048), y, None, _FakeCudaStreams(128, c=2048), 20)  # no retry
+        assert not d.takes(_FakeCudaStreams(128, c=2048), y, None, _FakeCudaStreams(128, c=2048), 20)
+    assert not d.takes(_FakeCudaStreams(128, c=2048), y, None, _FakeCudaStreams(128, c=2048), 20)  # no retry
 
 
 def _cute(module: str = "cute_cluster"):
@@ -161,19 +169,9 @@ def test_cluster_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
         2 * streams_per_warp * 3 * shape.nt
     assert "barrier.cluster.arrive" in ptx and "mapa.shared::cluster" in ptx
     assert ("st.global.v2.b32" in ptx) == update  # x' is stored only by an update
-    # phi's fragments come with the stages (the default, PHI_STAGED=1), never from L2 per warp
-    assert shape.phi_staged and shape.stage_bytes == shape.sx + shape.sy + shape.phi_chunk
+    # phi's fragments come with the stages, never from L2 per warp
+    assert shape.stage_bytes == shape.sx + shape.sy + shape.phi_chunk
     assert "ld.global.nc.v2.b32" not in ptx and "cp.async.cg.shared.global" in ptx
-
-
-def test_phi_from_l2_variant_compiles_to_fragment_loads_from_global(tmp_path, monkeypatch):
-    """PHI_STAGED=0: each warp loads its fragments from L2 to registers, a chunk ahead."""
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    mod = _cute()
-    shape = ClusterShape(4, 4096, 16, 32, True, 20, ctas=2, phi_staged=False)
-    assert not shape.problem and shape.stage_bytes == shape.sx + shape.sy
-    ptx = mod.compile_cluster(shape, str(tmp_path)).__ptx__
-    assert "ld.global.nc.v2.b32" in ptx
 
 
 def test_the_sinkhorn_leaves_the_kernel_at_prefill_sizes(tmp_path, monkeypatch):
@@ -193,12 +191,12 @@ def test_the_sinkhorn_leaves_the_kernel_at_prefill_sizes(tmp_path, monkeypatch):
 
 
 def test_pushed_exchanges_compile_without_cluster_loads_or_gpu_fences(tmp_path, monkeypatch):
-    """PUSH=1: partials, H_pre and the norms' sums are st.async stores completing the receivers'
+    """push (the default): partials, H_pre and the norms' sums are st.async stores completing the receivers'
     mbarriers; one cluster barrier (arrive at the start, wait before the first store), no remote
     loads, and no barrier.cluster around the exchanges."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     mod = _cute()
-    shape = ClusterShape(4, 4096, 16, 32, True, 20, ctas=2, phi_staged=True, push=True)
+    shape = ClusterShape(4, 4096, 16, 32, True, 20, ctas=2, push=True)
     assert not shape.problem
     ptx = mod.compile_cluster(shape, str(tmp_path)).__ptx__
     assert "ld.shared::cluster" not in ptx and "st.shared::cluster" not in ptx
@@ -255,9 +253,10 @@ def test_gpu_cluster_matches_reference(t, n, c, op):
 @pytest.mark.parametrize("t,n,c,op", [(1, 4, 4096, "update+read"), (100, 4, 4096, "update+read"),
                                       (1100, 4, 7168, "update+read"), (333, 2, 2048, "read"), (70, 3, 1024, "read")],
                          ids=str)
-def test_gpu_pushed_exchanges_give_the_same_bits(t, n, c, op, monkeypatch):
-    """PUSH=1 (mbarrier-signalled st.async exchanges) sums the same partials in the same order as the
-    cluster barriers' form: every output bit for bit, with and without the Sinkhorn in the kernel."""
+def test_gpu_pushed_exchanges_give_the_same_bits(t, n, c, op):
+    """push=True (mbarrier-signalled st.async exchanges) sums the same partials in the same order as
+    the cluster barriers' form (push=False): every output bit for bit, with and without the
+    Sinkhorn in the kernel."""
     _gpu_ready()
     from mhc_gpu import _inputs, _params
 
@@ -266,36 +265,37 @@ def test_gpu_pushed_exchanges_give_the_same_bits(t, n, c, op, monkeypatch):
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, seed=t)
 
-    def run():
+    def run(config):
         if op == "read":
-            return cluster_ops.mhc_read_cluster(x, params, w, 1e-6)
-        return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+            return cluster_ops.mhc_read_cluster(x, params, w, 1e-6, config=config)
+        return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, config=config)
 
-    monkeypatch.setattr(cluster_ops, "PUSH", 0)
-    barriers = run()
-    monkeypatch.setattr(cluster_ops, "PUSH", 1)
-    pushed = run()
+    barriers = run(MhcKernelConfig(push=False))
+    pushed = run(MhcKernelConfig(push=True))
     assert all(torch.equal(a, b) for a, b in zip(barriers, pushed))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("persistent_tokens", [0, 512], ids=["cluster", "persistent"])
-def test_gpu_cluster_under_cuda_graph_capture(persistent_tokens, monkeypatch):
+def test_gpu_cluster_under_cuda_graph_capture(persistent_tokens):
     """Captured and replayed: the same bits as eager, for the cluster kernel and (from
-    PERSISTENT_TOKENS) its persistent variant, both prepared before the capture."""
+    persistent_tokens, the split variant off) its persistent variant, both prepared before the
+    capture."""
     _gpu_ready()
     from mhc_gpu import _inputs, _params
 
     from layer_boundary_mhc import cluster_ops
 
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", persistent_tokens)
+    config = MhcKernelConfig(persistent_tokens=persistent_tokens, split_tokens=0)
     t, n, c = 4096, 4, 4096
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
-    cluster_ops.prepare_cluster(n, c)
-    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+    cluster_ops.prepare_cluster(n, c, config=config)
+    assert cluster_ops._variant(t, n, c, True, 20, config).persistent == bool(persistent_tokens)
+    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, config=config)
     outs = _captured_and_replayed(eager, lambda o: cluster_ops.mhc_update_read_cluster(
-        x, y, h_post, h_res, params, w, 1e-6, streams_out=o[0], out=o[1], h_post_out=o[2], h_res_out=o[3]))
+        x, y, h_post, h_res, params, w, 1e-6, streams_out=o[0], out=o[1], h_post_out=o[2], h_res_out=o[3],
+        config=config))
     assert all(torch.equal(a, b) for a, b in zip(eager, outs))
 
 
@@ -316,8 +316,8 @@ def _captured_and_replayed(like, call, capture_context=None):
 
 @pytest.mark.gpu
 def test_gpu_open_launch_form_takes_the_cluster_kernel_at_mid_sizes():
-    """cooperative=None (what the model's read passes) sends UPDATE_READ_TOKENS update+reads and
-    READ_TOKENS reads to the cluster kernel, bit for bit, and leaves the sizes around them to the
+    """cooperative=None (what the model's read passes) sends update_read_tokens update+reads and
+    read_tokens reads to the cluster kernel, bit for bit, and leaves the sizes around them to the
     Triton kernels (one launch up to 16 tokens, two above)."""
     _gpu_ready()
     from mhc_gpu import _inputs, _params, open_and_named_update_read
@@ -330,12 +330,12 @@ def test_gpu_open_launch_form_takes_the_cluster_kernel_at_mid_sizes():
     def same(a, b, where):
         assert all(torch.equal(u, v) for u, v in zip(a, b)), where
 
-    lo, hi = cluster_ops.UPDATE_READ_TOKENS
+    lo, hi = MhcKernelConfig().update_read_tokens
     below = [(lo - 1, True)] if lo > 1 else []  # one Triton launch up to 16 tokens
     for t, form in [(lo, "cluster"), (128, "cluster"), (hi, "cluster"), (hi + 1, False)] + below:
         auto, want = open_and_named_update_read(t, n, c, form, params)
         same(auto, want, f"update+read T={t}: not the {form} result")
-    lo, hi = cluster_ops.READ_TOKENS
+    lo, hi = MhcKernelConfig().read_tokens
     for t, form in ((lo, "cluster"), (hi, "cluster"), (hi + 1, False)):
         x, _, w, _, _ = _inputs(t, n, c, torch.bfloat16, seed=t)
         auto = triton_ops.mhc_read_triton(x, params, w, 1e-6)

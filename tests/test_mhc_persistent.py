@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from layer_boundary_mhc import cluster_ops
+from layer_boundary_mhc import MhcKernelConfig, cluster_ops
 from layer_boundary_mhc.cluster_shape import SMEM_LIMIT, PersistentShape
 
 
@@ -65,24 +65,22 @@ def test_settings_that_change_the_kernel_change_its_cache_key():
     # A compiled kernel is looked up by its shape: every compile-time setting must be part of the key
     # (settings of the persistent variant once were not, and variants shared a kernel).
     shapes = [PersistentShape(4, 4096, True, 20), PersistentShape(4, 4096, True, 20, warps=16),
-              PersistentShape(4, 4096, True, 20, profile=True), PersistentShape(4, 4096, False, 20)]
+              PersistentShape(4, 4096, True, 10), PersistentShape(4, 4096, False, 20)]
     assert len({cluster_ops._key(s) for s in shapes}) == 4
     assert cluster_ops._key(shapes[0]) == cluster_ops._key(PersistentShape(4, 4096, True, 20))
     assert cluster_ops._key(cluster_ops.cluster_shape(4, 4096, True)) != cluster_ops._key(shapes[0])
 
 
-def test_calls_take_the_persistent_variant_from_its_token_count(monkeypatch):
+def test_calls_take_the_persistent_variant_from_its_token_count():
     from layer_boundary_mhc import cluster_ops
 
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)  # the split variant comes first by default
-    assert cluster_ops._variant(512, 4, 4096, True, 20).persistent
-    assert not cluster_ops._variant(511, 4, 4096, True, 20).persistent
+    config = MhcKernelConfig(persistent_tokens=512, split_tokens=0)  # the split variant comes first by default
+    assert cluster_ops._variant(512, 4, 4096, True, 20, config).persistent
+    assert not cluster_ops._variant(511, 4, 4096, True, 20, config).persistent
     # where phi's slice does not fit, the cluster kernel (Sinkhorn after it) serves large calls
-    wide = cluster_ops._variant(8192, 4, 7168, True, 20)
+    wide = cluster_ops._variant(8192, 4, 7168, True, 20, config)
     assert not wide.persistent and not wide.sinkhorn
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 0)
-    assert not cluster_ops._variant(8192, 4, 4096, True, 20).persistent
+    assert not cluster_ops._variant(8192, 4, 4096, True, 20, MhcKernelConfig(split_tokens=0)).persistent
 
 
 def _cute():
@@ -95,7 +93,7 @@ def _cute():
 def test_persistent_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     mod = _cute()
-    shape = PersistentShape(n, c, update, 20, warps=cluster_ops.PERSISTENT_WARPS)
+    shape = PersistentShape(n, c, update, 20, warps=MhcKernelConfig().persistent_warps)
     ptx = mod.compile_persistent(shape, str(tmp_path)).__ptx__
     assert ".target sm_90a" in ptx
     # per group of a warp, stream and k-step (2): 3 parts x NT n-tiles, and 2 for the sums of squares
@@ -130,10 +128,13 @@ def _gpu_ready():
 CASES = [(8192, 4, 4096), (1100, 4, 4096), (600, 3, 2048), (97, 2, 1024), (16, 4, 4096)]
 
 
-def checked_run(t, n, c, op, monkeypatch, what, **settings):
-    """The persistent variant (``cluster_ops`` settings: ``settings``, PERSISTENT_TOKENS 1) on
+PERSISTENT = MhcKernelConfig(persistent_tokens=1, split_tokens=0)  # the variant itself, not the default
+
+
+def checked_run(t, n, c, op, what, config=PERSISTENT):
+    """The persistent variant (or the split one: a ``config`` that sends ``t`` tokens to either) on
     ``bench``-like inputs: checked against the reference, replayed bit for bit. Returns its outputs
-    and the call (which runs whatever the settings are at the time)."""
+    and the call (``run(config)``: the same inputs under another config)."""
     from mhc_gpu import _inputs, _params
 
     from layer_boundary_mhc import accuracy, cluster_ops
@@ -141,16 +142,13 @@ def checked_run(t, n, c, op, monkeypatch, what, **settings):
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, stride=8)
 
-    def run():
+    def run(cfg=config):
         if op == "read":
-            return cluster_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0)
-        return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
+            return cluster_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0, config=cfg)
+        return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0,
+                                                   config=cfg)
 
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 1)
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)  # the variant the settings name, not the default
-    for name, value in settings.items():
-        monkeypatch.setattr(cluster_ops, name, value)
-    assert cluster_ops._variant(t, n, c, op != "read", 20).persistent
+    assert cluster_ops._variant(t, n, c, op != "read", 20, config).persistent
     got, again = run(), run()
     kw = {} if op == "read" else dict(y=y, h_post=h_post, h_res=h_res)
     accuracy.assert_matches_reference(op, got, x, params=params, norm_weight=w, norm_eps=1e-6, norm_offset=1.0,
@@ -162,18 +160,16 @@ def checked_run(t, n, c, op, monkeypatch, what, **settings):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,n,c", CASES, ids=str)
 @pytest.mark.parametrize("op", ["update+read", "read"])
-def test_gpu_persistent_matches_reference(t, n, c, op, monkeypatch):
+def test_gpu_persistent_matches_reference(t, n, c, op):
     _gpu_ready()
-    from layer_boundary_mhc import cluster_ops
-
-    got, run = checked_run(t, n, c, op, monkeypatch, "persistent")
+    got, run = checked_run(t, n, c, op, "persistent")
     if op == "update+read":
-        monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 0)
-        assert torch.equal(run()[0], got[0]), "x' differs from the cluster kernel's (the same mix)"
+        cluster = run(MhcKernelConfig(split_tokens=0))
+        assert torch.equal(cluster[0], got[0]), "x' differs from the cluster kernel's (the same mix)"
 
 
 @pytest.mark.gpu
-def test_gpu_persistent_takes_coefficient_rows_off_16_byte_boundaries(monkeypatch):
+def test_gpu_persistent_takes_coefficient_rows_off_16_byte_boundaries():
     # The variant copies H_post and H_res rows 16 bytes at a time at n = 4; views that start 4 bytes
     # past a boundary go through an aligned copy and give the same bits.
     _gpu_ready()
@@ -189,7 +185,7 @@ def test_gpu_persistent_takes_coefficient_rows_off_16_byte_boundaries(monkeypatc
     off_post.copy_(h_post)
     off_res.copy_(h_res)
     assert off_post.data_ptr() % 16 and off_res.data_ptr() % 16
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 1)
-    got = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
-    off = cluster_ops.mhc_update_read_cluster(x, y, off_post, off_res, params, w, 1e-6, norm_offset=1.0)
+    got = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0, config=PERSISTENT)
+    off = cluster_ops.mhc_update_read_cluster(x, y, off_post, off_res, params, w, 1e-6, norm_offset=1.0,
+                                              config=PERSISTENT)
     assert all(torch.equal(a, b) for a, b in zip(got, off))

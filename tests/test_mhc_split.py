@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from layer_boundary_mhc import cluster_ops
+from layer_boundary_mhc import MhcKernelConfig, cluster_ops
 from layer_boundary_mhc.cluster_shape import SMEM_LIMIT, PersistentShape, SplitShape
 
 
@@ -40,54 +40,46 @@ def test_split_shape_plan_and_refusals():
     assert cluster_ops._key(s) != cluster_ops._key(p)
 
 
-def test_split_grid_leaves_the_finishers_their_sms(monkeypatch):
-    monkeypatch.setitem(cluster_ops._SMS, 0, 132)
-    assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (6, 36)  # H200
-    assert cluster_ops._split_grid(torch.device("cuda", 0), 3) == (3, 84)  # fewer blocks than sets
-    monkeypatch.setitem(cluster_ops._SMS, 0, 114)
-    assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (4, 50)
-    monkeypatch.setitem(cluster_ops._SMS, 0, 20)
-    assert cluster_ops._split_grid(torch.device("cuda", 0), 512) == (1, 4)
+def test_split_grid_leaves_the_finishers_their_sms():
+    finishers = MhcKernelConfig().split_finishers
+    assert cluster_ops.split_grid(132, 512, finishers) == (6, 36)  # H200
+    assert cluster_ops.split_grid(132, 3, finishers) == (3, 84)  # fewer blocks than sets
+    assert cluster_ops.split_grid(114, 512, finishers) == (4, 50)
+    assert cluster_ops.split_grid(20, 512, finishers) == (1, 4)
+    assert cluster_ops.split_grid(132, 512, 20) == (7, 20)  # a seventh set where fewer finishers are asked
 
 
-def test_calls_take_the_split_variant_when_asked(monkeypatch):
-    monkeypatch.setattr(cluster_ops, "PERSISTENT_TOKENS", 512)
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 512)  # before the persistent variant
-    assert cluster_ops._variant(8192, 4, 4096, True, 20).split
-    assert not cluster_ops._variant(511, 4, 4096, True, 20).persistent
-    wide = cluster_ops._variant(8192, 4, 7168, True, 20)  # phi's slice does not fit: the cluster kernel
+def test_calls_take_the_split_variant_when_asked():
+    both = MhcKernelConfig(persistent_tokens=512, split_tokens=512)  # split before the persistent variant
+    assert cluster_ops._variant(8192, 4, 4096, True, 20, both).split
+    assert not cluster_ops._variant(511, 4, 4096, True, 20, both).persistent
+    wide = cluster_ops._variant(8192, 4, 7168, True, 20, both)  # phi's slice does not fit: the cluster kernel
     assert not wide.persistent and not wide.split
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)
-    assert not cluster_ops._variant(8192, 4, 4096, True, 20).split
+    assert not cluster_ops._variant(8192, 4, 4096, True, 20, MhcKernelConfig(split_tokens=0)).split
 
 
-def test_split_tokens_send_large_update_reads_to_the_split_variant(monkeypatch):
-    """SPLIT_TOKENS: update+reads from that many tokens run the split variant where it fits, also on
+def test_split_tokens_send_large_update_reads_to_the_split_variant():
+    """split_tokens: update+reads from that many tokens run the split variant where it fits, also on
     an open launch form (``takes``, device checks and compiler stood in for); reads, sizes between
-    the small range and SPLIT_TOKENS, and shapes it does not fit stay with the Triton kernels."""
-    from test_mhc_cluster import _FakeCudaStreams
+    the small range and split_tokens, and shapes it does not fit stay with the Triton kernels."""
+    from test_mhc_cluster import _FakeCudaStreams, stand_in_dispatch
 
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)
-    assert not cluster_ops._variant(8192, 4, 4096, True, 20).split
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 1024)
+    assert not cluster_ops._variant(8192, 4, 4096, True, 20, MhcKernelConfig(split_tokens=0)).split
+    assert MhcKernelConfig().split_tokens == 1024
     assert cluster_ops._variant(1024, 4, 4096, True, 20).split
     assert not cluster_ops._variant(1023, 4, 4096, True, 20).split
     assert cluster_ops._variant(8192, 4, 4096, False, 20).split  # a read asked of the cluster path runs it too
     assert not cluster_ops._variant(8192, 4, 7168, True, 20).split  # phi's slice does not fit
     compiled = []
-    monkeypatch.setattr(cluster_ops, "cluster_problem", lambda x, *a, **k: "")
-    monkeypatch.setattr(cluster_ops, "_compiled", lambda shape: compiled.append(type(shape).__name__))
-    monkeypatch.setattr(cluster_ops, "_ELIGIBLE", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     y = object()
-    monkeypatch.setattr(cluster_ops, "_rows_ok", lambda v: v is y or v.data_ptr() % 16 == 0)
+    d = stand_in_dispatch([], y, compile=lambda shape: compiled.append(type(shape).__name__))
 
     def takes(t, c=4096, update=True):
-        return cluster_ops.takes(_FakeCudaStreams(t, c=c), y if update else None, None, _FakeCudaStreams(t, c=c), 20)
+        return d.takes(_FakeCudaStreams(t, c=c), y if update else None, None, _FakeCudaStreams(t, c=c), 20)
 
-    hi = cluster_ops.UPDATE_READ_TOKENS[1]
+    hi = MhcKernelConfig().update_read_tokens[1]
     assert [takes(t) for t in (hi, hi + 1, 1023, 1024, 32768)] == [True, False, False, True, True]
-    # reads from SPLIT_TOKENS too (the split variant's read beats the Triton two launches there)
+    # reads from split_tokens too (the split variant's read beats the Triton two launches there)
     assert [takes(t, update=False) for t in (1023, 1024, 8192)] == [False, True, True]
     assert not takes(8192, c=7168) and not takes(8192, c=7168, update=False)
     assert compiled == ["ClusterShape", "SplitShape", "SplitShape"]  # each decided once (update+read, read)
@@ -117,8 +109,8 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     assert "red.release.gpu.global.add.u32" in ptx and "fence.acq_rel.gpu" not in ptx
     assert "ld.acquire.gpu.global.u32" in ptx and "trap;" in ptx  # a count that never comes: an error, not a hang
     # every wait bounded the same way: a producer step's ready spins and ring waits, a consumer
-    # step's ring waits
-    assert ptx.count("trap;") == 2 * shape.pdepth + mod.CONSUME_DEPTH
+    # step's ring waits, and the last CTA's wait for every CTA's arrival at the kept counts
+    assert ptx.count("trap;") == 2 * shape.pdepth + mod.CONSUME_DEPTH + 1
     assert "fence.proxy.async.global" in ptx
     # x' rows by the copy engine into the ring (one copy a stream), counted on the row's barrier;
     # the partials from L2
@@ -126,12 +118,9 @@ def test_split_kernel_compiles_for_sm90a(n, c, update, tmp_path, monkeypatch):
     assert f", {c * 2}, " in ptx and "ld.global.cg.f32" in ptx
 
 
-# The sweep's settings (benchmarks/sweeps/mhc_cluster_variants.py; measured and not kept,
-# plugins/mhc/PERFORMANCE.md, fourteenth pass), and the producers' form before it (2 of two tokens).
-KNOBS = [dict(SPLIT_SINKHORN_LANES=0), dict(SPLIT_COPY_FIRST=1), dict(SPLIT_PRODUCERS=2, SPLIT_PRODUCE_DEPTH=2),
-         dict(SPLIT_SINKHORN_LANES=0, SPLIT_COPY_FIRST=1), dict(SPLIT_KEPT_COUNTS=0), dict(SPLIT_PDL=1),
-         dict(SPLIT_KEPT_COUNTS=1, SPLIT_PDL=1, SPLIT_PRODUCERS=2, SPLIT_PRODUCE_DEPTH=2),
-         dict(SPLIT_L2_HINTS=1), dict(SPLIT_L2_HINTS=2), dict(SPLIT_L2_HINTS=3)]
+# Split-variant settings other than the default: the producers' form before it (2 of two tokens).
+KNOBS = [dict(split_producers=2, split_produce_depth=2)]
+
 
 
 def test_kept_counts_layout_and_capacity():
@@ -142,62 +131,36 @@ def test_kept_counts_layout_and_capacity():
     # the kept layout: 4 header words (phase, arrivals, two to keep the counts 16-byte aligned),
     # then two halves; a pool slice keeps the next one aligned too
     assert counts._HEAD == 4 and all((counts._HEAD + 2 * counts.capacity(b)) % 4 == 0 for b in range(1, 3000, 37))
-    got, cap = counts.counts(torch.device("cpu"), 7, kept=False)  # counts zeroed for the call
-    assert cap == 0 and got.dtype == torch.int32 and got.tolist() == [0] * 7
-    assert cluster_ops.split_shape(4, 4096, True).kept and not cluster_ops.split_shape(4, 4096, True).pdl
+    shape = cluster_ops.split_shape(4, 4096, True)
+    assert shape.kept and shape.sinkhorn_lanes  # the only forms left (PERFORMANCE.md)
 
 
-def test_split_settings_make_distinct_shapes(monkeypatch):
+def test_split_settings_make_distinct_shapes():
     base = cluster_ops.split_shape(4, 4096, True)
     keys = {cluster_ops._key(base)}
     for knob in KNOBS:
-        with monkeypatch.context() as m:
-            for name, value in knob.items():
-                m.setattr(cluster_ops, name, value)
-            shape = cluster_ops.split_shape(4, 4096, True)
-            assert not shape.problem
-            keys.add(cluster_ops._key(shape))
+        shape = cluster_ops.split_shape(4, 4096, True, config=MhcKernelConfig(**knob))
+        assert not shape.problem
+        keys.add(cluster_ops._key(shape))
     assert len(keys) == len(KNOBS) + 1
-    # with PROFILE unset, SPLIT_ENDS asks nothing of the kernel (it would write to h_res_out)
-    monkeypatch.setattr(cluster_ops, "SPLIT_ENDS", 1)
-    assert not cluster_ops.split_shape(4, 4096, True).ends
+    # settings of other variants leave the split variant's shape (and compiled kernel) alone
+    assert cluster_ops.split_shape(4, 4096, True, config=MhcKernelConfig(push=False, lag=8)) is base
 
 
-def test_split_settings_compile_for_sm90a(tmp_path, monkeypatch):
+def test_split_kernel_keeps_its_counts_and_runs_the_sinkhorn_in_its_producers(tmp_path, monkeypatch):
+    """The one split form left: a kept counts buffer (the phase read, the CTA's arrival, the other
+    half zeroed, the phase flipped) and the Sinkhorn in the producers (a reciprocal a sum, and a
+    relaxed look at the next count); nothing of the deleted forms (a programmatic dependent launch,
+    L2 priorities, the copy first, profile clocks; %globaltimer stays: the bounded waits read it)
+    is left in its PTX."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     mod = _cute()
-    ptx = {name: mod.compile_split(SplitShape(4, 4096, True, 20, **kw), str(tmp_path)).__ptx__
-           for name, kw in (("launch", {}), ("batch", dict(sinkhorn_lanes=True)), ("first", dict(copy_first=True)),
-                            ("kept", dict(kept=True)), ("pdl", dict(kept=True, pdl=True)),
-                            ("hints", dict(kept=True, l2_hints=2)))}
-    # a kept buffer: the phase read, the CTA's arrival, the other half zeroed, the phase flipped
-    for name in ("kept", "pdl"):
-        assert ptx[name].count("st.relaxed.gpu.global.u32") == 3 and "ld.relaxed.gpu.global.u32" in ptx[name]
-        assert ptx[name].count("red.release.gpu.global.add.u32") == ptx["launch"].count(
-            "red.release.gpu.global.add.u32") + 1
-    assert "st.relaxed.gpu.global.u32" not in ptx["launch"]
-    # the programmatic dependent launch waits before any global access
-    assert "griddepcontrol" not in ptx["kept"]
-    assert ptx["pdl"].index("griddepcontrol.wait") < ptx["pdl"].index("ld.relaxed.gpu.global.u32")
-    # the Sinkhorn in the producers (cluster_ops' default; "launch": a launch after the kernel): a
-    # reciprocal a sum, and a relaxed look at the next count
-    assert "rcp.approx.f32" in ptx["batch"] and "rcp.approx.f32" not in ptx["launch"]
-    assert "ld.relaxed.gpu.global.u32" in ptx["batch"]
-    # a free row's copy first: lane 0 looks at the row's barrier without waiting; two arrivals a row
-    assert "mbarrier.test_wait.parity" in ptx["first"] and "mbarrier.test_wait" not in ptx["launch"]
-    assert ptx["first"].count("mbarrier.arrive.shared::cta.b64") > ptx["launch"].count(
-        "mbarrier.arrive.shared::cta.b64")
-    # L2 priorities: x and y copied evict-first (n + 1 copies a row and half-group), x' stored
-    # evict-last, the finishers' x' copies evict-first; none without the setting
-    hints = ptx["hints"]
-    n_xy = 2 * 5 * 2  # two fills (the first block's, the loop's) x (n + 1) tiles x 2 half-groups
-    assert "createpolicy.fractional.L2::evict_first.b64" in hints
-    assert "createpolicy.fractional.L2::evict_last.b64" in hints
-    plain, hinted = "cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::cache_hint"
-    assert hints.count(hinted) == n_xy > 0 and hints.count(plain) + n_xy == ptx["launch"].count(plain)
-    assert "st.global.L2::cache_hint.v4.b32" in hints and "st.global.v4.b32 [" in hints  # the output stays plain
-    assert hints.count("complete_tx::bytes.L2::cache_hint") == ptx["launch"].count("complete_tx::bytes [")
-    assert "cache_hint" not in ptx["kept"] and "createpolicy" not in ptx["launch"]
+    ptx = mod.compile_split(SplitShape(4, 4096, True, 20), str(tmp_path)).__ptx__
+    assert ptx.count("st.relaxed.gpu.global.u32") == 3 and "ld.relaxed.gpu.global.u32" in ptx
+    assert "rcp.approx.f32" in ptx
+    for gone in ("griddepcontrol", "cache_hint", "createpolicy", "mbarrier.test_wait", "%clock64", "%smid"):
+        assert gone not in ptx, gone
+
 
 
 # -- GPU ---------------------------------------------------------------------------------------------
@@ -218,32 +181,28 @@ CASES = [(8192, 4, 4096), (1100, 4, 4096), (600, 3, 2048), (97, 2, 1024), (40, 4
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,n,c", CASES, ids=str)
 @pytest.mark.parametrize("op", ["update+read", "read"])
-def test_gpu_split_matches_reference_and_the_persistent_variant(t, n, c, op, monkeypatch):
+def test_gpu_split_matches_reference_and_the_persistent_variant(t, n, c, op):
     _gpu_ready()
-    from test_mhc_persistent import checked_run
+    from test_mhc_persistent import PERSISTENT, checked_run
 
-    got, run = checked_run(t, n, c, op, monkeypatch, "split", SPLIT_TOKENS=1)
-    assert cluster_ops._variant(t, n, c, op != "read", 20).split
+    split = MhcKernelConfig(persistent_tokens=1, split_tokens=1)
+    got, run = checked_run(t, n, c, op, "split", split)
+    assert cluster_ops._variant(t, n, c, op != "read", 20, split).split
     # The stream pass and the coefficients' sums are the persistent variant's: x', H_post and H_res's
-    # logits bit for bit (the input sums its squares in another order). H_res: the same bits where
-    # the Sinkhorn runs after the kernel, as the persistent variant's; the producers' Sinkhorn (the
-    # default) sums in its own order and multiplies by a reciprocal, within a few ulp.
-    lanes = cluster_ops.split_shape(n, c, op != "read").sinkhorn_lanes
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 0)
-    ref = run()
-    assert not cluster_ops._variant(t, n, c, op != "read", 20).split
+    # logits bit for bit (the input sums its squares in another order). H_res: the producers'
+    # Sinkhorn sums in its own order and multiplies by a reciprocal, within a few ulp of the
+    # persistent variant's (a launch after the kernel).
+    ref = run(PERSISTENT)
+    assert not cluster_ops._variant(t, n, c, op != "read", 20, PERSISTENT).split
     same = got[-2:-1] if op == "read" else (got[0], got[-2])
     want = ref[-2:-1] if op == "read" else (ref[0], ref[-2])
     assert all(torch.equal(a, b) for a, b in zip(same, want)), "differs from the persistent variant"
-    if lanes:
-        torch.testing.assert_close(got[-1], ref[-1], rtol=2e-6, atol=1e-7)
-    else:
-        assert torch.equal(got[-1], ref[-1]), "H_res differs from the persistent variant's"
+    torch.testing.assert_close(got[-1], ref[-1], rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.gpu
-def test_gpu_open_launch_form_takes_the_split_variant_from_split_tokens(monkeypatch):
-    """With SPLIT_TOKENS set, cooperative=None sends update+reads from that size to the split
+def test_gpu_open_launch_form_takes_the_split_variant_from_split_tokens():
+    """With split_tokens at its default (1024), cooperative=None sends update+reads from that size to the split
     variant, bit for bit, reads too, and leaves the sizes below it and H = 7168 to the Triton
     kernels."""
     _gpu_ready()
@@ -251,8 +210,7 @@ def test_gpu_open_launch_form_takes_the_split_variant_from_split_tokens(monkeypa
 
     from layer_boundary_mhc import triton_ops
 
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 1024)
-    monkeypatch.setattr(cluster_ops, "_ELIGIBLE", {})
+    assert MhcKernelConfig().split_tokens == 1024
     for t, c, form in ((1024, 4096, "split"), (3000, 4096, "split"), (1023, 4096, False), (2048, 7168, False)):
         auto, want = open_and_named_update_read(t, 4, c, form, _params(4, c))
         assert all(torch.equal(a, b) for a, b in zip(auto, want)), f"T={t} C={c}: not the {form} result"
@@ -269,29 +227,25 @@ def test_gpu_open_launch_form_takes_the_split_variant_from_split_tokens(monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ready", [dict(SPLIT_KEPT_COUNTS=0), dict(SPLIT_KEPT_COUNTS=1),
-                                   dict(SPLIT_KEPT_COUNTS=1, SPLIT_PDL=1)], ids=["memset", "kept", "kept-pdl"])
-def test_gpu_split_under_cuda_graph_capture(ready, monkeypatch):
-    """Captured once and replayed: each replay finds its ready counts at zero, zeroed for it or
-    left so by the replay before (one that found the last one's would not wait for its stream
+def test_gpu_split_under_cuda_graph_capture():
+    """Captured once and replayed: each replay finds its ready counts at zero, left so by the
+    replay before (one that found the last one's would not wait for its stream
     CTAs), and gives eager's bits, on new inputs too (the stale partials of the same inputs would
     hide a race)."""
     _gpu_ready()
     from mhc_gpu import _inputs, _params
 
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 512)
-    for name, value in ready.items():
-        monkeypatch.setattr(cluster_ops, name, value)
+    config = MhcKernelConfig(split_tokens=512)
     t, n, c = 4096, 4, 4096
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
-    cluster_ops.prepare_cluster(n, c)
-    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+    cluster_ops.prepare_cluster(n, c, config=config)
+    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, config=config)
     outs = [torch.empty_like(v) for v in eager]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, streams_out=outs[0], out=outs[1],
-                                            h_post_out=outs[2], h_res_out=outs[3])
+                                            h_post_out=outs[2], h_res_out=outs[3], config=config)
     for _ in range(2):
         for v in outs:
             v.zero_()
@@ -302,7 +256,7 @@ def test_gpu_split_under_cuda_graph_capture(ready, monkeypatch):
         x2, y2, _, _, _ = _inputs(t, n, c, torch.bfloat16, seed=10 + k)
         x.copy_(x2)
         y.copy_(y2)
-        want = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+        want = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, config=config)
         graph.replay()
         graph.replay()
         torch.cuda.synchronize()
@@ -310,7 +264,7 @@ def test_gpu_split_under_cuda_graph_capture(ready, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_split_kept_counts_across_sizes_and_streams(monkeypatch):
+def test_gpu_split_kept_counts_across_sizes_and_streams():
     """Eager calls of growing and shrinking sizes (a ragged last block among them) on two streams,
     read and update+read: each matches the reference, and leaves its stream's buffer ready for the
     next launch: the phase flipped, the arrivals at zero, the half the next launch takes zeroed."""
@@ -319,8 +273,7 @@ def test_gpu_split_kept_counts_across_sizes_and_streams(monkeypatch):
 
     from layer_boundary_mhc import accuracy, counts
 
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 1)
-    monkeypatch.setattr(cluster_ops, "SPLIT_KEPT_COUNTS", 1)
+    config = MhcKernelConfig(split_tokens=1)
     params = _params(4, 4096)
     side = torch.cuda.Stream()
     for t, stream in ((1100, None), (4096, side), (37, None), (8192, None), (2000, side), (1030, None)):
@@ -331,8 +284,8 @@ def test_gpu_split_kept_counts_across_sizes_and_streams(monkeypatch):
         key = (torch.cuda.current_device(), stream.cuda_stream, cap)
         before = int(counts._EAGER[key][0]) if key in counts._EAGER else 0
         with torch.cuda.stream(stream):
-            got = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
-            read = cluster_ops.mhc_read_cluster(x, params, w, 1e-6)
+            got = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, config=config)
+            read = cluster_ops.mhc_read_cluster(x, params, w, 1e-6, config=config)
         torch.cuda.synchronize()
         accuracy.assert_matches_reference("update+read", got, x, y=y, h_post=h_post, h_res=h_res, params=params,
                                           norm_weight=w, norm_eps=1e-6, where=f"kept counts T={t}")
@@ -346,7 +299,7 @@ def test_gpu_split_kept_counts_across_sizes_and_streams(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_split_kept_counts_pool_used_up_falls_back_to_a_memset(monkeypatch):
+def test_gpu_split_kept_counts_pool_used_up_falls_back_to_a_memset():
     """With the captured calls' counts used up, a capture warns once and zeroes its counts in the
     graph: still right on every replay."""
     _gpu_ready()
@@ -354,23 +307,21 @@ def test_gpu_split_kept_counts_pool_used_up_falls_back_to_a_memset(monkeypatch):
 
     from layer_boundary_mhc import counts
 
-    monkeypatch.setattr(cluster_ops, "SPLIT_TOKENS", 512)
-    monkeypatch.setattr(cluster_ops, "SPLIT_KEPT_COUNTS", 1)
-    monkeypatch.setattr(counts, "CAPTURED_WORDS", 600)  # one call of 4096 tokens (4 + 2 x 256 words)
-    monkeypatch.setattr(counts, "_POOL", {})
-    monkeypatch.setattr(counts, "_WARNED", set())
+    # A pool of its own (one a device and size): one call of 4096 tokens (4 + 2 x 256 words).
+    config = MhcKernelConfig(split_tokens=512, split_captured_words=600)
+    assert (torch.cuda.current_device(), 600) not in counts._POOL
     t, n, c = 4096, 4, 4096
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
-    cluster_ops.prepare_cluster(n, c)
-    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+    cluster_ops.prepare_cluster(n, c, config=config)
+    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, config=config)
     outs = [[torch.empty_like(v) for v in eager] for _ in range(2)]
     graph = torch.cuda.CUDAGraph()
     with pytest.warns(UserWarning, match="used up"):
         with torch.cuda.graph(graph):
             for o in outs:  # the first from the pool, the second zeroed in the graph
                 cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, streams_out=o[0], out=o[1],
-                                                    h_post_out=o[2], h_res_out=o[3])
+                                                    h_post_out=o[2], h_res_out=o[3], config=config)
     for _ in range(3):
         for o in outs:
             for v in o:
@@ -384,10 +335,11 @@ def test_gpu_split_kept_counts_pool_used_up_falls_back_to_a_memset(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("knob", KNOBS, ids=lambda k: " ".join(f"{a}={b}" for a, b in k.items()))
 @pytest.mark.parametrize("t", [8192, 1100, 5])
-def test_gpu_split_settings_match_the_reference(knob, t, monkeypatch):
-    """Each sweep setting gives outputs within the tolerance table, bit for bit again on a replay."""
+def test_gpu_split_settings_match_the_reference(knob, t):
+    """Each split setting gives outputs within the tolerance table, bit for bit again on a replay."""
     _gpu_ready()
     from test_mhc_persistent import checked_run
 
-    checked_run(t, 4, 4096, "update+read", monkeypatch, f"split {knob}", SPLIT_TOKENS=1, **knob)
-    assert cluster_ops._variant(t, 4, 4096, True, 20).split
+    config = MhcKernelConfig(split_tokens=1, **knob)
+    checked_run(t, 4, 4096, "update+read", f"split {knob}", config)
+    assert cluster_ops._variant(t, 4, 4096, True, 20, config).split

@@ -17,9 +17,8 @@ H = 4096, bf16) and each T:
   stream passes alone, the finishes alone and the update kernel alone, each with its own bytes
   (x' re-read by the finishes counted) and its share of the copy bandwidth: which phase is slow.
 
-``--set NAME=VALUE ...`` sets launch-shape constants of ``triton_mhc`` first, as ``bench mhc --tune``
-does, and also those ``--tune`` does not know (``PRESPLIT_TOKENS``, ``MAX_TILE``); the check
-then covers that variant.
+``--set NAME=VALUE ...`` makes the kernel config (``MhcKernelConfig`` fields, as ``bench mhc --tune``
+takes them) every call runs with; the check then covers that variant.
 
 Run: python benchmarks/sweeps/mhc_check.py [--tokens T ...] [--hidden H] [--set NAME=VALUE ...]
 (default 1 128 8192, 4096)
@@ -33,9 +32,8 @@ import sys
 
 import torch
 
-from layer_boundary.bench import mhc as bench
-from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call
-from layer_boundary_mhc import accuracy, reference, triton_ops
+from layer_boundary_app.bench.timing import TimingPlan, copy_bandwidth, time_call
+from layer_boundary_mhc import MhcKernelConfig, accuracy, bench, reference, triton_ops
 from layer_boundary_mhc import triton_mhc as tm
 
 N, BF16 = 4, torch.bfloat16
@@ -66,10 +64,10 @@ def fp64_read(streams: torch.Tensor, i: bench.Inputs) -> tuple[torch.Tensor, ...
     return mixed * torch.rsqrt(var + bench.EPS) * i.w.double(), hp, hr
 
 
-def run(t: int, hidden: int, device: str) -> bool:
+def run(t: int, hidden: int, device: str, config: MhcKernelConfig) -> bool:
     i = bench._inputs(t, N, hidden, BF16, device)
     call = lambda coop: triton_ops.mhc_update_read_triton(  # noqa: E731
-        i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS, cooperative=coop)
+        i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS, cooperative=coop, config=config)
     got = call(True)
     same = all(torch.equal(a, b) for a, b in zip(got, call(False)))
     same &= all(all(torch.equal(a, b) for a, b in zip(got, call(True))) for _ in range(5))
@@ -118,24 +116,24 @@ class Only:
         return launch
 
 
-def launcher(i: bench.Inputs):
+def launcher(i: bench.Inputs, config: MhcKernelConfig):
     """``launch(kernel, coop)``: a call of ``triton_ops._launch_boundary`` with ``kernel`` (or a
-    stand-in) on the update+read of ``i``, into destinations made once."""
+    stand-in) on the update+read of ``i`` under ``config``, into destinations made once."""
     t, n, c = i.x.shape
     streams, out = torch.empty_like(i.x), i.x.new_empty((t, c))
     hp, hr = torch.empty_like(i.h_post), torch.empty_like(i.h_res)
-    params = triton_ops._param_tensors(i.params, i.x)
+    params = triton_ops._param_tensors(i.params, i.x, config)
 
     def launch(kernel, coop: bool):
         return lambda: triton_ops._launch_boundary(kernel, i.x, i.y, i.h_post, i.h_res, streams, *params, i.w, out,
-                                                   hp, hr, i.params.eps, bench.EPS, 0.0, 20, coop)
+                                                   hp, hr, i.params.eps, bench.EPS, 0.0, 20, coop, config)
     return launch, streams, out
 
 
-def phases(i: bench.Inputs, copy_gbps: float) -> None:
+def phases(i: bench.Inputs, copy_gbps: float, config: MhcKernelConfig) -> None:
     t, n, c = i.x.shape
     e = i.x.element_size()
-    launch, streams, _ = launcher(i)
+    launch, streams, _ = launcher(i, config)
     rows = [("cooperative", launch(tm.mhc_boundary_kernel, True), bench.bytes_moved("update+read", t, n, c, e)),
             ("two launches", launch(tm.mhc_boundary_kernel, False),
              bench.bytes_moved("update+read", t, n, c, e) + t * n * c * e),
@@ -149,22 +147,14 @@ def phases(i: bench.Inputs, copy_gbps: float) -> None:
         print(f"  time {name:13}: {us:8.1f} µs  {gbps:7.0f} GB/s  {100 * gbps / copy_gbps:5.1f} % of copy")
 
 
-def apply_settings(settings: list[str]) -> dict[str, object]:
-    """``NAME=VALUE`` (an integer, or integers by comma for the per-bucket tuples) on ``triton_mhc``'s
-    launch-shape constants; the cached shapes are cleared."""
-    applied: dict[str, object] = {}
-    for s in settings:
-        name, _, value = s.partition("=")
-        old = getattr(tm, name, None)
-        if not name.isupper() or not isinstance(old, (int, tuple)) or not value:
-            raise SystemExit(f"--set {s!r}: NAME must be an integer or tuple constant of triton_mhc")
-        parsed = tuple(int(v) for v in value.split(",")) if isinstance(old, tuple) else int(value)
-        if isinstance(old, tuple) and len(parsed) != len(old):
-            raise SystemExit(f"--set {s!r}: {name} takes {len(old)} values")
-        setattr(tm, name, parsed)
-        applied[name] = parsed
-    tm._CONFIGS.clear()
-    return applied
+def apply_settings(settings: list[str]) -> tuple[MhcKernelConfig, dict[str, object]]:
+    """The config ``NAME=VALUE`` settings of ``MhcKernelConfig`` fields make from the default (an
+    integer, or integers by comma for the per-bucket fields), and the settings."""
+    try:
+        return bench._apply_tuning(settings)
+    except ValueError as e:
+        raise SystemExit(str(e).replace("--tune", "--set"))
+
 
 
 def main(argv: list[str]) -> int:
@@ -173,20 +163,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time", action="store_true", help="also time the phases")
-    ap.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE", help="triton_mhc constants to set first")
+    ap.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE", help="MhcKernelConfig fields")
     args = ap.parse_args(argv)
-    applied = apply_settings(args.set)
+    config, applied = apply_settings(args.set)
     name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"{name}, torch {torch.__version__}, n={N}, H={args.hidden}, bf16, bench mhc's inputs"
           + (f"; set {applied}" if applied else ""))
     with torch.no_grad():
-        ok = [run(t, args.hidden, args.device) for t in args.tokens]
+        ok = [run(t, args.hidden, args.device, config) for t in args.tokens]
         if args.time:
             copy = copy_bandwidth(args.device, 1 << (30 if args.device == "cuda" else 22))["gbps"]
             print(f"copy bandwidth {copy:.0f} GB/s")
             for t in args.tokens:
-                print(f"T={t}: {tm.boundary_config(t, N, args.hidden, 2, bf16=True)}")
-                phases(bench._inputs(t, N, args.hidden, BF16, args.device), copy)
+                print(f"T={t}: {tm.boundary_config(t, N, args.hidden, 2, bf16=True, config=config)}")
+                phases(bench._inputs(t, N, args.hidden, BF16, args.device), copy, config)
     return 0 if all(ok) else 1
 
 

@@ -79,13 +79,16 @@ def norm_params(norm: nn.Module) -> tuple[torch.Tensor, float, float] | None:
         # BF16's own epsilon (7.8e-3) would swamp the mean square of small activations.
         eps = torch.finfo(torch.float64 if weight.dtype == torch.float64 else torch.float32).eps
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, (int, float)):
-        return _black_box(norm, "has no 1-D weight and float eps of an RMSNorm")
+        _black_box(norm, "has no 1-D weight and float eps of an RMSNorm")
+        return None
     if not weight.is_floating_point():
         # An integer weight (a quantized module's storage, or a load gone wrong) is not what the
         # fused kernels multiply by: the module's own forward decides what it means.
-        return _black_box(norm, f"keeps its weight as {str(weight.dtype).replace('torch.', '')}, not floating point")
+        _black_box(norm, f"keeps its weight as {str(weight.dtype).replace('torch.', '')}, not floating point")
+        return None
     if isinstance(norm, (nn.LayerNorm, nn.GroupNorm)) or hasattr(norm, "running_mean"):
-        return _black_box(norm, "normalizes by its mean and variance, not by the root mean square")
+        _black_box(norm, "normalizes by its mean and variance, not by the root mean square")
+        return None
     declared = 0.0 if torch_rms else getattr(norm, "weight_offset", None)
     if isinstance(declared, (int, float)) and float(declared) in (0.0, 1.0):
         return weight, float(eps), float(declared)
@@ -106,7 +109,7 @@ def _probe_offset(norm: nn.Module, hidden: int, eps: float) -> float | None:
         w = torch.rand(hidden, generator=gen) + 0.5
         x = torch.randn(3, hidden, generator=gen) * 2.0
         with torch.no_grad():
-            probe.weight.copy_(w)
+            getattr(probe, "weight").copy_(w)  # norm_params found a tensor there
             got = probe(x).float()
         for offset in (0.0, 1.0):
             want = rmsnorm_ref(x, w, eps, weight_offset=offset)
@@ -115,11 +118,12 @@ def _probe_offset(norm: nn.Module, hidden: int, eps: float) -> float | None:
         why = "its forward is neither x / rms(x) * weight nor x / rms(x) * (1 + weight)"
     except Exception as e:  # a forward that needs more arguments, a weight it does not own, ...
         why = f"probing its forward failed ({type(e).__name__}: {e})"
-    return _black_box(norm, f"has a weight and an eps, but {why}", stacklevel=4)
+    _black_box(norm, f"has a weight and an eps, but {why}", stacklevel=4)
+    return None
 
 
 def _black_box(norm: nn.Module, why: str, stacklevel: int = 3) -> None:
-    """``None`` (the stage calls ``norm`` as it is), warned once per class: that stage has no fused
+    """Warn, once per class, that stages call ``norm`` as it is: that stage has no fused
     add+norm read, a slower path the engine should know of. ``nn.Identity`` (no norm) is silent."""
     if type(norm) not in _WARNED and not isinstance(norm, nn.Identity):
         _WARNED.add(type(norm))

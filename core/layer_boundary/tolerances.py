@@ -5,11 +5,11 @@ kit's pytest is not installed (the README's main-job install)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
-__all__ = ["DEFAULT_TOLERANCE", "MAX_TOLERANCE", "FP8_SCALE_RTOL", "FP8_STEP_RTOL", "FP8_SUBNORMAL_STEP",
+__all__ = ["DEFAULT_TOLERANCE", "MAX_TOLERANCE", "Tolerance", "FP8_SCALE_RTOL", "FP8_STEP_RTOL", "FP8_SUBNORMAL_STEP",
            "tolerance_of", "assert_fp8_rows_close"]
 
 # (atol, rtol) against the torch reference.
@@ -44,7 +44,14 @@ FP8_STEP_RTOL = 2.0**-3
 FP8_SUBNORMAL_STEP = 2.0**-9
 
 
-def tolerance_of(provider: Any, dtype: torch.dtype) -> dict[str, float]:
+class Tolerance(TypedDict):
+    """Keyword arguments of ``torch.testing.assert_close``: ``assert_close(a, b, **tol)``."""
+
+    atol: float
+    rtol: float
+
+
+def tolerance_of(provider: Any, dtype: torch.dtype) -> Tolerance:
     """``dict(atol=, rtol=)`` for ``dtype`` from the provider's ``tolerance`` or the default."""
     table = getattr(provider, "tolerance", None) or {}
     atol, rtol = table.get(dtype, DEFAULT_TOLERANCE.get(dtype, (1e-5, 1e-5)))

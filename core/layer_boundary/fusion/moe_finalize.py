@@ -257,6 +257,7 @@ class MoeFinalizeFusion:
         if why is not None:
             self._decline_once(why)
             return None
+        assert isinstance(expert_out, torch.Tensor) and isinstance(weights, torch.Tensor)  # refusal checked
         rows = residual.shape[0]
         if rows == 0 or rows > self.max_tokens:
             return None

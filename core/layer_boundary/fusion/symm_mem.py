@@ -139,13 +139,14 @@ def launch(ws: SymmWorkspace, x: torch.Tensor, residual: torch.Tensor, weight: t
     hidden = residual.shape[-1]
     block = 1 << (hidden - 1).bit_length()
     topk = 0 if topk_weights is None else topk_weights.shape[1]
+    topk_stride = 0 if topk_weights is None else topk_weights.stride(0)
     # With peers, always all programs (each keeps its rows, see the kernel); alone, one per row.
     grid = (ws.max_programs,) if ws.world > 1 else (max(1, residual.shape[0]),)
     allreduce_add_rmsnorm_kernel[grid](
         x, residual, weight, out, ws.data, ws.data_offsets, ws.flag_ptrs, ws.epochs,
         residual.shape[0], hidden, x.stride(0), ws.max_tokens * hidden, eps, weight_offset,
         topk_weights if topk else x, shared if shared is not None else x,
-        x.stride(1) if topk else 0, topk_weights.stride(0) if topk else 0,
+        x.stride(1) if topk else 0, topk_stride,
         shared.stride(0) if shared is not None else 0, ws.max_programs,
         RANK=ws.rank, WORLD=ws.world, BLOCK=block, TOPK=topk, HAS_SHARED=shared is not None,
         num_warps=_num_warps(block),

@@ -18,7 +18,7 @@ column stride of 1 is specialized by Triton into contiguous, vectorized accesses
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -177,7 +177,7 @@ def launch_config(hidden: int, itemsize: int) -> tuple[int, int]:
 
 
 def launch(
-    kernel: object,
+    kernel: Any,  # a triton JIT function (untyped), or it wrapped by wrap_triton
     x: torch.Tensor,
     residual: Optional[torch.Tensor],
     weight: torch.Tensor,
@@ -196,14 +196,18 @@ def launch(
     hidden = int(hidden)  # a constexpr: under torch.compile this pins the width (weights fix it anyway)
     block, warps = launch_config(hidden, x.element_size())
     add = residual is not None
-    if add and residual_out is None:
-        residual_out = residual
+    res_strides = res_out_strides = (0, 0)
+    if residual is not None:
+        if residual_out is None:
+            residual_out = residual
+        res_strides = (residual.stride(0), residual.stride(1))
+        res_out_strides = (residual_out.stride(0), residual_out.stride(1))
     kernel[(rows,)](
         x, residual, weight, out, residual_out, scale,
         x.stride(0), x.stride(1),
-        residual.stride(0) if add else 0, residual.stride(1) if add else 0,
+        *res_strides,
         out.stride(0), out.stride(1),
-        residual_out.stride(0) if add else 0, residual_out.stride(1) if add else 0,
+        *res_out_strides,
         weight.stride(0), scale.stride(0) if scale is not None else 0,
         eps, offset,
         H=hidden, BLOCK=block, ADD=add, FP8=scale is not None, EXACT_CASTS=INTERPRETED,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.library import triton_op, wrap_triton
@@ -72,7 +72,7 @@ def _writes_only(*args: object) -> None:
     return None
 
 
-def _define(name: str, body: object, writes: set[str]) -> object:
+def _define(name: str, body: Callable[..., None], writes: set[str]) -> Any:
     if not INTERPRETED:
         # triton_op traces the body (wrap_triton) into the graph, so Inductor sees the kernel.
         return triton_op(name, body, mutates_args=writes)

@@ -202,7 +202,8 @@ def find_plugins(options: DiscoveryOptions, group: str = ENTRY_POINT_GROUP) -> l
     dists: dict[str, list[str]] = {}
     for ep in eps:
         if ep.name not in options.deny:
-            dists.setdefault(ep.name, []).append(_dist_name(ep))
+            # an entry point on sys.path without metadata has no distribution: name its target
+            dists.setdefault(ep.name, []).append(_dist_name(ep) or f"{ep.value} (no distribution)")
     for ep in eps:
         rec = PluginRecord(
             name=ep.name, distribution=_dist_name(ep), version=_dist_version(ep), api_version=None,

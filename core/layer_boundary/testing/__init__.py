@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 
+from .._kit_markers import pytest_configure
 from .fusion import FusionProviderConformance
 from .norm_kernels import NormKernelConformance
 from .semantics import ResidualSemanticsConformance
@@ -32,9 +33,5 @@ __all__ = [
     "ResidualSemanticsConformance",
     "DEFAULT_TOLERANCE",
     "tolerance_of",
+    "pytest_configure",
 ]
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped where none is visible)")
-    config.addinivalue_line("markers", "conformance: a layer-boundary conformance-kit check")

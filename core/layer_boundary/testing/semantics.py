@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -17,6 +17,9 @@ from ..residual import batch as residual_batch
 from ..residual.stream import StreamState
 from .tolerances import tolerance_of
 
+if TYPE_CHECKING:
+    from .. import StageBoundary
+
 __all__ = ["ResidualSemanticsConformance"]
 
 
@@ -30,10 +33,10 @@ class _Stack(nn.Module):
         self.norms = nn.ModuleList(RMSNorm(hidden, dtype=dtype) for _ in range(2 * layers + 1))
         with torch.no_grad():
             for n in self.norms:
-                n.weight.uniform_(0.5, 1.5, generator=g)
+                getattr(n, "weight").uniform_(0.5, 1.5, generator=g)
         parts = [residual_part(semantics, "stage", hidden, dtype=dtype) for _ in range(2 * layers)]
         self.params = nn.ModuleList(p.params for p in parts if p.params is not None)
-        self.stages = []
+        self.stages: list[StageBoundary] = []
         for i in range(layers):
             a, f = parts[2 * i], parts[2 * i + 1]
             prev = declare_ffn(update=parts[2 * i - 1].update) if i else None
@@ -128,7 +131,7 @@ class ResidualSemanticsConformance:
         out = stack.run(x, fb, states)
         assert states == [StreamState.WRITTEN, StreamState.PENDING, StreamState.PENDING] * 2, (
             f"stream states after (attention read, attention finish, FFN finish) x 2: {states}")
-        assert fb.residual_stream.released, "the final norm did not end the stream"
+        assert fb.residual_stream is not None and fb.residual_stream.released, "the final norm did not end the stream"
         _input_like(out, x, "the final norm (exit read)")
         assert bool(torch.isfinite(out).all()), "the stack's output holds NaN or inf"
 

@@ -40,6 +40,7 @@ from layer_boundary.plugin_api import (
     MoeFinalizeFusion,
 )
 
+from .norm import load_compiler
 from .shape import VEC, launch_shape
 
 __all__ = ["CuteDslFusion", "install_cutedsl_fusion", "prepare_cutedsl_fusion"]
@@ -80,9 +81,7 @@ class CuteDslFusion(MoeFinalizeFusion):
     def _build(self, v: Variant) -> None:
         hidden, dtype, offset, k, shared = v
         try:
-            compile_fn = self._compiler
-            if compile_fn is None:
-                from .kernel import compile_add_rmsnorm as compile_fn
+            compile_fn = self._compiler or load_compiler()
             compiled = compile_fn(hidden, str(dtype).replace("torch.", ""), offset, True, topk=k, shared=shared)
             why = _self_check(compiled, v, self._launch or _launch)
         except Exception as exc:  # a DSL or driver failure: the core kernel serves instead
@@ -156,7 +155,7 @@ def _self_check(compiled: Any, v: Variant, run: Callable[..., None]) -> Optional
 
 
 def _model_top_k(model: nn.Module) -> set[int]:
-    return {int(m.top_k) for m in model.modules() if isinstance(getattr(m, "top_k", None), int)}
+    return {int(getattr(m, "top_k")) for m in model.modules() if isinstance(getattr(m, "top_k", None), int)}
 
 
 def install_cutedsl_fusion(model: nn.Module, *, terminal_finalize: bool = False,

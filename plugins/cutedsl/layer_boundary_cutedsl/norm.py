@@ -229,9 +229,7 @@ class CuTeDSLNormProvider:
         return table
 
     def _build(self, hidden: int, dtype: torch.dtype, offset: float) -> NormKernels:
-        compile_fn = self._compiler
-        if compile_fn is None:
-            from .kernel import compile_add_rmsnorm as compile_fn
+        compile_fn = self._compiler or load_compiler()
         plain = compile_fn(hidden, _short(dtype), offset, False)
         fused = compile_fn(hidden, _short(dtype), offset, True)
         table = cutedsl_kernels(hidden, dtype, offset, plain, fused, self._launch)
@@ -271,6 +269,13 @@ def _cuda_capability() -> Optional[tuple[int, int]]:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability()
+
+
+def load_compiler() -> Callable[..., Any]:
+    """``kernel.compile_add_rmsnorm``, imported when first needed: it imports the CuTe DSL."""
+    from .kernel import compile_add_rmsnorm
+
+    return compile_add_rmsnorm
 
 
 def import_cutlass() -> Any:

@@ -120,6 +120,7 @@ def flashinfer_kernels(fi: Any) -> NormKernels:
             fall_back("fused_add_rmsnorm", _why_not(x, weight, weight_offset, residual=residual_out, out=out))
             return fused_add_rmsnorm_ref(x, residual, weight, eps, weight_offset=weight_offset, out=out,
                                          residual_out=residual_out)
+        assert fn is not None  # ok above
         if residual_out is not residual:
             residual_out.copy_(residual)
         # FlashInfer normalizes into the tensor it adds from: give it a copy of x unless the caller

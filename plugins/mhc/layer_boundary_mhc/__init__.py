@@ -20,6 +20,7 @@ from ._manifest import MANIFEST
 __all__ = [
     "MANIFEST",
     "MhcSemantics",
+    "MhcKernelConfig",
     "MhcStageParams",
     "MhcHead",
     "MhcUpdate",
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "MhcSemantics": "semantics",
+    "MhcKernelConfig": "config",
     "MhcStageParams": "params",
     "MhcHead": "params",
     "MhcUpdate": "update",

@@ -13,10 +13,6 @@ SMEM_LIMIT = 227 * 1024
 MAX_STAGES = 10
 
 
-# Phase boundaries a profiled CTA stamps (globaltimer ns and SM id, 16 bytes each).
-PHASES = ("start", "streamed", "partials shared", "coefficients shared", "norms shared", "end")
-
-
 def _sizes(shape, n: int, hidden: int, cluster: int, block_tokens: int, warps: int) -> None:
     """The sizes both kernels' shapes derive alike: columns and 16-column chunks a CTA, the
     coefficient count K and its 8-wide n-tiles, tokens a CTA owns, 16-byte units a row, phi's
@@ -65,9 +61,8 @@ class ClusterShape:
     """Compile-time shape of one variant: n streams, hidden size C, ``cluster`` CTAs a block of
     ``block_tokens``, ``warps`` a CTA, shared memory sized for ``ctas`` CTAs an SM (two let one CTA's
     cluster exchanges overlap another's stream pass), ``stages`` chunks in flight (0: as many as fit,
-    at most MAX_STAGES); ``profile``: each CTA stamps the time at its phase boundaries (``PHASES``);
-    ``phi_staged``: phi's fragments travel in the stages (cp.async, one copy a CTA) rather than from
-    L2 to each warp's registers; ``sinkhorn``: H_res's Sinkhorn in the kernel, or (off) its logits
+    at most MAX_STAGES); phi's fragments travel in the stages (cp.async, one copy a CTA; from L2 to
+    each warp's registers was slower: 552.1 against 444.5 µs at T = 8192, removed); ``sinkhorn``: H_res's Sinkhorn in the kernel, or (off) its logits
     stored for a Sinkhorn after it; ``push``: the three exchanges are stores into the receiving
     CTAs' shared memory that complete their mbarriers (``st.async``), one cluster barrier at the
     start, rather than three cluster barriers around stores and loads."""
@@ -77,17 +72,16 @@ class ClusterShape:
     sinkhorn_lanes = False  # the split variant's Sinkhorn in its producers (SplitShape)
 
     def __init__(self, n: int, hidden: int, cluster: int, block_tokens: int, update: bool, iters: int,
-                 stages: int = 0, warps: int = 8, ctas: int = 1, profile: bool = False,
-                 phi_staged: bool = False, sinkhorn: bool = True, push: bool = False) -> None:
+                 stages: int = 0, warps: int = 8, ctas: int = 1, sinkhorn: bool = True, push: bool = True) -> None:
         self.n, self.c, self.cl, self.bt, self.update, self.iters = n, hidden, cluster, block_tokens, update, iters
-        self.ctas, self.profile = ctas, profile
-        self.phi_staged, self.sinkhorn, self.push = phi_staged, sinkhorn, push
+        self.ctas = ctas
+        self.sinkhorn, self.push = sinkhorn, push
         _sizes(self, n, hidden, cluster, block_tokens, warps)
         self.mt = block_tokens // 16
         self.kh = max(1, warps // self.mt)
         self.sx = n * block_tokens * 32
         self.sy = block_tokens * 32 if update else 0
-        self.stage_bytes = self.sx + self.sy + (self.phi_chunk if phi_staged else 0)
+        self.stage_bytes = self.sx + self.sy + self.phi_chunk
         self.part_bytes = block_tokens * (self.kpad + 1) * 4
         self.wp_bytes = warps * 16 * (self.kpad + 1) * 4
         fixed = self.xr_bytes + self.part_bytes + self.hpre_bytes + self.hsq_bytes + 32 + 1024
@@ -134,21 +128,9 @@ class PersistentShape:
     bt = 16
     push = True
     sinkhorn = False
-    phi_staged = True
-    # Profiled: cycles (clock64) of stream warp 0 in each section of an iteration (values 0-7, 12), the
-    # iterations (8), the whole loop (9), warp 0's coefficient step (10, 11), summed over the launch,
-    # per CTA (int64 [CTA, 16]).
-    SECTIONS = {0: "top barrier", 1: "stream pass", 12: "x' loads", 2: "sums wait", 3: "normalize", 4: "partials",
-                5: "coefficient loads", 6: "H_pre wait", 7: "first pass",
-                10: "partials wait (warp 0)", 11: "coefficients (warp 0)", 9: "whole iteration"}
 
-    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
-                 l2_hints: int = 0) -> None:
-        self.n, self.c, self.update, self.iters, self.profile = n, hidden, update, iters, profile
-        # ``l2_hints`` (sweeps): x and y read evict-first (they are read once) and, the split
-        # variant, the finishers' x' copies evict-first (1); with x' stored evict-last (2, so the
-        # finishers find it in L2); x' stored evict-last alone (3).
-        self.l2_hints = l2_hints
+    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8) -> None:
+        self.n, self.c, self.update, self.iters = n, hidden, update, iters
         _sizes(self, n, hidden, self.cl, self.bt, warps)
         self.ctas = 1
         self.groups = self.nch // 2
@@ -207,43 +189,20 @@ class SplitShape(PersistentShape):
     GPU (sets, finishers) are launch arguments, not compile-time."""
 
     split = True
+    # H_res's Sinkhorn in the producer warps, a token a lane, in batches of up to 32 (logits gathered
+    # as they are computed) run while the warp's next count has not come or the batch is full: faster
+    # than a launch after the kernel (PERFORMANCE.md, fifteenth pass; that form removed).
+    sinkhorn_lanes = True
+    # The counts live in a buffer kept from launch to launch (``counts``) with two halves: a launch
+    # takes the half its phase word names and zeroes the other, which the launch before used; its
+    # last CTA flips the phase once every CTA has read it. No memset (counts zeroed per call were
+    # slower: 231.5-233.7 against 227.0-227.6 µs at T = 8192; removed).
+    kept = True
 
-    # Profiled (cluster_ops.PROFILE): per role, thread 0's cycles in each section, summed over its
-    # blocks (stream CTAs) or tokens (finisher CTAs, warp 0), then the count and the whole kernel.
-    SECTIONS = {"stream": {0: "top wait", 1: "stream pass", 2: "partials", 4: "coefficient issue"},
-                "finisher": {0: "producer ready wait", 1: "producer work", 4: "producer ring wait",
-                             12: "consumer wait", 13: "consumer work"}}
-
-    @staticmethod
-    def profile_values(ctas: int, blocks: int, tokens: int) -> int:
-        """The int64 values a profiled launch writes: 16 a CTA (``SECTIONS``), then (%globaltimer, SM)
-        stamps of each block's count by each of its 16 CTAs, of each token's count seen by its
-        producer, and of each token's input stored."""
-        return 16 * ctas + 2 * (16 * blocks + 2 * tokens)
-
-    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, profile: bool = False,
-                 producers: int = 2, produce_depth: int = PRODUCE_DEPTH, ends: bool = False,
-                 sinkhorn_lanes: bool = False, copy_first: bool = False, kept: bool = False,
-                 pdl: bool = False, l2_hints: int = 0) -> None:
-        super().__init__(n, hidden, update, iters, warps=warps, profile=profile, l2_hints=l2_hints)
+    def __init__(self, n: int, hidden: int, update: bool, iters: int, warps: int = 8, producers: int = 2,
+                 produce_depth: int = PRODUCE_DEPTH) -> None:
+        super().__init__(n, hidden, update, iters, warps=warps)
         self.producers = producers
-        # ``ends``: the unprofiled kernel writing only each CTA's start and end times (global timer:
-        # slots 14, 11 and, a finisher's consumers, 12), whose timing the sections' clocks perturb.
-        self.ends = ends and not profile
-        # ``sinkhorn_lanes``: H_res's Sinkhorn in the producer warps rather than a launch after the
-        # kernel, a token a lane, in batches of up to 32 (logits gathered as they are computed) run
-        # while the warp's next count has not come or the batch is full.
-        self.sinkhorn_lanes = sinkhorn_lanes
-        # ``copy_first``: a token's x' copy starts before its coefficients when its ring row is free
-        # then (two arrivals a row: the copy's, and H_pre's).
-        self.copy_first = copy_first
-        # ``kept``: the counts live in a buffer kept from launch to launch (``counts``) with two
-        # halves: a launch takes the half its phase word names and zeroes the other, which the
-        # launch before used; its last CTA flips the phase once every CTA has read it. No memset.
-        # ``pdl``: a programmatic dependent launch (its CTAs may start on the SMs the launch before
-        # frees and wait there for it to complete).
-        self.kept = kept
-        self.pdl = pdl
         # The stream role's plan (phi, slots, coefficient rows, per-warp partials, then a second
         # buffer of coefficient rows) without the
         # exchange buffers; the finisher role's ring of x' rows (n x C bf16 each, as many as fit, at

@@ -26,8 +26,7 @@ Sinkhorn); the summation orders differ, so the two kernels agree within the chec
 
 Layouts. A stream pass chunk is 16 hidden columns: per stage, the n stream tiles and y (``[BT, 16]``
 bf16, 32-byte rows, cp.async with zero fill past the last token; each thread's copies are planned
-once). phi's fragments for those columns come with the stage (``phi_staged``) or go from L2 to each
-warp's registers a chunk ahead. Warp
+once). phi's fragments for those columns come with the stage. Warp
 ``w`` takes m-tile ``w // KH`` (16 tokens) and streams ``i = w % KH (mod KH)``; lane
 ``(g, q) = (lane / 4, lane % 4)`` computes rows ``g, g + 8`` of the tile at columns ``4q .. 4q + 3``.
 Those four columns are the lane's A-fragment values for one k16 step: the MMA's k slots
@@ -55,18 +54,18 @@ class MhcCluster(ClusterSteps):
     @cute.jit
     def __call__(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                  phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
-                 w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
+                 w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer,
                  tokens: Int32, blocks: Int32, sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32,
                  sit: Int32, eps: Float32, norm_eps: Float32, stream: cuda.CUstream):
         s = self.s
-        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, tokens,
+        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, tokens,
                     sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
             grid=[s.cl, blocks, 1], block=[s.threads, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
-               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
+               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer,
                tokens: Int32,
                sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32,
                eps: Float32, norm_eps: Float32):
@@ -96,8 +95,6 @@ class MhcCluster(ClusterSteps):
         row0 = blk * bt
         col0 = rank * hs
         x_a, y_a, xo_a, phf_a = Int64(x.toint()), Int64(y.toint()), Int64(xo.toint()), Int64(phf.toint())
-        prof_a = Int64(prof.toint()) + Int64(blk * s.cl + rank) * 128
-        self._stamp(prof_a, tid, 0)
 
         # ---- 1. stream pass ----------------------------------------------------------------
         mt = warp // kh_n
@@ -139,30 +136,22 @@ class MhcCluster(ClusterSteps):
         stg[0] = Int32(0)
         stg[1] = Int32(s.stages - 1)
 
-        # phi's fragments of this warp's streams go from L2 straight to registers, one chunk ahead,
-        # leaving shared memory to the HBM stages (x' takes most of it); or, phi_staged, they come
-        # with the stages (measured faster: PERFORMANCE-history.md, "Sixth pass").
+        # phi's fragments of this warp's streams come with the stages (from L2 straight to registers a
+        # chunk ahead was slower, and removed: PERFORMANCE-history.md, "Sixth pass").
         nfrag = ls * 3 * s.nt
         pfs = (cute.make_rmem_tensor((nfrag * 2,), Int32), cute.make_rmem_tensor((nfrag * 2,), Int32))
-        if cutlass.const_expr(not s.phi_staged):
-            self._phi_load(pfs[0], phf_a + Int64(rank * s.nch) * s.phi_chunk, kh, lane)
         acc = cute.make_rmem_tensor((s.nt * 4,), Float32)
         acc.fill(0.0)
         ssq = cute.make_rmem_tensor((2,), Float32)
         ssq.fill(0.0)
-        # Profiled: warp 0's clock cycles per section of the chunk loop (wait, issue, compute).
-        cyc = cute.make_rmem_tensor((3,), Int64)
-        cyc.fill(0)
         # Two chunks an iteration, so that the fragments loaded for the next chunk land in the other
         # buffer and feed its MMAs as loaded (one buffer would be copied at the end of each chunk,
         # waiting there for the loads' L2 round trip).
         for ch2 in cutlass.range(s.nch // 2, unroll=1):
             for half in cutlass.range_constexpr(2):
                 ch = ch2 * 2 + half
-                k0 = self._clock()
                 P.cp_async_wait(s.stages - 2)
                 cute.arch.sync_threads()
-                k1 = self._clock()
                 nxt = ch + s.stages - 1
                 rd = stg[0]
                 wr = stg[1]
@@ -174,12 +163,8 @@ class MhcCluster(ClusterSteps):
                 stg[1] = wr + 1 - s.stages * Int32(wr + 1 >= s.stages)
                 base = stage0 + rd * s.stage_bytes
                 cur = pfs[half]
-                if cutlass.const_expr(s.phi_staged):
-                    # Every fragment of this warp's streams from the stage, before the MMAs need them.
-                    self._phi_stage_load(cur, base + s.sx + s.sy, kh, lane)
-                elif ch + 1 < s.nch:
-                    self._phi_load(pfs[1 - half], phf_a + Int64(rank * s.nch + ch + 1) * s.phi_chunk, kh, lane)
-                k2 = self._clock()
+                # Every fragment of this warp's streams from the stage, before the MMAs need them.
+                self._phi_stage_load(cur, base + s.sx + s.sy, kh, lane)
                 # Rows r0, r1 at columns 4q .. 4q + 3 of every stream and of y: two words a row.
                 xs = []
                 if cutlass.const_expr(s.update):
@@ -225,18 +210,8 @@ class MhcCluster(ClusterSteps):
                                 d = P.mma_bf16(a, (cur[f], cur[f + 1]), [acc[nt * 4 + e] for e in range(4)])
                                 for e in cutlass.range_constexpr(4):
                                     acc[nt * 4 + e] = d[e]
-                if cutlass.const_expr(s.profile):
-                    k3 = self._clock()
-                    cyc[0] = cyc[0] + (k1 - k0)
-                    cyc[1] = cyc[1] + (k2 - k1)
-                    cyc[2] = cyc[2] + (k3 - k2)
-        if cutlass.const_expr(s.profile):
-            if tid == 0:
-                P.stg_v2_u64(prof_a + 96, cyc[0], cyc[1])
-                P.stg_v2_u64(prof_a + 112, cyc[2], Int64(s.nch))
         P.cp_async_wait(0)
         cute.arch.sync_threads()
-        self._stamp(prof_a, tid, 1)
 
         # Per-warp partials -> shared memory, then summed over the warps of each m-tile in order.
         ssq0 = ssq[0] + P.shfl_xor(ssq[0], 1)
@@ -275,7 +250,6 @@ class MhcCluster(ClusterSteps):
                     P.sts_f32(part + idx * 4, tot)
         if cutlass.const_expr(not s.push):
             self._received(mb)
-        self._stamp(prof_a, tid, 2)
 
         # ---- 2. coefficients of this CTA's tokens ---------------------------------------------
         if warp < s.tpc:
@@ -300,7 +274,6 @@ class MhcCluster(ClusterSteps):
                 for cr in cutlass.range_constexpr(s.cl):
                     self._send(hpre + (t * n + lane) * 4, Int32(cr), h_pre, mb + 8)
         self._received(mb + 8)
-        self._stamp(prof_a, tid, 3)
 
         # ---- 3. combination and norm over the CTA's columns ---------------------------------
         # Warp w takes tokens w, w + warps, ...; lane l units l, l + 32, ... (8 columns each). Tokens
@@ -324,7 +297,6 @@ class MhcCluster(ClusterSteps):
                     for cr in cutlass.range_constexpr(s.cl):
                         self._send(hsq + (rank * bt + ts[e]) * 4, Int32(cr), sqs[e], mb + 16)
         self._received(mb + 16)
-        self._stamp(prof_a, tid, 4)
         for e0 in cutlass.range_constexpr(0, tpw, group):
             ts = [warp + (e0 + e) * s.warps for e in range(group)]
             tots = [P.lds_f32(hsq + t * 4) for t in ts]
@@ -343,26 +315,11 @@ class MhcCluster(ClusterSteps):
                     dst = Int64(out.toint()) + (Int64(row0 + t) * sit + Int64(col0 + 8 * u)) * 2
                     ok = live * Int32(u < s.units) if ragged else live
                     P.stg_v4(dst, o[0], o[1], o[2], o[3], ok)
-        self._stamp(prof_a, tid, 5)
-
-    @cute.jit
-    def _phi_load(self, pf: cute.Tensor, chunk_a: Int64, kh: Int32, lane: Int32):
-        """This warp's streams' phi fragments of one chunk (``chunk_a``) into ``pf``: (stream, part,
-        n-tile) x 2 words; zeros for streams past n."""
-        s = self.s
-        for si in cutlass.range_constexpr((s.n + s.kh - 1) // s.kh):
-            i = kh + si * s.kh
-            ok = Int32(i < s.n)
-            for part in cutlass.range_constexpr(3):
-                for nt in cutlass.range_constexpr(s.nt):
-                    w = P.ldg_v2(chunk_a + Int64(((i * 3 + part) * s.nt + nt) * 256 + lane * 8) * ok, ok)
-                    f = ((si * 3 + part) * s.nt + nt) * 2
-                    pf[f] = w[0]
-                    pf[f + 1] = w[1]
 
     @cute.jit
     def _phi_stage_load(self, pf: cute.Tensor, stage_phi: Int32, kh: Int32, lane: Int32):
-        """As ``_phi_load``, from a stage's copy of the chunk's fragments (``phi_staged``)."""
+        """This warp's streams' phi fragments of one chunk, from the stage's copy: (stream, part,
+        n-tile) x 2 words."""
         s = self.s
         for si in cutlass.range_constexpr((s.n + s.kh - 1) // s.kh):
             i = cutlass.min(kh + si * s.kh, s.n - 1)  # streams past n: loaded, never used
@@ -378,12 +335,12 @@ class MhcCluster(ClusterSteps):
         """This thread's cp.async of every chunk, worked out once: per copy (offset in a stage,
         source at chunk 0, source step a chunk, bytes, whether it copies). A stage holds the chunk's
         stream tiles and y tile (16 columns: two 16-byte halves a row; rows past the last token
-        arrive as zeros) and, ``phi_staged``, this CTA's phi fragments of the chunk."""
+        arrive as zeros) and this CTA's phi fragments of the chunk."""
         s = self.s
         n, bt = s.n, s.bt
         px = n * bt * 2
         py = bt * 2 if s.update else 0
-        total = px + py + (s.phi_chunk // 16 if s.phi_staged else 0)
+        total = px + py + s.phi_chunk // 16
         plan = []
         for k in cutlass.range_constexpr((total + s.threads - 1) // s.threads):
             idx = tid + k * s.threads
@@ -424,6 +381,6 @@ class MhcCluster(ClusterSteps):
 def compile_cluster(shape: ClusterShape, ptx_dir: str = ""):
     """Compile one variant ahead of time from placeholder pointers and stream (no GPU needed, with
     ``CUTE_DSL_ARCH=sm_90a``). Called as ``f(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out,
-    hpo, hro, prof, tokens, blocks, sxt, sxn, syt, sot, son, sit, eps, norm_eps, stream)`` with pointers from
+    hpo, hro, tokens, blocks, sxt, sxn, syt, sot, son, sit, eps, norm_eps, stream)`` with pointers from
     ``cutlass.cute.runtime.make_ptr`` (bf16 streams, FP32 coefficients, parameters and weight)."""
     return compile_kernel(MhcCluster(shape), 8, ptx_dir)

@@ -70,18 +70,18 @@ class MhcPersistent(ClusterSteps):
     @cute.jit
     def __call__(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                  phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
-                 w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
+                 w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer,
                  tokens: Int32, blocks: Int32, clusters: Int32, sxt: Int32, sxn: Int32, syt: Int32, sot: Int32,
                  son: Int32, sit: Int32, eps: Float32, norm_eps: Float32, stream: cuda.CUstream):
         s = self.s
-        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, tokens, blocks,
+        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, tokens, blocks,
                     sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
             grid=[s.cl, clusters, 1], block=[s.threads, 1, 1], cluster=[s.cl, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
-               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
+               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer,
                tokens: Int32, blocks: Int32,
                sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32,
                eps: Float32, norm_eps: Float32):
@@ -125,9 +125,6 @@ class MhcPersistent(ClusterSteps):
             src = (xo_a, sot, son)
         else:
             src = (x_a, sxt, sxn)
-        cyc = cute.make_rmem_tensor((12,), Int64)  # profiled: PersistentShape.SECTIONS
-        cyc.fill(0)
-        prof_a = Int64(prof.toint()) + Int64(cid * s.cl + rank) * 128
 
         # This CTA's slice of phi's fragments (chunks rank * nch ...), once, in the groups' lane
         # order (``resident_piece``); the first block's coefficients, x and y; the parameters warp
@@ -147,14 +144,11 @@ class MhcPersistent(ClusterSteps):
         per_lane = (s.units + 31) // 32
         tpw = s.bt // nw
         xc = cute.make_rmem_tensor((tpw * per_lane * n * 4,), Int32)
-        t_loop = self._clock()
         for it in cutlass.range(nloc + 2, unroll=1):
             par = it % 2
             blk = cid + it * ncl
-            t0 = self._clock()
             P.cp_async_wait_all()
             P.bar_sync(1, s.threads)
-            t0 = self._lap(cyc, 0, t0)
             if warp == 0:
                 if it >= 1 and it <= nloc:
                     # ---- 1. the coefficients of this CTA's token of block it - 1, before warp 0's
@@ -164,53 +158,37 @@ class MhcPersistent(ClusterSteps):
                     self._token_coefficients(part0 + pv * s.part_bytes, hpre0 + pv * s.hpre_bytes, mb, pv, it - 1,
                                              (blk - ncl) * bt + rank, tokens, rank, lane,
                                              [P.lds_f32(consts_s + (k * 32 + lane) * 4) for k in range(6)], hpo,
-                                             hro, eps, cyc)
-                t0 = self._clock()
+                                             hro, eps)
             if it < nloc:
                 # ---- 2. stream pass of block it; the slots refilled with block it + 1 -----------
                 self._stream(slot, fill, blk, Int32(blk + ncl < blocks), ncl, tokens, phi_s, coef, xol, sot, son,
                              warp, g, q, acc, sq)
-                t0 = self._lap(cyc, 1, t0)
             if it >= 1 and it <= nloc:
                 # ---- 3. block it - 1's x' (this warp's tokens of the combination) from L2, in
                 # flight while block it - 2 is normalized and block it's partials are pushed.
                 self._xp_load(xc, src, blk - ncl, tokens, col0, warp, lane)
-                t0 = self._lap(cyc, 8, t0)
             if it >= 2:
                 # ---- 4b. block it - 2, normalized: its sums were pushed an iteration ago. Read
                 # before this CTA pushes block it's partials (the sums' buffer is reused by
                 # block it's, which need them).
                 P.mbar_wait_rt(mb + 32 + 8 * par, ((it - 2) // 2) % 2)
-                t0 = self._lap(cyc, 2, t0)
                 if tid == 0:
                     P.mbar_expect_tx(mb + 32 + 8 * par, hsq_tx)
                 self._normalized(stash, hsq0 + par * s.hsq_bytes, w_s, out, blk - 2 * ncl, tokens, sit, col0,
                                  norm_eps, warp, lane)
-                t0 = self._lap(cyc, 3, t0)
             if it < nloc:
                 self._partials(acc, sq, wp, part0 + par * s.part_bytes, mb + 8 * par, rank, tid, warp, g, q,
                                it == 0)
-                t0 = self._lap(cyc, 4, t0)
                 if cutlass.const_expr(s.update):
                     # Every thread read this block's coefficients (two barriers ago).
                     self._coef_issue(tid, blk + ncl, tokens, hp_a, hr_a, coef)
-                t0 = self._lap(cyc, 5, t0)
             if it >= 1 and it <= nloc:
                 # ---- 4a. block it - 1: s and its sums of squares, from the x' loaded at 3.
                 P.mbar_wait_rt(mb + 16 + 8 * (1 - par), ((it - 1) // 2) % 2)
-                t0 = self._lap(cyc, 6, t0)
                 if tid == 0:
                     P.mbar_expect_tx(mb + 16 + 8 * (1 - par), hpre_tx)
                 self._norm_sums(stash, xc, hpre0 + (1 - par) * s.hpre_bytes, hsq0 + (1 - par) * s.hsq_bytes,
                                 mb + 32 + 8 * (1 - par), rank, warp, lane)
-                t0 = self._lap(cyc, 7, t0)
-        if cutlass.const_expr(s.profile):
-            if tid == 0:
-                for k in cutlass.range_constexpr(4):
-                    P.stg_v2_u64(prof_a + 16 * k, cyc[2 * k], cyc[2 * k + 1])
-                P.stg_v2_u64(prof_a + 64, Int64(nloc), self._clock() - t_loop)
-                P.stg_v2_u64(prof_a + 80, cyc[9], cyc[10])
-                P.stg_v2_u64(prof_a + 96, cyc[8], Int64(0))
 
     @cute.jit
     def _gather_phi(self, tid, rank, phf_a, phi_s):
@@ -237,14 +215,12 @@ class MhcPersistent(ClusterSteps):
         P.cp_async_commit()
 
     @cute.jit
-    def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, consts, hpo, hro, eps, cyc):
+    def _token_coefficients(self, part, hpre, mb, par, it, t, tokens, rank, lane, consts, hpo, hro, eps):
         """Warp 0: token ``t``'s (this CTA's of the block) partials summed in rank order once they
         arrived, its coefficients, and its H_pre pushed to every CTA."""
         s = self.s
         kpad = s.kpad
-        t0 = self._clock()
         P.mbar_wait_rt(mb + 8 * par, (it // 2) % 2)
-        t0 = self._lap(cyc, 9, t0)
         src = part + cutlass.min(lane, kpad) * 4
         tot = P.lds_f32(src)
         for cr in cutlass.range_constexpr(1, s.cl):
@@ -261,15 +237,6 @@ class MhcPersistent(ClusterSteps):
             v = P.shfl_idx(h_pre, idx % s.n)
             if idx < sends:
                 self._send(hpre + (rank * s.n + idx % s.n) * 4, idx // s.n, v, mb + 16 + 8 * par)
-        self._lap(cyc, 10, t0)
-
-    @cute.jit
-    def _lap(self, cyc, k: int, t0):
-        """Profiled: the cycles since ``t0`` added to section ``k``; the clock now."""
-        t1 = self._clock()
-        if cutlass.const_expr(self.s.profile):
-            cyc[k] = cyc[k] + (t1 - t0)
-        return t1
 
     @cute.jit
     def _coef_issue(self, tid, blk, tokens, hp_a, hr_a, coef):
@@ -331,11 +298,8 @@ class MhcPersistent(ClusterSteps):
 
     @cute.jit
     def _load16(self, dst, src, nbytes, ok):
-        """One 16-byte cp.async of x or y (read once: evict-first under ``l2_hints`` 1 and 2)."""
-        if cutlass.const_expr(self.s.l2_hints in (1, 2)):
-            P.cp_async16_if_hint(dst, src, nbytes, ok, P.l2_policy(False))
-        else:
-            P.cp_async16_if(dst, src, nbytes, ok)
+        """One 16-byte cp.async of x or y."""
+        P.cp_async16_if(dst, src, nbytes, ok)
 
     @cute.jit
     def _stream(self, slot, fill, blk, ok_next, ncl, tokens, phi_s, coef, xol, sot, son, warp, g, q, acc, sq):
@@ -397,10 +361,7 @@ class MhcPersistent(ClusterSteps):
                         # chunks stored 8 rows of 32 (PERFORMANCE-history.md, tenth pass).
                         for ri in cutlass.range_constexpr(2):
                             at = xol + (Int64(row0 + 8 * ri) * sot + Int64(i) * son) * 2 + Int64(grp * 64)
-                            if cutlass.const_expr(s.l2_hints >= 2):  # read back soon: evict-last
-                                P.stg_v4_hint(at, *st[ri], lv[ri], P.l2_policy(True))
-                            else:
-                                P.stg_v4(at, *st[ri], lv[ri])
+                            P.stg_v4(at, *st[ri], lv[ri])
         P.cp_async_commit()
 
     @cute.jit

@@ -7,7 +7,7 @@ bit tricks between bf16 pairs and FP32. Imports ``cutlass``: load through ``cute
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
@@ -228,25 +228,6 @@ def sigmoid(v):
     return div(Float32(1.0), Float32(1.0) + exp(-v))
 
 
-def stamp(addr):
-    """The global nanosecond timer and this SM's id, stored at ``addr`` (two u64): phase profiles."""
-    asm(None, [addr], "{ .reg .u64 t; .reg .u32 sm; .reg .u64 s; mov.u64 t, %globaltimer; mov.u32 sm, %smid; "
-        "cvt.u64.u32 s, sm; st.global.v2.u64 [$0], {t, s}; }", "l")
-
-
-def globaltimer():
-    """The global nanosecond timer (int64): profiles."""
-    return Int64(asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l"))
-
-
-def clock():
-    return Int64(asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l"))
-
-
-def stg_v2_u64(addr, a, b):
-    asm(None, [addr, a, b], "st.global.v2.u64 [$0], {$1, $2};", "l,l,l")
-
-
 def fma(a, b, c):
     return Float32(asm(T.f32(), [a, b, c], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", side=False))
 
@@ -318,18 +299,6 @@ def st_relaxed_u32(addr, v):
     asm(None, [addr, v], "st.relaxed.gpu.global.u32 [$0], $1;", "l,r")
 
 
-def griddep_wait():
-    """Programmatic dependent launch: wait until the grids this launch depends on have completed
-    and their memory is visible (no-op for a launch without the attribute)."""
-    asm(None, [], "griddepcontrol.wait;", "")
-
-
-def griddep_launch_dependents():
-    """Programmatic dependent launch: the next launch on the stream may start its CTAs (they wait at
-    their own ``griddep_wait`` until this grid completes)."""
-    asm(None, [], "griddepcontrol.launch_dependents;", "")
-
-
 def rcp(v):
     """1 / v, approximate (what ``div.full.f32`` multiplies by for operands in the normal range)."""
     return Float32(asm(T.f32(), [v], "rcp.approx.f32 $0, $1;", "=f,f", side=False))
@@ -341,15 +310,6 @@ def count_lane0(addr, lane):
                      "{ .reg .pred p; .reg .b32 v; setp.eq.u32 p, $2, 0; mov.b32 v, 0; "
                      "@p ld.relaxed.gpu.global.u32 v, [$1]; shfl.sync.idx.b32 $0, v, 0, 0x1f, 0xffffffff; }",
                      "=r,l,r"))
-
-
-def mbar_done_lane0(addr, parity, lane):
-    """Whether barrier ``addr``'s phase of ``parity`` has completed, as lane 0 sees it (no wait),
-    given to every lane of the warp (one decision for the warp)."""
-    return Int32(asm(T.i32(), [addr, parity, lane],
-                     "{ .reg .pred p, q; .reg .b32 v; setp.eq.u32 q, $3, 0; mov.b32 v, 0; @q mbarrier.test_wait.parity"
-                     ".acquire.cta.shared::cta.b64 p, [$1], $2; @q selp.b32 v, 1, 0, p; "
-                     "shfl.sync.idx.b32 $0, v, 0, 0x1f, 0xffffffff; }", "=r,r,r,r"))
 
 
 def ldg_f32_cg(addr, live):
@@ -386,33 +346,3 @@ def mbar_arrive(addr):
     """One arrival on barrier ``addr`` (release at CTA scope: this thread's earlier shared-memory
     writes and reads come before the phase completes)."""
     asm(None, [addr], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r")
-
-
-
-# --- L2 eviction priorities (cache-policy operands; sweeps: cluster_ops.SPLIT_L2_HINTS) ---------
-
-def l2_policy(evict_last: bool):
-    """A 64-bit L2 cache policy for every line an access touches: evict-last, or evict-first."""
-    kind = "evict_last" if evict_last else "evict_first"
-    return Int64(asm(T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l", side=False))
-
-
-def cp_async16_if_hint(dst, src, nbytes, ok, pol):
-    """``cp_async16_if`` under L2 policy ``pol``."""
-    asm(None, [dst, src, nbytes, ok, pol],
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; "
-        "@p cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, $4; }", "r,l,r,r,l")
-
-
-def stg_v4_hint(addr, a, b, c, d, live, pol):
-    """``stg_v4`` under L2 policy ``pol``."""
-    asm(None, [addr, a, b, c, d, live, pol],
-        "{ .reg .pred p; setp.ne.b32 p, $5, 0; @p st.global.L2::cache_hint.v4.b32 [$0], {$1, $2, $3, $4}, $6; }",
-        "l,r,r,r,r,r,l")
-
-
-def bulk_g2s_hint(dst, src, nbytes: int, mbar, pol):
-    """``bulk_g2s`` under L2 policy ``pol``."""
-    asm(None, [dst, src, mbar, pol],
-        f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [$0], [$1], {nbytes}, "
-        "[$2], $3;", "r,l,r,l")

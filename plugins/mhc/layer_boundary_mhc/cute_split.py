@@ -19,18 +19,17 @@ different SMs of one launch (no clusters):
     (an acquire read), the warp sums the 16 CTAs' partials in rank order, the persistent variant's
     order (so H_post and H_res's logits are its bits), computes the coefficients and leaves H_pre
     in its own small ring; then, as soon as the token's row is free, lane 0 starts one bulk copy a
-    stream of its x' (from L2: stored a few blocks ago) into the row. With ``sinkhorn_lanes`` (the
-    default in ``cluster_ops``) the warp also gathers its tokens' H_res logits, a token a lane, and
-    runs their Sinkhorn in batches while its next count has not come (else a launch after the
-    kernel does);
+    stream of its x' (from L2: stored a few blocks ago) into the row. The warp also gathers its
+    tokens' H_res logits, a token a lane, and runs their Sinkhorn in batches while its next count
+    has not come;
   - consumer warps (the rest): each thread combines its 8-column units of the row, the warps' sums
     of squares meet in shared memory, and each thread normalizes and stores its units.
 
   The input's bits may differ from the other kernels' by the order of that sum, within the
   tolerance table.
 
-The counts start from zero: zeroed for the call, or (``kept``, the default in ``cluster_ops``) the
-half of a buffer kept from launch to launch that the launch before zeroed (``counts``): each launch
+The counts start from zero: the half of a buffer kept from launch to launch that the launch
+before zeroed (``counts``; ``SplitShape.kept``): each launch
 reads the buffer's phase, its finishers zero the other half, and its last CTA flips the phase once
 every CTA has arrived. That drops the memset before the launch (and the gap after it).
 
@@ -56,7 +55,7 @@ from .cute_steps import compile_kernel
 
 # Tokens a step of a consumer warp: their loads and arithmetic interleave, one barrier for all.
 CONSUME_DEPTH = 2
-# sinkhorn_lanes 1: a batch this size or more runs when the warp's next count has not come.
+# The producers' Sinkhorn: a batch this size or more runs when the warp's next count has not come.
 SK_IDLE = 8
 
 
@@ -64,20 +63,19 @@ class MhcSplit(MhcPersistent):
     @cute.jit
     def __call__(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                  phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
-                 w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
+                 w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer,
                  part: cute.Pointer, cnt: cute.Pointer, tokens: Int32, blocks: Int32, sets: Int32, finishers: Int32,
                  cap: Int32, sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32, eps: Float32,
                  norm_eps: Float32, stream: cuda.CUstream):
         s = self.s
-        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, prof, part, cnt, tokens,
+        self.kernel(x, y, hp, hr, xo, phf, alpha, bpre, bpost, bres, w32, out, hpo, hro, part, cnt, tokens,
                     blocks, sets, cap, sxt, sxn, syt, sot, son, sit, eps, norm_eps).launch(
-            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream,
-            use_pdl=s.pdl)
+            grid=[sets * 16 + finishers, 1, 1], block=[s.threads, 1, 1], smem=s.smem, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, y: cute.Pointer, hp: cute.Pointer, hr: cute.Pointer, xo: cute.Pointer,
                phf: cute.Pointer, alpha: cute.Pointer, bpre: cute.Pointer, bpost: cute.Pointer, bres: cute.Pointer,
-               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer, prof: cute.Pointer,
+               w32: cute.Pointer, out: cute.Pointer, hpo: cute.Pointer, hro: cute.Pointer,
                part: cute.Pointer, cnt: cute.Pointer, tokens: Int32, blocks: Int32, sets: Int32, cap: Int32,
                sxt: Int32, sxn: Int32, syt: Int32, sot: Int32, son: Int32, sit: Int32,
                eps: Float32, norm_eps: Float32):
@@ -85,76 +83,40 @@ class MhcSplit(MhcPersistent):
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
         tid, _, warp, lane, g, q, base = self._start()
-        if cutlass.const_expr(s.pdl):
-            # Started early (programmatic dependent launch): nothing is read or written before the
-            # launch this one follows has completed, weights included (a kernel before it may
-            # have written them); the next launch may then start its CTAs on the SMs this one frees.
-            P.griddep_wait()
-            P.griddep_launch_dependents()
         part_a, cnt_a = Int64(part.toint()), Int64(cnt.toint())
-        head, phase = cnt_a, Int32(0)
-        if cutlass.const_expr(s.kept):
-            # [phase, arrivals, -, -, counts[0][cap], counts[1][cap]] (``counts``): this launch's
-            # counts are the phase's half; the CTA arrives once all its threads have read the phase.
-            phase = P.ld_relaxed_u32(head)
-            P.bar_sync(1, s.threads)
-            if tid == 0:
-                P.red_release_add(head + 4, Int32(1))
-            cnt_a = head + 16 + Int64(phase) * Int64(cap) * 4
-        prof_a = Int64(prof.toint()) + Int64(bid) * 128  # profiled: 16 values a CTA (SplitShape.SECTIONS)
-        # Profiled, after the CTAs' values: %globaltimer stamps (16 bytes each) of each block's count
-        # by each of its 16 CTAs, of each token's count seen by its producer, and of each token's
-        # input stored (SplitShape.stamp_values).
-        ready_a = Int64(prof.toint()) + Int64(nblk) * 128
-        seen_a = ready_a + Int64(blocks) * 256
-        stamps = (ready_a, seen_a, seen_a + Int64(tokens) * 16)
-        cyc = cute.make_rmem_tensor((8,), Int64)
-        cyc.fill(0)
-        t_all = self._clock()
-        if cutlass.const_expr(s.profile or s.ends):
-            if tid == 0:
-                P.stamp(prof_a + 112)  # the CTA's start (ns, SM)
-        done = Int32(0)
+        head = cnt_a
+        # [phase, arrivals, -, -, counts[0][cap], counts[1][cap]] (``counts``): this launch's
+        # counts are the phase's half; the CTA arrives once all its threads have read the phase.
+        phase = P.ld_relaxed_u32(head)
+        P.bar_sync(1, s.threads)
+        if tid == 0:
+            P.red_release_add(head + 4, Int32(1))
+        cnt_a = head + 16 + Int64(phase) * Int64(cap) * 4
         if bid < sets * 16:
-            done = self._streamer(bid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt,
-                                  sot, son, tid, warp, lane, g, q, base, cyc, stamps)
+            self._streamer(bid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt, sot, son,
+                           tid, warp, lane, g, q, base)
         else:
             if cutlass.const_expr(s.update):
                 src = (Int64(xo.toint()), sot, son)
             else:
                 src = (Int64(x.toint()), sxt, sxn)
-            if cutlass.const_expr(s.kept):
-                # The other half, the launch before's (complete by now), zeroed for the launch after.
-                other = head + 16 + Int64(1 - phase) * Int64(cap) * 4
-                for j in cutlass.range((bid - sets * 16) * s.threads + tid, cap, (nblk - sets * 16) * s.threads,
-                                       unroll=1):
-                    P.st_relaxed_u32(other + Int64(j) * 4, Int32(0))
-            done = self._finisher(bid - sets * 16, nblk - sets * 16, src, alpha, bpre, bpost, bres, w32, out, hpo,
-                                  hro, part_a, cnt_a, tokens, sit, eps, norm_eps, tid, warp, lane, base, cyc, stamps)
-        if cutlass.const_expr(s.kept):
-            if bid == nblk - 1 and tid == 0:
-                # Every CTA has read the phase once all have arrived: the next launch takes the
-                # other half (zeroed above), and finds the arrivals at zero.
-                P.spin_until(head + 4, Int32(nblk))
-                P.st_relaxed_u32(head + 4, Int32(0))
-                P.st_relaxed_u32(head, 1 - phase)
-        if cutlass.const_expr(s.profile):
-            if tid == 0:
-                for k in cutlass.range_constexpr(4):
-                    P.stg_v2_u64(prof_a + 16 * k, cyc[2 * k], cyc[2 * k + 1])
-                P.stg_v2_u64(prof_a + 64, Int64(done), self._clock() - t_all)
-                P.stg_v2_u64(prof_a + 80, Int64(bid >= sets * 16), P.globaltimer())  # role, end (ns)
-            if tid == 32 * s.producers and bid >= sets * 16:  # a consumer's sections
-                P.stg_v2_u64(prof_a + 96, cyc[2], cyc[3])
-        elif cutlass.const_expr(s.ends):  # the CTA's end (thread 0; a finisher's first consumer too)
-            if tid == 0:
-                P.stg_v2_u64(prof_a + 80, Int64(bid >= sets * 16), P.globaltimer())
-            if tid == 32 * s.producers and bid >= sets * 16:
-                P.stg_v2_u64(prof_a + 96, P.globaltimer(), Int64(0))
+            # The other half, the launch before's (complete by now), zeroed for the launch after.
+            other = head + 16 + Int64(1 - phase) * Int64(cap) * 4
+            for j in cutlass.range((bid - sets * 16) * s.threads + tid, cap, (nblk - sets * 16) * s.threads,
+                                   unroll=1):
+                P.st_relaxed_u32(other + Int64(j) * 4, Int32(0))
+            self._finisher(bid - sets * 16, nblk - sets * 16, src, alpha, bpre, bpost, bres, w32, out, hpo, hro,
+                           part_a, cnt_a, tokens, sit, eps, norm_eps, tid, warp, lane, base)
+        if bid == nblk - 1 and tid == 0:
+            # Every CTA has read the phase once all have arrived: the next launch takes the
+            # other half (zeroed above), and finds the arrivals at zero.
+            P.spin_until(head + 4, Int32(nblk))
+            P.st_relaxed_u32(head + 4, Int32(0))
+            P.st_relaxed_u32(head, 1 - phase)
 
     @cute.jit
     def _streamer(self, sid, sets, x, y, hp, hr, xo, phf, part_a, cnt_a, tokens, blocks, sxt, sxn, syt, sot, son,
-                  tid, warp, lane, g, q, phi_s, cyc, stamps):
+                  tid, warp, lane, g, q, phi_s):
         """Stream CTA ``sid``: the persistent variant's stream pass over its blocks, each block's
         partials to global memory and the block counted ready."""
         s = self.s
@@ -183,13 +145,11 @@ class MhcSplit(MhcPersistent):
         row = s.bt * (kpad + 1)  # a CTA's partials of one block
         for it in cutlass.range(nloc, unroll=1):
             blk = first + it * sets
-            t0 = self._clock()
             if cutlass.const_expr(s.update):
                 P.cp_async_wait(1)  # all but the coefficient rows of block blk + sets
             else:
                 P.cp_async_wait_all()
             P.bar_sync(1, s.threads)
-            t0 = self._lap(cyc, 0, t0)
             cb = coef + (it % 2) * coef_alt
             # The previous block counted ready now, behind the barrier every thread passed after its
             # x' and partials of it: thread 0's release covers them (cumulative), and their stores
@@ -199,28 +159,21 @@ class MhcSplit(MhcPersistent):
             # measured faster: PERFORMANCE.md, fourteenth pass.)
             if tid == 0 and it > 0:
                 P.red_release_add(cnt_a + Int64(blk - sets) * 4, Int32(1))
-                if cutlass.const_expr(s.profile):
-                    P.stamp(stamps[0] + (Int64(blk - sets) * 16 + Int64(rank)) * 16)
             self._stream(slot, fill, blk, Int32(blk + sets < blocks), sets, tokens, phi_s, cb, xol, sot, son,
                          warp, g, q, acc, sq)
-            t0 = self._lap(cyc, 1, t0)
             self._partials(acc, sq, wp, Int32(0), Int32(0), rank, tid, warp, g, q, False,
                            sink=part_a + (Int64(blk) * 16 + Int64(rank)) * row * 4)
-            t0 = self._lap(cyc, 2, t0)
             if cutlass.const_expr(s.update):
                 self._coef_issue(tid, blk + 2 * sets, tokens, hp_a, hr_a, cb)
-            self._lap(cyc, 4, t0)
         P.bar_sync(1, s.threads)
         if tid == 0 and nloc > 0:
             P.red_release_add(cnt_a + Int64(first + (nloc - 1) * sets) * 4, Int32(1))
-            if cutlass.const_expr(s.profile):
-                P.stamp(stamps[0] + (Int64(first + (nloc - 1) * sets) * 16 + Int64(rank)) * 16)
         P.cp_async_wait_all()  # the last iteration's copies (zeros past the last block) land before exit
         return nloc
 
     @cute.jit
     def _finisher(self, fid, nfin, src, alpha, bpre, bpost, bres, w32, out, hpo, hro, part_a, cnt_a, tokens, sit,
-                  eps, norm_eps, tid, warp, lane, base, cyc, stamps):
+                  eps, norm_eps, tid, warp, lane, base):
         """Finisher CTA ``fid`` of ``nfin``: tokens ``fid, fid + nfin, ...`` (the CTA's token i) through
         a ring of ``fslots`` rows in shared memory. Producer warps (``producers``; token i on warp i
         % producers, ``pdepth`` tokens a step so that their round trips overlap): once a token's
@@ -236,46 +189,41 @@ class MhcSplit(MhcPersistent):
         red = empty + s.fslots * 8  # [step parity][token of the step][consumer warp] sums of squares
         if tid == 0:
             for k in cutlass.range_constexpr(s.fslots):
-                P.mbar_init(full + k * 8, 2 if s.copy_first else 1)
+                P.mbar_init(full + k * 8, 1)
                 P.mbar_init(empty + k * 8, s.warps - s.producers)
             P.fence_mbar_init()
         P.bar_sync(1, s.threads)
         mine = (tokens - fid + nfin - 1) // nfin
         if warp < s.producers:
             self._produce(fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, eps, warp, lane,
-                          ring, hpre_s, full, empty, cyc, stamps[1])
+                          ring, hpre_s, full, empty)
         else:
-            self._consume(fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
-                          cyc, stamps[2])
+            self._consume(fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red)
         return mine
 
     @cute.jit
     def _produce(self, fid, nfin, mine, src, alpha, bpre, bpost, bres, hpo, hro, part_a, cnt_a, eps, warp, lane,
-                 ring, hpre_s, full, empty, cyc, seen_a):
+                 ring, hpre_s, full, empty):
         s = self.s
         n, kpad, depth, npro = s.n, s.kpad, s.pdepth, s.producers
         row_a, st, sn = src
         consts = self._coef_consts(lane, alpha, bpre, bpost, bres)
         col = cutlass.min(lane, kpad)
         count = cutlass.max(mine - warp + npro - 1, 0) // npro  # this warp's tokens
-        # sinkhorn_lanes: lane b holds the logits of the warp's batch token b (skm) and its index
-        # (skt[1]); skt[0] counts the batch, the same in every lane.
-        skm, skt = None, None
-        if cutlass.const_expr(s.sinkhorn_lanes):
-            skm = cute.make_rmem_tensor((n * n,), Float32)
-            skt = cute.make_rmem_tensor((2,), Int32)
-            skt[0] = Int32(0)
-            skt[1] = Int32(0)
+        # H_res's Sinkhorn in the producers: lane b holds the logits of the warp's batch token b (skm)
+        # and its index (skt[1]); skt[0] counts the batch, the same in every lane.
+        skm = cute.make_rmem_tensor((n * n,), Float32)
+        skt = cute.make_rmem_tensor((2,), Int32)
+        skt[0] = Int32(0)
+        skt[1] = Int32(0)
         for k in cutlass.range((count + depth - 1) // depth, unroll=1):
-            t0 = self._clock()
-            if cutlass.const_expr(s.sinkhorn_lanes):
-                # A batch of SK_IDLE or more while the step's first count has not come: time the
-                # warp would wait anyway.
-                if skt[0] >= SK_IDLE:
-                    t_first = fid + cutlass.min(warp + npro * k * depth, mine - 1) * nfin
-                    if P.count_lane0(cnt_a + Int64(t_first // s.bt) * 4, lane) < 16:
-                        self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
-                        skt[0] = Int32(0)
+            # A batch of SK_IDLE or more while the step's first count has not come: time the
+            # warp would wait anyway.
+            if skt[0] >= SK_IDLE:
+                t_first = fid + cutlass.min(warp + npro * k * depth, mine - 1) * nfin
+                if P.count_lane0(cnt_a + Int64(t_first // s.bt) * 4, lane) < 16:
+                    self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
+                    skt[0] = Int32(0)
             toks = []
             for d in cutlass.range_constexpr(depth):
                 i = warp + npro * (k * depth + d)
@@ -286,26 +234,6 @@ class MhcSplit(MhcPersistent):
                     # Every lane's acquire: lane 0's with the warp's barrier after it ran slower
                     # (246.6 against 237.3 µs, H200, T = 8192).
                     P.spin_until(cnt_a + Int64(t // s.bt) * 4, Int32(16))
-                    if cutlass.const_expr(s.profile):
-                        if lane == 0:
-                            P.stamp(seen_a + Int64(t) * 16)
-            t0 = self._lap(cyc, 0, t0)
-            copied = []
-            if cutlass.const_expr(s.copy_first):
-                # A token whose ring row is free already gets its copy before its coefficients (the
-                # row's second arrival, after H_pre, then completes it).
-                for d in cutlass.range_constexpr(depth):
-                    live, i, t, _ = toks[d]
-                    sl = i % s.fslots
-                    rnd = i // s.fslots
-                    free = Int32(rnd == 0)
-                    if rnd > 0:
-                        free = P.mbar_done_lane0(empty + sl * 8, (rnd - 1) & 1, lane)
-                    free = free * live
-                    if free != 0:
-                        if lane == 0:
-                            self._row_copy(row_a, st, sn, t, ring + sl * s.fslot, full + sl * 8)
-                    copied.append(free)
             # Each token's 16 CTAs' partials, summed in rank order (the persistent variant's), every
             # token's loads issued before any sum.
             vals = []
@@ -318,51 +246,38 @@ class MhcSplit(MhcPersistent):
                 tot = vals[d][0]
                 for cr in cutlass.range_constexpr(1, 16):
                     tot = tot + vals[d][cr]
-                res = [] if s.sinkhorn_lanes else None
+                res = []
                 h_pre, _ = self._coefficients(tot, Int64(t), live, lane, None, None, None, None, hpo, hro, eps,
                                               consts, res_out=res)
-                if cutlass.const_expr(s.sinkhorn_lanes):
-                    if live != 0:
-                        mine_ = Int32(lane == skt[0])
-                        for e in cutlass.range_constexpr(n * n):
-                            skm[e] = P.sel(mine_, P.shfl_idx(res[0], Int32(2 * n + e)), skm[e])
-                        skt[1] = skt[1] + mine_ * (t - skt[1])
-                        skt[0] = skt[0] + 1
+                if live != 0:
+                    mine_ = Int32(lane == skt[0])
+                    for e in cutlass.range_constexpr(n * n):
+                        skm[e] = P.sel(mine_, P.shfl_idx(res[0], Int32(2 * n + e)), skm[e])
+                    skt[1] = skt[1] + mine_ * (t - skt[1])
+                    skt[0] = skt[0] + 1
                 if live != 0 and lane < n:
                     P.sts_f32(hpre_s + (i % s.hrows) * 16 + lane * 4, h_pre)
             cute.arch.sync_warp()
-            t0 = self._lap(cyc, 1, t0)
-            # Only now a ring row each (unless copy_first took it above): the coefficients (a round
-            # trip for the partials) no longer sit between a row's release and its refill, which is
-            # then the copy alone. H_pre has its own rows (hrows, twice the ring's), free by then:
+            # Only now a ring row each: the coefficients (a round trip for the partials) no longer sit
+            # between a row's release and its refill, which is then the copy alone. H_pre has its own rows (hrows, twice the ring's), free by then:
             # the row of token i - hrows was read before the rows this warp took last step were
             # released.
             for d in cutlass.range_constexpr(depth):
                 live, i, t, _ = toks[d]
-                todo = live
-                if cutlass.const_expr(s.copy_first):
-                    todo = live * (1 - copied[d])
                 sl = i % s.fslots
                 rnd = i // s.fslots
-                if todo != 0:
+                if live != 0:
                     if rnd > 0:
                         P.mbar_wait_bounded(empty + sl * 8, (rnd - 1) & 1)
                     if lane == 0:
                         # The arrival (with the row's bytes to come) also publishes H_pre, written
                         # by the warp's lanes before the sync above.
                         self._row_copy(row_a, st, sn, t, ring + sl * s.fslot, full + sl * 8)
-                if cutlass.const_expr(s.copy_first):
-                    if live != 0:
-                        if lane == 0:
-                            P.mbar_arrive(full + sl * 8)  # H_pre, written before the sync above
-            if cutlass.const_expr(s.sinkhorn_lanes):
-                if skt[0] > 32 - depth:  # no room for another step's tokens
-                    self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
-                    skt[0] = Int32(0)
-            self._lap(cyc, 4, t0)
-        if cutlass.const_expr(s.sinkhorn_lanes):
-            if skt[0] > 0:
+            if skt[0] > 32 - depth:  # no room for another step's tokens
                 self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
+                skt[0] = Int32(0)
+        if skt[0] > 0:
+            self._sinkhorn_lanes(skm, skt[1], Int32(lane < skt[0]), hro)
 
     @cute.jit
     def _row_copy(self, row_a, st, sn, t, dst, mbar):
@@ -373,10 +288,7 @@ class MhcSplit(MhcPersistent):
         P.mbar_expect_tx(mbar, s.n * s.c * 2)
         for j in cutlass.range_constexpr(s.n):
             src = row_a + (Int64(t) * st + Int64(j) * sn) * 2
-            if cutlass.const_expr(s.l2_hints in (1, 2)):  # read once more, here: evict-first
-                P.bulk_g2s_hint(dst + j * s.c * 2, src, s.c * 2, mbar, P.l2_policy(False))
-            else:
-                P.bulk_g2s(dst + j * s.c * 2, src, s.c * 2, mbar)
+            P.bulk_g2s(dst + j * s.c * 2, src, s.c * 2, mbar)
 
     @cute.jit
     def _sinkhorn_lanes(self, skm, tok, live, hro):
@@ -408,8 +320,7 @@ class MhcSplit(MhcPersistent):
             P.stg_f32(base + e * 4, skm[e], live)
 
     @cute.jit
-    def _consume(self, fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red,
-                 cyc, done_a):
+    def _consume(self, fid, nfin, mine, w32, out, sit, norm_eps, tid, warp, lane, ring, hpre_s, full, empty, red):
         s = self.s
         n, depth = s.n, CONSUME_DEPTH
         ncon = s.warps - s.producers
@@ -423,7 +334,6 @@ class MhcSplit(MhcPersistent):
               for u in range(nu)]
         out_a = Int64(out.toint())
         for k in cutlass.range((mine + depth - 1) // depth, unroll=1):
-            t0 = self._clock()
             toks = []
             for d in cutlass.range_constexpr(depth):
                 i = k * depth + d
@@ -432,7 +342,6 @@ class MhcSplit(MhcPersistent):
                 toks.append((live, fid + i * nfin, sl, i % s.hrows))
                 if live != 0:
                     P.mbar_wait_bounded(full + sl * 8, (i // s.fslots) & 1)
-            t0 = self._lap(cyc, 2, t0)
             coefs = [[P.lds_f32(hpre_s + hr_ * 16 + 4 * j) for j in range(n)] for _, _, _, hr_ in toks]
             words = [[[P.lds_v4(ring + sl * s.fslot + j * s.c * 2 + units[u] * 16) for j in range(n)]
                       for u in range(nu)] for _, _, sl, _ in toks]
@@ -469,15 +378,11 @@ class MhcSplit(MhcPersistent):
                     o = [P.pack((h[2 * e] * r2) * w_[2 * e], (h[2 * e + 1] * r2) * w_[2 * e + 1]) for e in range(4)]
                     P.stg_v4(out_a + (Int64(t) * sit + Int64(8 * units[u])) * 2, o[0], o[1], o[2], o[3],
                              live_u[u] * live)
-                if cutlass.const_expr(s.profile):
-                    if live != 0 and ct == 0:
-                        P.stamp(done_a + Int64(t) * 16)
-            self._lap(cyc, 3, t0)
 
 
 def compile_split(shape: SplitShape, ptx_dir: str = ""):
     """Compile the split variant ahead of time (no GPU needed, with ``CUTE_DSL_ARCH=sm_90a``). Called
     with the persistent variant's arguments, then the partials workspace and the blocks' ready
-    counts (zeroed; with ``kept``, a ``counts`` buffer), then tokens, blocks, the stream sets, the
-    finisher CTAs and the kept buffer's counts a half (0 without)."""
+    counts (a ``counts`` buffer), then tokens, blocks, the stream sets, the finisher CTAs and the
+    kept buffer's counts a half."""
     return compile_kernel(MhcSplit(shape), 11, ptx_dir, extra=(Float32, Int32))

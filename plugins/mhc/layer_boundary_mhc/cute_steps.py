@@ -1,7 +1,7 @@
 """The steps both MHC CuTe DSL kernels share (``cute_cluster``, ``cute_persistent``; imports
 ``cutlass``): thread and shared-memory start, a token's coefficients from its summed partials (and
-the Sinkhorn), the exchanges' sends, the combination's arithmetic and its sums of squares, the
-profiling clocks and stamps, and the placeholder compile."""
+the Sinkhorn), the exchanges' sends, the combination's arithmetic and its sums of squares, and
+the placeholder compile."""
 
 from __future__ import annotations
 
@@ -123,18 +123,6 @@ class ClusterSteps:
         return m
 
     @cute.jit
-    def _clock(self) -> Int64:
-        if cutlass.const_expr(self.s.profile):
-            return P.clock()
-        return Int64(0)
-
-    @cute.jit
-    def _stamp(self, base: Int64, tid: Int32, k: int):
-        if cutlass.const_expr(self.s.profile):
-            if tid == 0:
-                P.stamp(base + k * 16)
-
-    @cute.jit
     def _square_sums(self, hs_: list, lane: Int32, per_lane: int) -> list:
         """Each token's sum of s^2 over the CTA's columns (``hs_`` as ``_mix_group`` returns it),
         the same in every lane."""
@@ -200,7 +188,7 @@ def compile_kernel(kernel, ints: int, ptx_dir: str = "", extra: tuple = ()):
 
     bf, f32 = cutlass.BFloat16, Float32
     args = [ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(bf), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(f32, 4),
-            ptr(f32, 4), ptr(f32), ptr(bf), ptr(f32, 4), ptr(f32, 4), ptr(cutlass.Int64)]
+            ptr(f32, 4), ptr(f32), ptr(bf), ptr(f32, 4), ptr(f32, 4)]
     args += [ptr(el, 4) for el in extra]
     options = f"--keep-ptx --dump-dir={ptx_dir}" if ptx_dir else None
     return cute.compile(kernel, *args, *[Int32(1)] * ints, Float32(1e-6), Float32(1e-6), make_fake_stream(),

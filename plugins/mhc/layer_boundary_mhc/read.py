@@ -28,13 +28,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from layer_boundary import StageUpdate
+from layer_boundary.plugin_api import StageUpdate
 from layer_boundary.kernels.reference import rmsnorm_ref
 from layer_boundary.norms import norm_params
 
 from .coefficients import acc_dtype
 from .params import MhcHead, MhcStageParams
 from .reference import mhc_combine_ref
+from .config import DEFAULT_CONFIG, MhcKernelConfig
 from .selection import select_kernels
 from .update import MhcCoefficients
 
@@ -96,12 +97,13 @@ class MhcRead:
     residual_in_place = False
     fuses_with: frozenset[str] = frozenset()
 
-    def __init__(self, params: MhcStageParams, norm: nn.Module, iters: int, kernels: str = "auto") -> None:
+    def __init__(self, params: MhcStageParams, norm: nn.Module, iters: int, kernels: str = "auto",
+                 config: MhcKernelConfig = DEFAULT_CONFIG) -> None:
         self.params = params
         self.iters = iters
         self._norm = _Norm(norm)
         self.name = f"mhc(n={params.n})+{self._norm.kind}"
-        self.kernels = select_kernels(kernels, params.n, self._norm.kind)
+        self.kernels = select_kernels(kernels, params.n, self._norm.kind, config)
         self._checked: tuple = ()
 
     @property
@@ -148,7 +150,7 @@ class MhcRead:
             ops = self.kernels.ops
             weight, eps = self._norm.rms()
             x, h_post, h_res = ops.mhc_read_triton(residual, p, weight, eps, norm_offset=self._norm.offset,
-                                                   iters=self.iters)
+                                                   iters=self.iters, config=self.kernels.config)
             return x, MhcCoefficients(h_post, h_res, ops.mhc_update_triton)
         mixed, h_post, h_res = mhc_combine_ref(residual, p, self.iters)
         return self._norm(mixed, residual.dtype), MhcCoefficients(h_post, h_res)
@@ -166,7 +168,7 @@ class MhcRead:
             weight, eps = self._norm.rms()
             streams, x, h_post, h_res = ops.mhc_update_read_triton(
                 residual, contribution, update.h_post, update.h_res, p, weight, eps,
-                norm_offset=self._norm.offset, iters=self.iters)
+                norm_offset=self._norm.offset, iters=self.iters, config=self.kernels.config)
             return x, streams, MhcCoefficients(h_post, h_res, ops.mhc_update_triton)
         streams = update.apply(residual, contribution)
         x, own = self.read(streams)
@@ -177,18 +179,21 @@ class MhcRead:
 
 
 class MhcReadSpec:
-    """The unbound read kind of one MHC stage: its parameters, Sinkhorn iteration count and kernel
-    choice (``auto``, ``triton`` or ``torch``; see ``layer_boundary_mhc.selection``)."""
+    """The unbound read kind of one MHC stage: its parameters, Sinkhorn iteration count, kernel
+    choice (``auto``, ``triton`` or ``torch``; see ``layer_boundary_mhc.selection``) and kernel
+    settings (``MhcKernelConfig``)."""
 
     name = "mhc"
 
-    def __init__(self, params: MhcStageParams, iters: int, kernels: str = "auto") -> None:
+    def __init__(self, params: MhcStageParams, iters: int, kernels: str = "auto",
+                 config: MhcKernelConfig = DEFAULT_CONFIG) -> None:
         self.params = params
         self.iters = iters
         self.kernels = kernels
+        self.config = config
 
     def bind(self, norm: nn.Module, select: Optional[Callable[..., Any]] = None) -> MhcRead:
-        return MhcRead(self.params, norm, self.iters, self.kernels)
+        return MhcRead(self.params, norm, self.iters, self.kernels, self.config)
 
     def __repr__(self) -> str:
         return f"MhcReadSpec(n={self.params.n}, kernels={self.kernels})"

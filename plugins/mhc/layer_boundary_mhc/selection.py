@@ -11,6 +11,9 @@
 ``torch``  the torch reference always
 =========  ===================================================================================
 
+``MhcSemantics(kernel_config=MhcKernelConfig(...))`` sets how the kernels launch (``config``); the
+selection carries it to every call.
+
 What can be decided at construction is (triton importable, the norm's kind, n); the rest is a
 per-call predicate on the streams (device type and dtype): a model is often built on the CPU and
 moved to its GPU afterwards. The Triton module is imported at construction where a CUDA device is
@@ -27,6 +30,8 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+
+from .config import DEFAULT_CONFIG, MhcKernelConfig
 
 __all__ = ["KERNEL_MODES", "KernelSelection", "select_kernels", "triton_unavailable"]
 
@@ -65,15 +70,18 @@ def triton_unavailable() -> Optional[str]:
 
 class KernelSelection:
     """A read's kernel choice: ``ops`` (the Triton callables, or ``None``), the device type they
-    run on, and ``refused``, why they cannot serve this read at all (``None``: they can)."""
+    run on, ``refused``, why they cannot serve this read at all (``None``: they can), and ``config``,
+    the kernel settings every call passes on."""
 
-    __slots__ = ("mode", "ops", "device_type", "refused")
+    __slots__ = ("mode", "ops", "device_type", "refused", "config")
 
-    def __init__(self, mode: str, ops: Optional[ModuleType], device_type: str, refused: Optional[str]) -> None:
+    def __init__(self, mode: str, ops: Optional[ModuleType], device_type: str, refused: Optional[str],
+                 config: MhcKernelConfig = DEFAULT_CONFIG) -> None:
         self.mode = mode
         self.ops = ops
         self.device_type = device_type
         self.refused = refused
+        self.config = config
 
     def serves(self, x: torch.Tensor) -> bool:
         """The per-call predicate: a few attribute reads."""
@@ -113,16 +121,19 @@ class KernelSelection:
         return f"KernelSelection({self.mode}, {state})"
 
 
-def select_kernels(mode: str, n: int, norm_kind: str) -> KernelSelection:
+def select_kernels(mode: str, n: int, norm_kind: str, config: MhcKernelConfig = DEFAULT_CONFIG) -> KernelSelection:
     """The choice for one read with ``n`` streams and a stage norm of ``norm_kind`` (``rmsnorm``,
-    ``gemma_rmsnorm`` or ``module:<Type>`` for a norm the kernels cannot apply themselves).
+    ``gemma_rmsnorm`` or ``module:<Type>`` for a norm the kernels cannot apply themselves), whose
+    kernels launch as ``config`` says.
 
     ``mode='triton'`` raises here when the kernels cannot serve this read on any device."""
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels={mode!r}: choose one of {KERNEL_MODES}")
+    if not isinstance(config, MhcKernelConfig):
+        raise TypeError(f"kernel_config={config!r}: give a layer_boundary_mhc.MhcKernelConfig")
     device_type = "cpu" if _interpreting() else "cuda"
     if mode == "torch":
-        return KernelSelection(mode, None, device_type, "kernels='torch' asks for the torch reference")
+        return KernelSelection(mode, None, device_type, "kernels='torch' asks for the torch reference", config)
     refused = None
     if n > MAX_STREAMS:
         refused = f"the Triton kernels take at most {MAX_STREAMS} streams, not {n}"
@@ -143,4 +154,4 @@ def select_kernels(mode: str, n: int, norm_kind: str) -> KernelSelection:
     if mode == "triton" and ops is None:
         raise ValueError("MhcSemantics(kernels='triton') needs a CUDA device, and torch sees none on this "
                          "machine; use kernels='auto' to fall back to the torch reference")
-    return KernelSelection(mode, ops, device_type, refused)
+    return KernelSelection(mode, ops, device_type, refused, config)

@@ -17,9 +17,10 @@ from typing import Any, Optional
 
 import torch
 
-from layer_boundary import StageResidual
+from layer_boundary.plugin_api import StageResidual
 
 from .coefficients import SINKHORN_ITERS
+from .config import DEFAULT_CONFIG, MhcKernelConfig
 from .params import MhcHead, MhcStageParams
 from .read import MhcExitReadSpec, MhcReadSpec
 from .selection import KERNEL_MODES, triton_unavailable
@@ -41,6 +42,8 @@ class MhcSemantics:
     in construction order (tests and demos that want non-trivial coefficients at once).
     ``kernels``: ``"auto"`` (the Triton kernels where they serve a call, the torch reference
     elsewhere), ``"triton"`` (raise where they cannot) or ``"torch"``; see ``selection``.
+    ``kernel_config``: how the kernels launch (``MhcKernelConfig``; the default is the settings
+    measured fastest on an H200), passed to every read's kernel selection.
     """
 
     name = "mhc"
@@ -60,6 +63,7 @@ class MhcSemantics:
         eps: float = 1e-6,
         seed: Optional[int] = None,
         kernels: str = "auto",
+        kernel_config: Optional[MhcKernelConfig] = None,
     ) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"MhcSemantics(n={n!r}): the number of streams must be a positive int")
@@ -69,12 +73,16 @@ class MhcSemantics:
             raise ValueError(f"MhcSemantics(contraction={contraction!r}): choose one of {CONTRACTIONS}")
         if kernels not in KERNEL_MODES:
             raise ValueError(f"MhcSemantics(kernels={kernels!r}): choose one of {KERNEL_MODES}")
+        if kernel_config is not None and not isinstance(kernel_config, MhcKernelConfig):
+            raise TypeError(f"MhcSemantics(kernel_config={kernel_config!r}): give a "
+                            "layer_boundary_mhc.MhcKernelConfig (or None for the default)")
         self.n = n
         self.sinkhorn_iters = sinkhorn_iters
         self.contraction = contraction
         self.eps = float(eps)
         self.seed = seed
         self.kernels = kernels
+        self.kernel_config = kernel_config if kernel_config is not None else DEFAULT_CONFIG
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
     def _init(self, module: Any) -> Any:
@@ -85,7 +93,8 @@ class MhcSemantics:
     def stage(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
         """The update kind, the read (bound to this stage's parameters) and the parameters."""
         params = self._init(MhcStageParams(self.n, hidden_size, dtype=dtype, device=device, eps=self.eps))
-        return StageResidual(MHC_UPDATE, MhcReadSpec(params, self.sinkhorn_iters, self.kernels), params)
+        return StageResidual(MHC_UPDATE, MhcReadSpec(params, self.sinkhorn_iters, self.kernels, self.kernel_config),
+                              params)
 
     def exit(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
         """The final norm's read: contract the streams, then normalize. A ``head`` owns parameters."""
@@ -106,4 +115,5 @@ class MhcSemantics:
 
     def __repr__(self) -> str:
         return (f"MhcSemantics(n={self.n}, sinkhorn_iters={self.sinkhorn_iters}, "
-                f"contraction={self.contraction!r}, kernels={self.kernels!r})")
+                f"contraction={self.contraction!r}, kernels={self.kernels!r}"
+                + (f", kernel_config={self.kernel_config!r})" if self.kernel_config != DEFAULT_CONFIG else ")"))

@@ -17,7 +17,7 @@ the operation order of ``layer_boundary_mhc.reference`` (the projection of the n
 streams is ``rstd`` times the projection of the streams). ``phi`` is FP32: the projection runs on
 tensor cores as TF32 products of ``phi``'s high and low parts (``projection``), about 2^-21 of
 each term, near the accuracy of an FP32 product; 16-bit streams are exact in TF32. Blocks of up
-to ``PRESPLIT_TOKENS`` tokens (``mma.sync``) take the parts split once, transposed (``phi_parts``,
+to ``MhcKernelConfig.presplit_tokens`` tokens (``mma.sync``) take the parts split once, transposed (``phi_parts``,
 [2, K, n C]: the MMA's B operand K-major, loaded by 16-byte cp.async): split in the stream pass,
 every chunk paid a mask, a subtraction and the register-to-shared trip for each element of phi
 (sm_90, n = 4: 806 -> 470 instructions a chunk at BT = 32, 173 -> 128 registers). Larger blocks
@@ -42,13 +42,13 @@ of its block have arrived (release). Those hold lower tickets, so they started b
 for nothing: no deadlock, whatever number of programs is resident; and under the interpreter,
 which runs programs one at a time in ticket order, no finish ever waits. ``MODE = 1`` / ``2`` are
 the same code as two launches (stream passes, then finishes, the last blocks first: part of their
-x' is still in L2), without tickets or waiting. ``MODE = 4`` (folded, ``ONE_LAUNCH``): tickets,
-each program a stream pass and then finishes of the block ``LAG`` rounds back, whose x' may still
-be in L2. On an H200 at T = 8192 (n = 4, H = 4096) it was slower than two launches (345 µs
-against 314; the ticket launch 387), as was an arrival form (the last stream pass of a block
-finishes it: 453 µs and more; removed): PERFORMANCE-history.md.
+x' is still in L2), without tickets or waiting. Two other one-launch forms were measured slower
+than two launches on an H200 and removed: folded (each program a stream pass, then finishes of the
+block ``LAG`` rounds back; 345 µs against 314 at T = 8192, n = 4, H = 4096; removed after 0c5f2f8
+and 8e09787 measured it) and an arrival form (the last stream pass of a block finishes it: 453 µs
+and more; removed in c8816b6): PERFORMANCE-history.md.
 
-bf16 streams at prefill sizes take ``stream_joined``'s stream pass (``JOINED``): the n streams
+bf16 streams at prefill sizes take ``stream_joined``'s stream pass (``MhcKernelConfig.joined``): the n streams
 one MMA operand against phi's bf16 parts (505 -> 218 µs of stream passes at T = 8192).
 
 ``mhc_update_kernel`` is the update alone (a stage whose streams are not read next).
@@ -64,6 +64,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from .projection import project_tf32, split_tf32
+from .config import DEFAULT_CONFIG, MhcKernelConfig
 from .selection import MAX_STREAMS
 from .finish import _finish
 from .stream_joined import stream_pass_joined
@@ -81,8 +82,6 @@ __all__ = [
     "padded_streams",
     "INTERPRETED",
     "MAX_STREAMS",
-    "MAX_TILE",
-    "CHUNK",
     "CASTS",
     "CAST_PLAIN",
     "CAST_EXACT",
@@ -92,14 +91,9 @@ __all__ = [
     "COOPERATIVE",
     "STREAM_PASS",
     "FINISH",
-    "FOLDED",
 ]
 
-# Widest row a finish holds in registers (combination, weight and one stream: 96 FP32 values a
-# thread over 8 warps); wider rows are normalized in CHUNK-wide pieces, read twice.
-MAX_TILE = 8192
-CHUNK = 4096
-COOPERATIVE, STREAM_PASS, FINISH, FOLDED = 0, 1, 2, 4
+COOPERATIVE, STREAM_PASS, FINISH = 0, 1, 2
 
 
 
@@ -211,39 +205,24 @@ def mhc_boundary_kernel(
                 sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
                 N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
     else:
-        # One launch, tickets in start order: a round is S stream passes of block r, then (MODE 0)
-        # RB finishes of block r - LAG; folded (MODE 4), the round's S programs each finish after
-        # their pass.
+        # One launch, tickets in start order: a round is S stream passes of block r, then RB
+        # finishes of block r - LAG.
         ticket = tl.atomic_add(cnt_ptr, 1)
-        r = ticket // (S + RB * (MODE == 0))
-        k = ticket % (S + RB * (MODE == 0))
+        r = ticket // (S + RB)
+        k = ticket % (S + RB)
         if (k < S) & (r < NB):
             _any_stream_pass(x_ptr, y_ptr, hp_ptr, hr_ptr, xo_ptr, phi_ptr, phs_ptr, part_ptr, r, k, T,
                              sxt, sxn, sxc, syt, syc, sot, son, soc,
                              N, NP, K, KP, C, S, CS, BT, BC, STAGES, UPDATE, SPLIT_A, PRESPLIT, CASTS,
                              JOINED, LOADS, KEEP)
             _arrive(cnt_ptr, r)
-        if MODE == 0:
-            if (k >= S) & (r >= LAG):
-                blk = r - LAG
-                _await_block(cnt_ptr, blk, S)
-                _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
-                        out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, k - S, T,
-                        sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                        N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
-        elif MODE == 4:
-            # Folded: finishes of block r - LAG (finish q by program q mod S), meant to find that
-            # block's x' still in L2 (measured slower than two launches at every LAG:
-            # PERFORMANCE-history.md).
-            if (r >= LAG) & (k < RB):
-                blk = r - LAG
-                _await_block(cnt_ptr, blk, S)
-                for q0 in tl.range(0, RB, S):
-                    if q0 + k < RB:
-                        _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
-                                out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, q0 + k, T,
-                                sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
-                                N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
+        if (k >= S) & (r >= LAG):
+            blk = r - LAG
+            _await_block(cnt_ptr, blk, S)
+            _finish(x_ptr, xo_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, w_ptr,
+                    out_ptr, hpo_ptr, hro_ptr, part_ptr, blk, k - S, T,
+                    sxt, sxn, sxc, sot, son, soc, sw, sit, sic, eps, norm_eps, offset,
+                    N, NP, K, KP, C, CP, S, SB, BT, TB, ITERS, UPDATE, CHUNKED, CASTS, FR, LOADS, SKIP_TAIL)
 
 
 @triton.jit
@@ -282,14 +261,13 @@ class BoundaryConfig:
     ``block_tokens`` (BT) tokens a block, ``block_cols`` (BC) columns a chunk, ``slices`` (S) of
     ``slice_cols`` (CS) columns each, ``finish_tokens`` (TB) a finish, ``finishers`` (RB = BT / TB)
     finishes a block, ``lag`` rounds between a block's stream passes and its finishes,
-    ``row_tile`` (CP) the finish's row tile, ``chunked`` when the row is wider than MAX_TILE,
+    ``row_tile`` (CP) the finish's row tile, ``chunked`` when the row is wider than the config's ``max_tile``,
     ``stages`` the chunks a stream pass has in flight (Triton's software pipelining),
     ``presplit`` whether the stream passes read phi's TF32 parts split beforehand (``phi_parts``),
     ``joined`` whether
     bf16 streams take ``stream_joined``'s stream pass (which reads ``projection.bf16_parts``),
     ``finish_rows`` (FR) the tokens a finish normalizes at once,
-    ``max_registers`` a cap on a thread's registers (0: ptxas decides), ``one_launch`` the MODE
-    of a one-launch call, ``evict`` whether the joined stream pass's inputs and the finishes' x'
+    ``max_registers`` a cap on a thread's registers (0: ptxas decides), ``evict`` whether the joined stream pass's inputs and the finishes' x'
     loads are marked evict-first and the x' stores evict-last in L2, ``finish_warps`` the warps of
     a finish launched on its own (two launches; one launch shares the stream pass's), ``skip_tail``
     whether a finish of the last block stops at its last token (decode sizes).
@@ -310,7 +288,6 @@ class BoundaryConfig:
     joined: bool = False
     finish_rows: int = 1
     max_registers: int = 0
-    one_launch: int = COOPERATIVE
     evict: bool = False
     skip_tail: bool = False
     finish_warps: int = 4
@@ -329,130 +306,59 @@ class BoundaryConfig:
         nb = self.blocks(tokens)
         if mode == COOPERATIVE:
             return (nb + self.lag_for(tokens)) * (self.slices + self.finishers)
-        if mode == FOLDED:
-            return (nb + self.lag_for(tokens)) * self.slices
         return nb * (self.finishers if mode == FINISH else self.slices)
 
 
-# Launch shapes by token count: up to DECODE_TOKENS, up to MID_TOKENS, past it (index 0, 1, 2 of
-# the tuples). Module-level so that tests and `bench mhc --tune` can try others (clear _CONFIGS);
-# the defaults are reasoned for an H200, n = 4, C = 4096, bf16:
-#
-# - BLOCK_TOKENS: phi is read from L2 once a block and stream pass, 1.5 MiB / BT a token (24 KiB
-#   at 64); a decode step is one 16-token block (the smallest MMA). JOINED_BLOCK_TOKENS: the same
-#   for the joined stream pass, whose 64-token blocks run on wgmma from 17 tokens up.
-# - SLICE_COLS: a stream pass covers BT tokens times SLICE_COLS columns (288 KiB of traffic at
-#   BT = 64, 256 columns), long enough to amortize its ticket (an L2 round trip); at decode narrower
-#   slices spread the read of phi, which dominates a decode step, over more SMs.
-# - FINISH_TOKENS: tokens a finish normalizes, one at a time (TB).
-# - LAG: rounds between a block's stream passes and its finishes (at least 1 in the folded form,
-#   where at 0 a program would wait for stream passes of its own round that may not have started:
-#   the interpreter, one program at a time, would never return). With one 8-warp program resident
-#   an SM (the stream pass takes most registers), 132 + LAG * (S + RB) = 228 tickets separate them
-#   at the defaults, so a block's stream passes have finished and its finish rarely waits, while
-#   the x' in between (about 9 blocks of 64 tokens, 18 MiB) stays in L2.
-# - STAGE_BYTES: shared memory the pipelined loads of a stream pass may take (of 227 KiB).
-DECODE_TOKENS = 16
-MID_TOKENS = 1024
-PRESPLIT_TOKENS = 32  # blocks of at most this many tokens read phi split beforehand (module docstring)
-# Calls of at most this many tokens take the cooperative launch when the caller does not choose.
-# Two launches were faster at every size measured on an H200 (CUDA graphs, n = 4, H = 4096, bf16:
-# 17.6 / 38.2 / 115 / 607 µs against 19.0 / 40.1 / 140 / 735 at T = 1 / 128 / 1024 / 8192): a
-# finish holds an SM while it waits, and a stream pass competes with finishes for the SMs. At
-# decode sizes one launch is kept: 1.4 µs in a graph against a second host launch in eager mode.
-COOPERATIVE_TOKENS = DECODE_TOKENS
-BLOCK_TOKENS = (16, 32, 64)
-JOINED_BLOCK_TOKENS = (16, 64, 64)
-SLICE_COLS = (128, 256, 256)
-FINISH_TOKENS = 8
-LAG = 4
-STAGE_BYTES = 112 * 1024
-# Per bucket: 1 sends bf16 streams through stream_joined's stream pass (one MMA a part of phi for
-# the n streams, on phi's bf16 parts split once). H200, n = 4, H = 4096, T = 8192, stream passes:
-# 505 µs (TF32 pair), 280 (joined, 8 warps), 218 (4 warps); one wide MMA of the three parts side by
-# side (removed) 333 and 262. The mid bucket takes it in the prefill shape (64-token blocks, wgmma,
-# 4 warps): T = 128 / 512 / 1024 update+read 29.7 / 37.8 / 53.2 µs against 40.3 / 59.0 / 104.3
-# for the TF32 pair in 32-token blocks (the joined form at 32 tokens, on mma.sync, compiled to
-# twice the instructions and was slower). Decode (16-token blocks) keeps the TF32 pair.
-JOINED = (0, 1, 1)
-# The one-launch form by bucket: COOPERATIVE (tickets; finishes are programs of their own) or FOLDED
-# (tickets; a stream pass then finishes a block LAG rounds back, whose x' may still be in L2).
-ONE_LAUNCH = (COOPERATIVE, COOPERATIVE, COOPERATIVE)
-# 1: calls past MID_TOKENS take one launch when the caller does not choose (two launches: 0).
-PREFILL_ONE_LAUNCH = 0
-# Per bucket: 1 marks the joined stream pass's input loads and the finishes' x' loads evict-first
-# and the x' stores evict-last (Triton keeps the hints of the stores and of the finishes' loads;
-# the pipelined loads, copied by cp.async, lose theirs). Meant for a finish soon after its block's
-# stream passes (the folded one-launch form) to find the block's x' in L2: it did not (H200,
-# T = 8192: folded at LAG 0 / 1 / 2 / 16 352-356 µs against 310 for two launches); two launches
-# gained 1 % (stream passes 220 -> 217 µs, finishes 94 -> 93).
-EVICT = (0, 0, 1)
-# Warps of a finish launched on its own (two launches); 0: 4 for row tiles up to 4096 columns, 8
-# above. H200, n = 4, bf16, finishes at T = 1024 / 8192 with 4, 8, 16 warps: H = 4096 16.9 / 92.9,
-# 20.2 / 102.5, 18.7 / 118.2 µs; H = 7168 (a row tile of 8192) 48.2 / 323.8, 31.4 / 169.9,
-# 35.7 / 255.2. Where these differ from the stream pass's warps, a one-launch call (which shares
-# them) normalizes with another reduction order: the same x', the rest within the check, not the
-# same bits.
-FINISH_WARPS = 0
-# Tokens a finish normalizes at once (a divisor of FINISH_TOKENS).
-FINISH_ROWS = 1
-# Programs an SM that the joined kernels keep room for: their registers are
-# capped at 64K / (this x the program's threads). Two 8-warp programs: 128, where a one-launch
-# form's finish, compiled into the same kernel, would otherwise raise the count (sm_90: 144 at
-# FR = 1, 190 at FR = 2; no spills at 128); 4-warp programs need no cap for two (238, the most
-# ptxas gives is 255). 0: no cap.
-JOINED_PROGRAMS = 2
-# Warps of a boundary program by bucket (stream pass and finish share the program size): the
-# TF32 pass's, and the joined pass's. At prefill one warpgroup takes the joined pass's 64-token MMA
-# whole: 8 warps split its columns and pass the accumulator between the chained MMAs through
-# shared memory (barriers each chunk). H200: 218 µs against 280 for the joined stream passes, 93
-# against 105 for the finishes (T = 8192). The TF32 pass (fp16 and fp32 streams) keeps the 8
-# warps it was verified with.
-NUM_WARPS = (8, 8, 8)
-JOINED_WARPS = (8, 4, 4)
-_CONFIGS: dict[tuple[int, int, int, int], BoundaryConfig] = {}
+# Launch shapes are derived from an ``MhcKernelConfig`` (its fields say why each setting exists and
+# what it measured) and cached per (config, bucket, n, C, element size).
+_CONFIGS: dict[tuple, BoundaryConfig] = {}
 
 
-def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool = False) -> BoundaryConfig:
+def boundary_config(tokens: int, n: int, hidden: int, itemsize: int, bf16: bool = False,
+                    config: MhcKernelConfig = DEFAULT_CONFIG) -> BoundaryConfig:
     """The cached launch shape for ``tokens`` rows of ``n`` streams of ``hidden`` columns
-    (``bf16``: the streams are bf16, which the joined stream pass needs)."""
-    bucket = 0 if tokens <= DECODE_TOKENS else 1 if tokens <= MID_TOKENS else 2
-    key = (bucket, n, hidden, itemsize, bf16)
+    (``bf16``: the streams are bf16, which the joined stream pass needs) under ``config``."""
+    bucket = config.bucket(tokens)
+    key = (config, bucket, n, hidden, itemsize, bf16)
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        joined = bf16 and bool(JOINED[bucket])
-        bt = (JOINED_BLOCK_TOKENS if joined else BLOCK_TOKENS)[bucket]
+        joined = bf16 and bool(config.joined[bucket])
+        bt = (config.joined_block_tokens if joined else config.block_tokens)[bucket]
         bc = 32 if n <= 4 else 16  # [BT, BC] tiles of the n streams and their mix stay in registers
-        cs = max(SLICE_COLS[bucket] // bc, 1) * bc
+        cs = max(config.slice_cols[bucket] // bc, 1) * bc
         slices = triton.cdiv(hidden, cs)
-        tb = min(FINISH_TOKENS, bt)
+        tb = min(config.finish_tokens, bt)
         cp = triton.next_power_of_2(hidden)
-        chunked = cp > MAX_TILE
-        presplit = bt <= PRESPLIT_TOKENS and not joined
-        warps = (JOINED_WARPS if joined else NUM_WARPS)[bucket]
+        chunked = cp > config.max_tile
+        presplit = bt <= config.presplit_tokens and not joined
+        warps = (config.joined_warps if joined else config.num_warps)[bucket]
         kp = coefficient_columns(n)[1]
         # A chunk's loads: n + 1 stream tiles and phi, each stage buffered in shared memory: n
         # [BC, KP] FP32 tiles (two with presplit), or joined three bf16 [NP BC, KP] tiles; phi
         # dominates at large n (KP = 128 at n = 8).
         phi_bytes = 3 * padded_streams(n) * bc * kp * 2 if joined else n * (1 + presplit) * bc * kp * 4
         chunk_bytes = bt * bc * itemsize * (n + 1) + phi_bytes
-        stages = max(1, min(3, STAGE_BYTES // chunk_bytes))
+        stages = max(1, min(3, config.stage_bytes // chunk_bytes))
+        row_tile = config.chunk if chunked else cp
         cfg = _CONFIGS[key] = BoundaryConfig(
             block_tokens=bt, block_cols=bc, slices=slices, slice_cols=cs, finish_tokens=tb, finishers=bt // tb,
-            lag=max(LAG, 1) if ONE_LAUNCH[bucket] == FOLDED else LAG, row_tile=CHUNK if chunked else cp,
-            chunked=chunked, num_warps=warps, stages=stages,
+            lag=config.lag, row_tile=row_tile, chunked=chunked, num_warps=warps, stages=stages,
             presplit=presplit, joined=joined,
-            finish_rows=max(1, min(FINISH_ROWS, tb)), max_registers=_register_cap(joined, warps),
-            one_launch=ONE_LAUNCH[bucket], evict=joined and bool(EVICT[bucket]), skip_tail=bucket == 0,
-            finish_warps=FINISH_WARPS or (4 if (CHUNK if chunked else cp) <= 4096 else 8),
+            finish_rows=max(1, min(config.finish_rows, tb)),
+            max_registers=_register_cap(joined, warps, config.joined_programs),
+            evict=joined and bool(config.evict[bucket]), skip_tail=bucket == 0,
+            finish_warps=config.finish_warps or (4 if row_tile <= 4096 else 8),
         )
     return cfg
 
 
-def _register_cap(joined: bool, warps: int) -> int:
-    if not joined or not JOINED_PROGRAMS:
+def _register_cap(joined: bool, warps: int, programs: int) -> int:
+    # Two 8-warp joined programs an SM: 128 registers, where a one-launch form's finish, compiled into
+    # the same kernel, would otherwise raise the count (sm_90: 144 at FR = 1, 190 at FR = 2; no
+    # spills at 128); 4-warp programs need no cap for two (238; ptxas gives at most 255).
+    if not joined or not programs:
         return 0
-    cap = 65536 // (JOINED_PROGRAMS * 32 * warps) // 8 * 8
+    cap = 65536 // (programs * 32 * warps) // 8 * 8
     return cap if cap < 255 else 0
 
 

@@ -29,8 +29,8 @@ import torch
 
 from .accuracy import TOLERANCE  # re-exported: the kernels' tolerances live with their comparison
 from .coefficients import SINKHORN_ITERS, check_iters
+from .config import DEFAULT_CONFIG, MhcKernelConfig
 from .projection import bf16_parts
-from . import triton_mhc
 from .triton_mhc import (
     CASTS,
     CASTS_PURE,
@@ -60,6 +60,18 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Which kernel a boundary call runs: the Triton form ``cooperative`` says, the cluster kernel where
 # it takes the call (an open launch form), or the cluster kernel as asked (``cluster_ops``).
 FORM_TRITON, FORM_AUTO, FORM_CLUSTER = 0, 1, 2
+# The configs calls have used, by index: a config crosses the torch.library operator (whose schema
+# takes no Python objects) as its index here. A handful a process; kept for its life.
+_CONFIG_INDEX: dict[MhcKernelConfig, int] = {DEFAULT_CONFIG: 0}
+_CONFIGS_BY_INDEX: list[MhcKernelConfig] = [DEFAULT_CONFIG]
+
+
+def _config_index(config: MhcKernelConfig) -> int:
+    index = _CONFIG_INDEX.get(config)
+    if index is None:
+        index = _CONFIG_INDEX[config] = len(_CONFIGS_BY_INDEX)
+        _CONFIGS_BY_INDEX.append(config)
+    return index
 
 
 # -- launches (shared by the eager path and the operators) -----------------------------------------
@@ -71,12 +83,13 @@ def _launch_boundary(
     b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor, norm_weight: torch.Tensor,
     out: torch.Tensor, h_post_out: torch.Tensor, h_res_out: torch.Tensor,
     eps: float, norm_eps: float, norm_offset: float, iters: int, cooperative: bool,
+    config: MhcKernelConfig = DEFAULT_CONFIG,
 ) -> None:
     tokens, n, hidden = x.shape
     if tokens == 0:
         return  # an empty grid is not a valid launch
     hidden = int(hidden)  # constexpr: pins the width (the parameters fix it anyway)
-    cfg = boundary_config(tokens, n, hidden, x.element_size(), x.dtype == torch.bfloat16)
+    cfg = boundary_config(tokens, n, hidden, x.element_size(), x.dtype == torch.bfloat16, config)
     k, kp = coefficient_columns(n)
     blocks = cfg.blocks(tokens)
     part = torch.empty((blocks * cfg.block_tokens, cfg.slices, kp), dtype=torch.float32, device=x.device)
@@ -93,7 +106,6 @@ def _launch_boundary(
     if phi_split is phi:  # not read by this launch shape
         phi_split = unused
     counters = torch.zeros(blocks + 1, dtype=torch.int32, device=x.device) if cooperative else unused
-    one_launch = cfg.one_launch
     args = (
         x, y, h_post, h_res, streams_out, phi, phi_split, alpha, b_pre, b_post, b_res, norm_weight,
         out, h_post_out, h_res_out, part, counters,
@@ -114,7 +126,7 @@ def _launch_boundary(
     if cfg.max_registers and not INTERPRETED:
         meta["maxnreg"] = cfg.max_registers
     if cooperative:
-        kernel[(cfg.grid(tokens, one_launch),)](*args, MODE=one_launch, **meta)
+        kernel[(cfg.grid(tokens, COOPERATIVE),)](*args, MODE=COOPERATIVE, **meta)
     else:
         kernel[(cfg.grid(tokens, STREAM_PASS),)](*args, MODE=STREAM_PASS, **meta)
         # A launch of its own: the finish's program size, and no cap made for two stream passes an SM.
@@ -143,34 +155,36 @@ def _boundary_body(
     x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor], h_res: Optional[torch.Tensor],
     phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
     b_res: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_eps: float, norm_offset: float, iters: int,
-    cooperative: bool, form: int,
+    cooperative: bool, form: int, config_index: int,
     streams_out: Optional[torch.Tensor], out: torch.Tensor, h_post_out: torch.Tensor, h_res_out: torch.Tensor,
 ) -> None:
     # FORM_AUTO: the caller left the launch form open, and the cluster kernel (CuTe DSL, Hopper)
     # takes the sizes where it is faster and where it imports; FORM_CLUSTER: the caller asked for
     # it. Decided here, on the real tensors: under torch.compile this body runs at run time.
-    if form == FORM_CLUSTER or (form == FORM_AUTO and _cluster_takes(x, y, streams_out, out, iters)):
+    config = _CONFIGS_BY_INDEX[config_index]
+    if form == FORM_CLUSTER or (form == FORM_AUTO and _cluster_takes(x, y, streams_out, out, iters, config)):
         from . import cluster_ops
 
         if form == FORM_CLUSTER:
-            problem = cluster_ops.cluster_problem(x, y, streams_out, out, update=y is not None, iters=iters)
+            problem = cluster_ops.cluster_problem(x, y, streams_out, out, update=y is not None, iters=iters,
+                                                  config=config)
             if problem:
                 raise ValueError(f"the MHC cluster kernel cannot take this call: {problem}")
         cluster_ops.launch(x, y, h_post, h_res, streams_out, phi, alpha, b_pre, b_post, b_res, norm_weight, out,
-                           h_post_out, h_res_out, eps, norm_eps, norm_offset, iters)
+                           h_post_out, h_res_out, eps, norm_eps, norm_offset, iters, config)
         return
-    _launch_boundary(mhc_boundary_kernel, x, y, h_post, h_res, streams_out, phi, _split_for(phi, x), alpha, b_pre,
-                     b_post, b_res, norm_weight, out, h_post_out, h_res_out, eps, norm_eps, norm_offset, iters,
-                     cooperative)
+    _launch_boundary(mhc_boundary_kernel, x, y, h_post, h_res, streams_out, phi, _split_for(phi, x, config), alpha,
+                     b_pre, b_post, b_res, norm_weight, out, h_post_out, h_res_out, eps, norm_eps, norm_offset, iters,
+                     cooperative, config)
 
 
 def _cluster_takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torch.Tensor],
-                   out: torch.Tensor, iters: int) -> bool:
+                   out: torch.Tensor, iters: int, config: MhcKernelConfig) -> bool:
     if INTERPRETED or not x.is_cuda or torch.version.hip:
         return False
     from . import cluster_ops
 
-    return cluster_ops.takes(x, y, streams_out, out, iters)
+    return cluster_ops.takes(x, y, streams_out, out, iters, config)
 
 
 def _update_body(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor,
@@ -197,6 +211,12 @@ _define("layer_boundary_mhc::update", _update_body, {"out"})
 
 
 # -- checks (a few attribute reads a call) ------------------------------------------------------------
+
+def one_launch(tokens: int, cooperative: Optional[bool], config: MhcKernelConfig = DEFAULT_CONFIG) -> bool:
+    """Whether a call runs the Triton kernels as one launch: as the caller says, else up to
+    ``config.cooperative_tokens`` tokens (two launches were faster above on an H200)."""
+    return tokens <= config.cooperative_tokens if cooperative is None else cooperative
+
 
 def _check_streams(x: torch.Tensor) -> tuple[int, int, int]:
     if x.dim() != 3:
@@ -230,10 +250,10 @@ def _check_update(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res:
     _check_shape(h_res, (t, n, n), "H_res", torch.float32)
 
 
-def _param_tensors(params: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _param_tensors(params: Any, x: torch.Tensor, config: MhcKernelConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, ...]:
     """``(phi, phi's split for the launch shape of streams x, alpha, b_pre, b_post, b_res)``."""
     phi, *rest = _checked_params(params, x)
-    return (phi, _split_for(phi, x), *rest)
+    return (phi, _split_for(phi, x, config), *rest)
 
 
 def _checked_params(params: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -252,10 +272,10 @@ def _checked_params(params: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
             params.b_post.contiguous(), params.b_res.contiguous())
 
 
-def _split_for(phi: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _split_for(phi: torch.Tensor, x: torch.Tensor, config: MhcKernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """phi's split that the launch shape of streams ``x`` reads (phi itself where it reads none)."""
     t, n, c = x.shape
-    cfg = boundary_config(max(int(t), 1), n, int(c), x.element_size(), x.dtype == torch.bfloat16)
+    cfg = boundary_config(max(int(t), 1), n, int(c), x.element_size(), x.dtype == torch.bfloat16, config)
     if cfg.joined:
         return _phi_split(phi, ("bf16", n, padded_streams(n), coefficient_columns(n)[1]))
     if cfg.presplit:
@@ -315,7 +335,8 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
               h_res: Optional[torch.Tensor], params: Any, norm_weight: torch.Tensor, norm_eps: float,
               norm_offset: float, iters: int, cooperative: Optional[bool], streams_out: Optional[torch.Tensor],
               out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor], h_res_out: Optional[torch.Tensor],
-              cluster: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+              config: MhcKernelConfig, cluster: bool = False,
+              ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Checks, destinations and the launch of every public callable here and in ``cluster_ops``
     (``cluster``: the cluster kernel, refused with its reason where it cannot run)."""
     t, n, c = _check_streams(x)
@@ -331,17 +352,17 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
     h_res_out = _coefficient_dest(h_res_out, (t, n, n), x, "h_res")
     eps = float(params.eps)
     form = FORM_CLUSTER if cluster else FORM_AUTO if cooperative is None else FORM_TRITON
-    if cooperative is None:
-        cooperative = t <= triton_mhc.COOPERATIVE_TOKENS or (t > triton_mhc.MID_TOKENS
-                                                             and bool(triton_mhc.PREFILL_ONE_LAUNCH))
+    cooperative = one_launch(t, cooperative, config)
+    index = _config_index(config)
     # Dynamo sees is_compiling() as True: the compiled graph gets the operator; eager bypasses it.
     if torch.compiler.is_compiling():
         torch.ops.layer_boundary_mhc.boundary(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res,
                                               norm_weight, eps, float(norm_eps), float(norm_offset), int(iters), cooperative,
-                                              form, streams_out, out, h_post_out, h_res_out)
+                                              form, index, streams_out, out, h_post_out, h_res_out)
     else:
         _boundary_body(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_weight, eps, float(norm_eps),
-                       float(norm_offset), int(iters), cooperative, form, streams_out, out, h_post_out, h_res_out)
+                       float(norm_offset), int(iters), cooperative, form, index, streams_out, out, h_post_out,
+                       h_res_out)
     return streams_out, out, h_post_out, h_res_out
 
 
@@ -351,15 +372,17 @@ def mhc_read_triton(
     x: torch.Tensor, params: Any, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
     iters: int = SINKHORN_ITERS, out: Optional[torch.Tensor] = None, h_post: Optional[torch.Tensor] = None,
     h_res: Optional[torch.Tensor] = None, cooperative: Optional[bool] = None,
+    config: MhcKernelConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input [T, C], H_post [T, n], H_res [T, n, n])`` of streams ``x`` (``mhc_read_ref``).
     ``cooperative=False`` runs the stream passes and the finishes as two launches, ``True`` as one;
-    ``None`` picks one launch up to ``triton_mhc.COOPERATIVE_TOKENS`` tokens, two above (faster
-    there on an H200), and on Hopper, where the CuTe DSL imports, the cluster kernel for
-    ``cluster_ops.READ_TOKENS`` / ``UPDATE_READ_TOKENS`` tokens (``cluster_ops.takes``). The two
-    Triton forms give the same bits; the cluster kernel agrees within the tolerance table."""
+    ``None`` picks one launch up to ``config.cooperative_tokens`` tokens, two above (faster
+    there on an H200), and on Hopper, where the CuTe DSL imports, the cluster kernels for the
+    token counts ``config`` hands them (``cluster_ops.takes``). The two Triton forms give the same
+    bits; the cluster kernels agree within the tolerance table. ``config``: the launch shapes
+    (``MhcKernelConfig``)."""
     _, inp, hp, hr = _boundary(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters,
-                               cooperative, None, out, h_post, h_res)
+                               cooperative, None, out, h_post, h_res, config)
     return inp, hp, hr
 
 
@@ -368,13 +391,13 @@ def mhc_update_read_triton(
     norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS,
     streams_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
     h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,
-    cooperative: Optional[bool] = None,
+    cooperative: Optional[bool] = None, config: MhcKernelConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x', input, H_post', H_res')``: the producer's update ``x' = H_res x + H_post^T y`` and this
-    stage's read of the rounded ``x'``, fused (``mhc_update_read_ref``); ``cooperative`` as for
-    ``mhc_read_triton``."""
+    stage's read of the rounded ``x'``, fused (``mhc_update_read_ref``); ``cooperative`` and
+    ``config`` as for ``mhc_read_triton``."""
     streams, inp, hp, hr = _boundary(x, y, h_post, h_res, params, norm_weight, norm_eps, norm_offset, iters,
-                                     cooperative, streams_out, out, h_post_out, h_res_out)
+                                     cooperative, streams_out, out, h_post_out, h_res_out, config)
     assert streams is not None
     return streams, inp, hp, hr
 

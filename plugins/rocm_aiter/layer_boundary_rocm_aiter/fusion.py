@@ -118,6 +118,7 @@ class AiterAllReduceNorm(AllReduceNormProvider):
     def run_with(self, workspace: Any, fused: FusedSum) -> Any:
         all_reduce = workspace.all_reduce
         add_rmsnorm = self.api.add_rmsnorm
+        assert add_rmsnorm is not None  # the provider offered this candidate because AITER has it
 
         def run(x: torch.Tensor, residual: torch.Tensor, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if not x.is_contiguous():

@@ -34,10 +34,7 @@ from layer_boundary.plugin_api import (
     rmsnorm_ref,
 )
 
-try:
-    from layer_boundary.plugin_api import FP8_SCALE_FLOOR, QUANT_FORMATS
-except ImportError:  # a core from before quantized reads: every quantized request is unknown to it
-    FP8_SCALE_FLOOR, QUANT_FORMATS = 1e-12, ()
+from layer_boundary.plugin_api import FP8_SCALE_FLOOR, QUANT_FORMATS
 
 from .api import AiterApi
 
@@ -110,6 +107,7 @@ class AiterNormKernels:
         if why is not None:
             raise ValueError(f"{self.name} does not serve {request.describe()}: {why}")
         rms, add_rms = self.api.rmsnorm, self.api.add_rmsnorm
+        assert rms is not None and add_rms is not None  # refuse() found AITER's norm functions
 
         def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_offset: float = 0.0,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -32,21 +32,29 @@ Methods: ``triton`` (the cooperative single launch), ``triton 2-launch`` (stream
 finishes: x' is re-read from HBM), ``cute cluster`` (on CUDA where the CuTe DSL imports: one
 thread-block cluster a token block, x' kept in shared memory, ``layer_boundary_mhc.cluster_ops``),
 ``torch reference`` (what the plugin runs off CUDA, and the meaning of the kernels) and, with
-``--compile``, ``torch.compile`` of the reference. The MHC plugin
-is imported only here, when the benchmark runs: the core does not depend on it.
+``--compile``, ``torch.compile`` of the reference.
+
+``--tune NAME=VALUE``: fields of ``MhcKernelConfig`` (``layer_boundary_mhc.config``) to try; the
+run passes the config to every kernel call, as ``MhcSemantics(kernel_config=...)`` does.
+
+The shared bench helpers (``timing``, ``report``) are imported inside the functions that use them:
+this module belongs to the MHC plugin, and importing it must not need the application's benches.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from . import report
-from .timing import TimingPlan, cuda_unavailable, reported_copy_bandwidth, this_device, time_call
+from .config import DEFAULT_CONFIG, PER_BUCKET, MhcKernelConfig
+
+if TYPE_CHECKING:
+    from layer_boundary_app.bench import report
+    from layer_boundary_app.bench.timing import TimingPlan
 
 __all__ = ["MHC_HIDDEN", "MHC_TOKENS", "OPS", "bytes_moved", "run_mhc", "mhc_command", "TUNABLE"]
 
@@ -57,15 +65,8 @@ OPS = ("update+read", "read", "update")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 EPS = 1e-6
 COPY_BYTES = {"cuda": (1 << 30, 1 << 28), "cpu": (1 << 26, 1 << 24)}  # (full, quick)
-# Launch-shape constants of layer_boundary_mhc.triton_mhc that --tune may set.
-TUNABLE = ("BLOCK_TOKENS", "DECODE_TOKENS", "MID_TOKENS", "SLICE_COLS", "FINISH_TOKENS", "LAG", "STAGE_BYTES",
-           "NUM_WARPS", "JOINED_WARPS", "JOINED", "ONE_LAUNCH", "PREFILL_ONE_LAUNCH", "FINISH_ROWS",
-           "JOINED_PROGRAMS", "EVICT", "JOINED_BLOCK_TOKENS", "FINISH_WARPS")
-# Of those, the ones with a value per token bucket (decode, mid, large).
-PER_BUCKET = ("BLOCK_TOKENS", "JOINED_BLOCK_TOKENS", "SLICE_COLS", "NUM_WARPS", "JOINED_WARPS", "JOINED",
-              "ONE_LAUNCH", "EVICT")
-PLUGIN_MISSING = ("layer-boundary bench mhc needs the MHC plugin (distribution layer-boundary-mhc), which is not "
-                  "installed here: pip install -e plugins/mhc")
+# The MhcKernelConfig fields --tune may set (every field; PER_BUCKET ones take three values).
+TUNABLE = tuple(f.name for f in fields(MhcKernelConfig) if f.compare)
 
 
 
@@ -78,15 +79,6 @@ def bytes_moved(op: str, tokens: int, n: int, hidden: int, itemsize: int) -> int
     if op == "read":
         return tokens * (n + 1) * hidden * itemsize + coeff + fixed
     return tokens * (2 * n + 1) * hidden * itemsize + coeff
-
-
-def _plugin() -> Optional[Any]:
-    try:
-        import layer_boundary_mhc  # noqa: F401
-        from layer_boundary_mhc import reference, selection
-    except ImportError:
-        return None
-    return reference, selection
 
 
 @dataclass
@@ -111,7 +103,7 @@ class MhcMethod:
 
 
 def _inputs(tokens: int, n: int, hidden: int, dtype: torch.dtype, device: str) -> Inputs:
-    from layer_boundary_mhc import MhcStageParams
+    from .params import MhcStageParams
 
     g = torch.Generator(device=device).manual_seed(tokens * 100003 + hidden)
     x = torch.randn(tokens, n, hidden, generator=g, device=device).to(dtype)
@@ -149,7 +141,7 @@ def _compiled_methods(reference: Any, ops: Sequence[str]) -> list[MhcMethod]:
     return [MhcMethod("torch.compile", op, calls[op]) for op in ops]
 
 
-def _triton_methods(ops_module: Any, ops: Sequence[str]) -> list[MhcMethod]:
+def _triton_methods(ops_module: Any, ops: Sequence[str], config: MhcKernelConfig) -> list[MhcMethod]:
     out: list[MhcMethod] = []
     for op in ops:
         if op == "update":
@@ -158,33 +150,34 @@ def _triton_methods(ops_module: Any, ops: Sequence[str]) -> list[MhcMethod]:
         for name, coop in (("triton", True), ("triton 2-launch", False)):
             if op == "read":
                 def call(i: Inputs, coop: bool = coop) -> tuple[torch.Tensor, ...]:
-                    return ops_module.mhc_read_triton(i.x, i.params, i.w, EPS, cooperative=coop)
+                    return ops_module.mhc_read_triton(i.x, i.params, i.w, EPS, cooperative=coop, config=config)
             else:
                 def call(i: Inputs, coop: bool = coop) -> tuple[torch.Tensor, ...]:
                     return ops_module.mhc_update_read_triton(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS,
-                                                             cooperative=coop)
+                                                             cooperative=coop, config=config)
             out.append(MhcMethod(name, op, call))
     return out
 
 
-def _cluster_methods(ops: Sequence[str]) -> list[MhcMethod]:
+def _cluster_methods(ops: Sequence[str], config: MhcKernelConfig) -> list[MhcMethod]:
     """The MHC plugin's CuTe DSL cluster kernel (one launch, x' kept on chip), where it imports."""
-    from layer_boundary_mhc import cluster_ops as k
+    from . import cluster_ops as k
 
     calls = {
-        "update+read": lambda i: k.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS),
-        "read": lambda i: k.mhc_read_cluster(i.x, i.params, i.w, EPS),
+        "update+read": lambda i: k.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS,
+                                                           config=config),
+        "read": lambda i: k.mhc_read_cluster(i.x, i.params, i.w, EPS, config=config),
     }
     return [MhcMethod("cute cluster", op, calls[op]) for op in ops if op in calls]
 
 
-def _destinations(method: MhcMethod, i: Inputs) -> Callable[[], Any]:
+def _destinations(method: MhcMethod, i: Inputs, config: MhcKernelConfig) -> Callable[[], Any]:
     """``method`` writing into destinations allocated once (no allocation a replay repeats beyond
     the kernels' workspace) where it takes them; the reference allocates as it always does."""
     cluster = method.name == "cute cluster"
     if not (cluster or method.name.startswith("triton")):
         return lambda: method.call(i)
-    from layer_boundary_mhc import cluster_ops, triton_ops
+    from . import cluster_ops, triton_ops
 
     t, n, c = i.x.shape
     streams = torch.empty_like(i.x)
@@ -195,7 +188,7 @@ def _destinations(method: MhcMethod, i: Inputs) -> Callable[[], Any]:
     # The cluster kernel's callables take the Triton ones' arguments, less the launch form.
     read, update_read = ((cluster_ops.mhc_read_cluster, cluster_ops.mhc_update_read_cluster) if cluster else
                          (triton_ops.mhc_read_triton, triton_ops.mhc_update_read_triton))
-    form = {} if cluster else {"cooperative": method.name == "triton"}
+    form: dict[str, Any] = {"config": config} if cluster else {"cooperative": method.name == "triton", "config": config}
     if method.op == "read":
         return lambda: read(i.x, i.params, i.w, EPS, out=out, h_post=h_post, h_res=h_res, **form)
     return lambda: update_read(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS, streams_out=streams, out=out,
@@ -205,7 +198,7 @@ def _destinations(method: MhcMethod, i: Inputs) -> Callable[[], Any]:
 def _check(method: MhcMethod, got: Sequence[torch.Tensor], i: Inputs) -> dict[str, Any]:
     """``max_err`` (the largest |difference| of any output), ``tol`` (the worst over what the
     tolerance allows), ``ok`` and ``deviations`` (each output's) of ``got`` against the reference."""
-    from layer_boundary_mhc import accuracy
+    from . import accuracy
 
     devs = accuracy.compare(method.op, got, i.x, y=i.y, h_post=i.h_post, h_res=i.h_res, params=i.params,
                             norm_weight=i.w, norm_eps=EPS)
@@ -214,31 +207,38 @@ def _check(method: MhcMethod, got: Sequence[torch.Tensor], i: Inputs) -> dict[st
             "worst": str(worst), "deviations": {d.output: {"max_abs": d.max_abs, "tol": d.worst} for d in devs}}
 
 
-def _config(method: MhcMethod, tokens: int, n: int, hidden: int, dtype: torch.dtype) -> Optional[str]:
+def _config(method: MhcMethod, tokens: int, n: int, hidden: int, dtype: torch.dtype,
+            config: MhcKernelConfig) -> Optional[str]:
     if not method.name.startswith("triton") or method.op == "update":
         return None
-    from layer_boundary_mhc import triton_mhc as tm
+    from . import triton_mhc as tm
 
-    c = tm.boundary_config(tokens, n, hidden, dtype.itemsize, dtype == torch.bfloat16)
+    c = tm.boundary_config(tokens, n, hidden, dtype.itemsize, dtype == torch.bfloat16, config)
     return (f"BT={c.block_tokens} BC={c.block_cols} S={c.slices}x{c.slice_cols} TB={c.finish_tokens} "
             f"lag={c.lag_for(tokens)} stages={c.stages} warps={c.num_warps}" + (" joined" if c.joined else ""))
 
 
-COLUMNS = [
-    report.Column("op", "op", width=12),
-    report.Column("method", "method", width=16),
-    report.Column("H", "hidden", "d", 5),
-    report.Column("T", "tokens", "d", 6),
-    report.Column("µs", "us", report.sig, 9),
-    report.Column("GB/s", "gbps", report.sig, 7),
-    report.Column("% roof", "pct_roofline", ".1f", 7),
-    report.Column("x ref", "speedup", ".1f", 6),
-    report.Column("tol", "tol", ".2f", 5),
-    report.Column("check", "check", width=6),
-]
+def _columns() -> list[report.Column]:
+    from layer_boundary_app.bench import report
+
+    return [
+        report.Column("op", "op", width=12),
+        report.Column("method", "method", width=16),
+        report.Column("H", "hidden", "d", 5),
+        report.Column("T", "tokens", "d", 6),
+        report.Column("µs", "us", report.sig, 9),
+        report.Column("GB/s", "gbps", report.sig, 7),
+        report.Column("% roof", "pct_roofline", ".1f", 7),
+        report.Column("x ref", "speedup", ".1f", 6),
+        report.Column("tol", "tol", ".2f", 5),
+        report.Column("check", "check", width=6),
+    ]
 
 
-def measure(method: MhcMethod, inputs: Inputs, plan: TimingPlan, device: str, n: int) -> dict[str, Any]:
+def measure(method: MhcMethod, inputs: Inputs, plan: TimingPlan, device: str, n: int,
+            config: MhcKernelConfig = DEFAULT_CONFIG) -> dict[str, Any]:
+    from layer_boundary_app.bench.timing import time_call
+
     t, _, c = inputs.x.shape
     dtype = inputs.x.dtype
     row: dict[str, Any] = {"op": method.op, "method": method.name, "hidden": c, "tokens": t, "streams": n,
@@ -248,44 +248,50 @@ def measure(method: MhcMethod, inputs: Inputs, plan: TimingPlan, device: str, n:
         if method.checked:
             row.update(_check(method, got, inputs))
         del got
-        fn = _destinations(method, inputs)
+        fn = _destinations(method, inputs, config)
         m = time_call(fn, device, plan)
     except Exception as e:  # one failing method must not end the run
         row["error"] = f"{type(e).__name__}: {e}"
         return row
     moved = bytes_moved(method.op, t, n, c, inputs.x.element_size())
     row.update(us=m.median_us, min_us=m.min_us, calls=m.calls, replays=m.replays, bytes=moved,
-               gbps=moved / m.median_us / 1e3, config=_config(method, t, n, c, inputs.x.dtype))
+               gbps=moved / m.median_us / 1e3, config=_config(method, t, n, c, inputs.x.dtype, config))
     return row
 
 
 def run_mhc(tokens: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, device: str, plan: TimingPlan, *,
             n: int = 4, ops: Sequence[str] = OPS, compile: bool = False, copy_bytes: int,
-            kernels_mode: str = "auto", out: Callable[[str], None] = print) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(copy bandwidth, rows, refusals)``; rows are printed as they are measured."""
-    reference, selection = _plugin()
+            kernels_mode: str = "auto", config: MhcKernelConfig = DEFAULT_CONFIG,
+            out: Callable[[str], None] = print) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(copy bandwidth, rows, refusals)``; rows are printed as they are measured. Every kernel
+    call runs with ``config``."""
+    from layer_boundary_app.bench import report
+    from layer_boundary_app.bench.timing import reported_copy_bandwidth
+
+    from . import reference, selection
+
     copy = reported_copy_bandwidth(device, copy_bytes, plan, out)
-    kernels = selection.select_kernels(kernels_mode, n, "rmsnorm")
+    kernels = selection.select_kernels(kernels_mode, n, "rmsnorm", config)
     device_type = torch.device(device).type
     why = kernels.why_not(device_type, dtype)
     refusals: list[dict[str, Any]] = []
     methods = _reference_methods(reference, ops)
     if why is None:
-        methods += _triton_methods(kernels.ops, ops)
+        methods += _triton_methods(kernels.ops, ops, config)
     else:
         refusals.append({"method": "triton", "refused": why})
         out(f"triton refuses {device_type} {str(dtype).replace('torch.', '')} n={n}: {why}")
     if device_type == "cuda":
-        from layer_boundary_mhc import cluster_ops
+        from . import cluster_ops
 
         why_not = cluster_ops.import_problem()
         if why_not:
             refusals.append({"method": "cute cluster", "refused": why_not})
         else:
-            methods += _cluster_methods(ops)
+            methods += _cluster_methods(ops, config)
     if compile:
         methods += _compiled_methods(reference, ops)
-    table = report.Table(COLUMNS, out)
+    table = report.Table(_columns(), out)
     rows: list[dict[str, Any]] = []
     with torch.no_grad():
         for c in hidden:
@@ -295,7 +301,7 @@ def run_mhc(tokens: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, de
                 for op in ops:
                     ref_us = None
                     for method in (m for m in methods if m.op == op):
-                        row = measure(method, inputs, plan, device, n)
+                        row = measure(method, inputs, plan, device, n, config)
                         if "gbps" in row:
                             row["pct_roofline"] = 100.0 * row["gbps"] / copy["gbps"]
                             if not method.checked:
@@ -315,6 +321,8 @@ def run_mhc(tokens: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, de
 
 
 def mhc_panels(rows: Sequence[dict[str, Any]], copy_gbps: float) -> list[report.Panel]:
+    from layer_boundary_app.bench import report
+
     panels = []
     for c in sorted({r["hidden"] for r in rows}):
         for op in OPS:
@@ -330,36 +338,40 @@ def mhc_panels(rows: Sequence[dict[str, Any]], copy_gbps: float) -> list[report.
     return panels
 
 
-def _apply_tuning(settings: Sequence[str]) -> dict[str, Any]:
-    """``NAME=VALUE`` settings of the launch-shape constants (``TUNABLE``); the cache is cleared."""
+def _apply_tuning(settings: Sequence[str]) -> tuple[MhcKernelConfig, dict[str, Any]]:
+    """The config that ``NAME=VALUE`` settings of ``MhcKernelConfig`` fields (``TUNABLE``) make from
+    the default, and the settings as applied."""
     applied: dict[str, Any] = {}
     for s in settings:
         name, _, value = s.partition("=")
         if name not in TUNABLE or not value:
-            raise ValueError(f"--tune {s!r}: give NAME=VALUE with NAME one of {', '.join(TUNABLE)}")
+            raise ValueError(f"--tune {s!r}: give NAME=VALUE with NAME a field of MhcKernelConfig: "
+                             f"{', '.join(TUNABLE)}")
         per_bucket = name in PER_BUCKET
+        pair = name in ("update_read_tokens", "read_tokens")
         try:
-            parsed: Any = tuple(int(v) for v in value.split(",")) if per_bucket else int(value)
+            parsed: Any = tuple(int(v) for v in value.split(",")) if per_bucket or pair else int(value)
         except ValueError:
-            raise ValueError(f"--tune {s!r}: give integers ({name} takes three for decode, mid and large "
-                             "token counts, e.g. 16,32,64)" if per_bucket else f"--tune {s!r}: give an integer")
+            raise ValueError(f"--tune {s!r}: give integers ({name} takes three for decode, mid and prefill "
+                             "token counts, e.g. 16,32,64)" if per_bucket else f"--tune {s!r}: give integers")
         if per_bucket and len(parsed) != 3:
-            raise ValueError(f"--tune {s!r}: {name} takes three values (decode, mid and large token counts), "
+            raise ValueError(f"--tune {s!r}: {name} takes three values (decode, mid and prefill token counts), "
                              "e.g. 16,32,64")
+        if name == "push":
+            parsed = bool(parsed)
         applied[name] = parsed
-    if applied:
-        from layer_boundary_mhc import triton_mhc as tm
+    try:
+        config = replace(DEFAULT_CONFIG, **applied)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--tune: {e}") from None
+    return config, applied
 
-        for name, value in applied.items():
-            setattr(tm, name, value)
-        tm._CONFIGS.clear()
-    return applied
 
 
 def mhc_command(args: argparse.Namespace) -> int:
-    if _plugin() is None:
-        print(PLUGIN_MISSING, file=sys.stderr)
-        return 2
+    from layer_boundary_app.bench import report
+    from layer_boundary_app.bench.timing import TimingPlan, cuda_unavailable, this_device
+
     device = args.device
     if device == "cuda":
         why = cuda_unavailable("mhc")
@@ -367,7 +379,7 @@ def mhc_command(args: argparse.Namespace) -> int:
             print(why, file=sys.stderr)
             return 2
     try:
-        tuned = _apply_tuning(args.tune or ())
+        config, tuned = _apply_tuning(args.tune or ())
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
@@ -386,7 +398,7 @@ def mhc_command(args: argparse.Namespace) -> int:
           + (f"; tuned {tuned}" if tuned else ""))
     copy, rows, refusals = run_mhc(tokens, hidden, dtype, this_device(device), plan, n=args.streams, ops=ops,
                                    compile=args.compile, copy_bytes=COPY_BYTES[device][1 if args.quick else 0],
-                                   kernels_mode=getattr(args, "kernels", "auto"))
+                                   kernels_mode=getattr(args, "kernels", "auto"), config=config)
     report.publish(args, "mhc", env, rows, f"MHC update and read, n = {args.streams}, {args.dtype}",
                    mhc_panels(rows, copy["gbps"]), copy=copy, refused=refusals, eps=EPS, streams=args.streams,
                    bytes_per_call={"update+read": "T*(2n+2)*C*e + 8*T*(n+n^2) + 4*n*C*(n^2+2n) + C*e",
