@@ -26,8 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
 
 import gpu_feature_cases  # noqa: E402
-from layer_boundary.bench import report  # noqa: E402
-from layer_boundary.launch import spawn  # noqa: E402
+from layer_boundary_app.bench import report  # noqa: E402
+from layer_boundary_app.launch import spawn  # noqa: E402
 
 WORLD = 2
 COLUMNS = [report.Column("case", "case", width=26), report.Column("layout", "layout", width=30),

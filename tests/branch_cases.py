@@ -25,8 +25,8 @@ from torch import nn
 
 from layer_boundary import BoundaryContext, ForwardBatch, Topology, declare_attn, declare_ffn, make_stages
 from layer_boundary.adapters.branch import branch_output, merge_branch
-from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
-from layer_boundary.models.moe import SparseMoeBlock
+from layer_boundary_app.models.layers import ColumnParallelLinear, RowParallelLinear
+from layer_boundary_app.models.moe import SparseMoeBlock
 
 import moe_cases
 # The MoE stack's shapes, router and linear expert activation; only the weights' values differ.
@@ -248,7 +248,7 @@ _SINGLE: dict[Any, torch.Tensor] = {}
 
 def longcat_matrix(world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The LongCat-style reference on each case's layout against the single-rank model."""
-    from layer_boundary.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
+    from layer_boundary_app.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
 
     results = []
     for case in cases:

@@ -19,7 +19,7 @@ from torch import nn
 from layer_boundary import (AuxHiddenStateList, BoundaryContext, ForwardBatch, RMSNorm, Topology,
                             declare_attn, declare_ffn, make_stages, ops)
 from layer_boundary.layout import BatchVariant
-from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
+from layer_boundary_app.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary.residual import batch as rb
 from layer_boundary.residual.add_norm import AddNormReadSpec, NormKernels
 
@@ -319,11 +319,11 @@ def lora_matrix(world: int, cases: list[dict]) -> list[dict]:
 
 def draft_logits(topo: Topology, case: dict, reference: bool = False) -> tuple[list[int], torch.Tensor]:
     """Target forward, then the NextN draft on its hidden states, on this rank's sequences."""
-    from layer_boundary.models.config import small_random_config
-    from layer_boundary.models.nextn import Qwen3NextNForCausalLM, init_random_nextn_weights
-    from layer_boundary.models.qwen3 import Qwen3ForCausalLM
-    from layer_boundary.models.random_init import init_random_weights
-    from layer_boundary.models.runner import assign_sequences
+    from layer_boundary_app.models.config import small_random_config
+    from layer_boundary_app.models.nextn import Qwen3NextNForCausalLM, init_random_nextn_weights
+    from layer_boundary_app.models.qwen3 import Qwen3ForCausalLM
+    from layer_boundary_app.models.random_init import init_random_weights
+    from layer_boundary_app.models.runner import assign_sequences
 
     seqs = [tuple(s) for s in case["sequences"]]
     dp = topo.attn_dp.size
@@ -428,7 +428,7 @@ _RESULTS: dict[int, list[dict]] = {}
 def results(world: int) -> list[dict]:
     """Every rank's results for ``world`` ranks, from one spawn per pytest process."""
     if world not in _RESULTS:
-        from layer_boundary.launch import spawn
+        from layer_boundary_app.launch import spawn
 
         _RESULTS[world] = spawn(matrix, world, args=(CAPTURE[world], LORA[world], DRAFT[world]),
                                 timeout_s=240)

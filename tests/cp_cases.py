@@ -21,8 +21,8 @@ from torch import nn
 from layer_boundary import BoundaryContext, ForwardBatch, ForwardMode, Topology, get_forward, make_stages
 from layer_boundary import ProducerReduction, declare_attn, declare_ffn
 from layer_boundary.cp import CpSplit, context_parallel_split
-from layer_boundary.launch import spawn
-from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
+from layer_boundary_app.launch import spawn
+from layer_boundary_app.models.layers import ColumnParallelLinear, RowParallelLinear
 
 import parallel_cases
 from parallel_cases import H, F, BoundaryStack, count_collectives, dyadic, topology
@@ -156,7 +156,7 @@ def _packed(seqs: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, torch.Tens
 
 def qwen3_cp(world: int, case: dict[str, Any]) -> dict[str, Any]:
     """The Qwen3 reference (or Qwen3-MoE) as a CP prefill against the single-rank model."""
-    from layer_boundary.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
+    from layer_boundary_app.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
 
     cp, pp = case["cp"], case.get("pp", 1)
     residual = case.get("residual", "plain")
@@ -181,7 +181,7 @@ def qwen3_cp(world: int, case: dict[str, Any]) -> dict[str, Any]:
 def qwen3_decode_on_cp(world: int, case: dict[str, Any]) -> dict[str, Any]:
     """A decode batch on a CP topology: run ordinary it matches one rank; flagged CP it is refused
     before any collective (no rank enters one, so nothing hangs)."""
-    from layer_boundary.models.runner import RunSpec, build_model, single_rank_logits
+    from layer_boundary_app.models.runner import RunSpec, build_model, single_rank_logits
 
     spec = RunSpec(sequences=tuple((t,) for t in case["tokens"]), tp=world, cp=case["cp"], plugins=False)
     topo = topology(world, 1, cp=case["cp"])
@@ -206,9 +206,9 @@ def qwen3_decode_on_cp(world: int, case: dict[str, Any]) -> dict[str, Any]:
 
 def qwen3_sp(world: int, case: dict[str, Any]) -> dict[str, Any]:
     """The Qwen3 reference as a sequence-parallel batch against the single-rank model."""
-    from layer_boundary.models.runner import RunSpec, build_model, single_rank_logits
+    from layer_boundary_app.models.runner import RunSpec, build_model, single_rank_logits
 
-    from layer_boundary.models.runner import tbo_split
+    from layer_boundary_app.models.runner import tbo_split
 
     spec = RunSpec(sequences=tuple(tuple(s) for s in case["sequences"]), tp=world,
                    dtype=case.get("dtype", "float32"), plugins=False, tbo=case.get("tbo", False),

@@ -85,9 +85,9 @@ def reference_sum(x: torch.Tensor, residual: torch.Tensor, read: Any) -> tuple[t
 
 
 def _qwen3(ctx: BoundaryContext, dtype: torch.dtype, device: str) -> Any:
-    from layer_boundary.models.config import small_random_config
-    from layer_boundary.models.qwen3 import Qwen3ForCausalLM
-    from layer_boundary.models.random_init import init_random_weights
+    from layer_boundary_app.models.config import small_random_config
+    from layer_boundary_app.models.qwen3 import Qwen3ForCausalLM
+    from layer_boundary_app.models.random_init import init_random_weights
 
     model = Qwen3ForCausalLM(small_random_config(), context=ctx, dtype=dtype)
     init_random_weights(model, seed=0)

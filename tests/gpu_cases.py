@@ -11,7 +11,7 @@ import parallel_cases
 
 def nccl_matrix(rank: int, world: int, linear: list[dict[str, Any]], qwen: list[dict[str, Any]]) -> dict[str, Any]:
     """The gloo matrix again on NCCL: the linear stack bitwise in float64, Qwen3 in bfloat16."""
-    from layer_boundary.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
+    from layer_boundary_app.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
 
     linear_results = parallel_cases.linear_matrix(rank, world, linear, device="cuda")
     qwen_results = []
@@ -31,7 +31,7 @@ def nccl_matrix(rank: int, world: int, linear: list[dict[str, Any]], qwen: list[
 def graph_decode(rank: int, world: int, dp: int, policy: str, batch: int) -> dict[str, Any]:
     """A decode step (one token per sequence) with boundaries, eager vs CUDA-graph replay."""
     from layer_boundary import ForwardBatch
-    from layer_boundary.models.runner import RunSpec, build_model
+    from layer_boundary_app.models.runner import RunSpec, build_model
 
     spec = RunSpec(sequences=tuple((i + 1,) for i in range(batch * dp)), tp=world, dp=dp,
                    reduction=policy, dtype="bfloat16", plugins=False, device="cuda")

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from layer_boundary.cli.run import CHECK_REL
+from layer_boundary_app.cli.run import CHECK_REL
 
 import capture_cases
 from moe_cases import count_handoffs
@@ -99,7 +99,7 @@ def layout(case: dict[str, Any], world: int = 2) -> str:
 
 
 def _spec(world: int, case: dict[str, Any], device: str) -> Any:
-    from layer_boundary.models.runner import RunSpec
+    from layer_boundary_app.models.runner import RunSpec
 
     return RunSpec(sequences=tuple(tuple(s) for s in case.get("sequences", SEQS)), tp=world,
                    dp=case.get("dp", 1), cp=case.get("cp", 1), reduction=case.get("policy", "ar"),
@@ -114,7 +114,7 @@ _SINGLE: dict[str, torch.Tensor] = {}
 
 def _single(spec: Any) -> torch.Tensor:
     """The single-device model: unsplit, undeferred (the model as written), once per model."""
-    from layer_boundary.models.runner import single_rank_logits
+    from layer_boundary_app.models.runner import single_rank_logits
 
     one = dataclasses.replace(spec, tp=1, dp=1, cp=1, reduction="auto", tbo=False, defer_moe_finalize=False)
     key = repr(one)
@@ -126,7 +126,7 @@ def _single(spec: Any) -> torch.Tensor:
 def _sequence_parallel(model: Any, spec: Any, device: str) -> tuple[list[int], torch.Tensor]:
     """Every token on every rank, the residual sharded over TP rows between stages
     (``rank_forward`` has no sequence-parallel batch; cp_cases.qwen3_sp builds it on the CPU)."""
-    from layer_boundary.models.runner import _batch, tbo_split
+    from layer_boundary_app.models.runner import _batch, tbo_split
 
     ids, fb = _batch(spec.sequences, device, None)
     fb.sequence_parallel = True
@@ -144,7 +144,7 @@ def moe_layers(model: Any, spec: Any) -> int:
 
 
 def reference_case(world: int, case: dict[str, Any], device: str) -> dict[str, Any]:
-    from layer_boundary.models.runner import build_model, rank_forward
+    from layer_boundary_app.models.runner import build_model, rank_forward
 
     spec = _spec(world, case, device)
     model = build_model(spec, topology(world, spec.dp, 1, spec.cp), device)
@@ -184,7 +184,7 @@ def capture_case(world: int, case: dict[str, Any], device: str) -> dict[str, Any
     """Every value the stack captured on this rank against the single-device run's rows; the
     worst key by relative difference is reported."""
     from layer_boundary import Topology
-    from layer_boundary.models.runner import DTYPES
+    from layer_boundary_app.models.runner import DTYPES
 
     dtype, counts = DTYPES[_dtype(case)], tuple(case["counts"])
     with _capture_stack_on(device, dtype):

@@ -207,12 +207,15 @@ class FakeCollectives:
 
 
 def install_fake_dist(monkeypatch: pytest.MonkeyPatch) -> FakeCollectives:
-    """Route ``layer_boundary.ops`` collectives to a ``FakeCollectives`` (undone by monkeypatch)."""
+    """Route ``layer_boundary.ops`` collectives, and the reference models' own all-reduce
+    (``layer_boundary_app.models.comm``), to a ``FakeCollectives`` (undone by monkeypatch)."""
     import layer_boundary.ops as ops
+    import layer_boundary_app.models.comm as comm
 
     fake = FakeCollectives()
-    monkeypatch.setattr(ops, "dist", types.SimpleNamespace(
-        all_reduce=fake.all_reduce, all_gather_into_tensor=fake.all_gather_into_tensor))
+    for module in (ops, comm):
+        monkeypatch.setattr(module, "dist", types.SimpleNamespace(
+            all_reduce=fake.all_reduce, all_gather_into_tensor=fake.all_gather_into_tensor))
     return fake
 
 

@@ -17,8 +17,8 @@ import torch
 from layer_boundary import StageKind, get_forward, ops
 from layer_boundary.context import BoundaryContext
 from layer_boundary.layout import SumGroup
-from layer_boundary.models import hetero
-from layer_boundary.models.runner import RunSpec, rank_forward, single_rank_logits
+from layer_boundary_app.models import hetero
+from layer_boundary_app.models.runner import RunSpec, rank_forward, single_rank_logits
 from layer_boundary.reduction import return_paths
 from layer_boundary.residual.add_norm import PLAIN_ADD
 

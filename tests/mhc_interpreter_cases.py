@@ -251,7 +251,7 @@ def test_a_stack_on_mhc_runs_the_kernels_and_matches_the_torch_reference():
     update and read, and the update its coefficients carry) and a small Qwen3 matches the same
     model on the torch reference."""
     from layer_boundary import ForwardBatch
-    from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+    from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 
     def model(kernels: str) -> Qwen3ForCausalLM:
         m = Qwen3ForCausalLM(small_random_config(),

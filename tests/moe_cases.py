@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from layer_boundary import BoundaryContext, ForwardBatch, Topology, declare_attn, declare_ffn, make_stages
-from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
-from layer_boundary.models.moe import DeferFinalize, SparseMoeBlock
+from layer_boundary_app.models.layers import ColumnParallelLinear, RowParallelLinear
+from layer_boundary_app.models.moe import DeferFinalize, SparseMoeBlock
 from layer_boundary.output import HandoffOutput
 
 from parallel_cases import BoundaryStack, count_collectives, dp_rows, dyadic, topology
@@ -159,7 +159,7 @@ _SINGLE: dict[Any, torch.Tensor] = {}
 
 def _single(spec: Any) -> torch.Tensor:
     """Single-rank logits, once per model and input (policy and deferral do not change them)."""
-    from layer_boundary.models.runner import single_rank_logits
+    from layer_boundary_app.models.runner import single_rank_logits
 
     key = (spec.sequences, spec.dtype, spec.model, spec.moe, tuple(sorted(spec.config_overrides.items())))
     if key not in _SINGLE:
@@ -168,7 +168,7 @@ def _single(spec: Any) -> torch.Tensor:
 
 
 def qwen3_moe_matrix(world: int, cases: list[dict[str, Any]], folder: Optional[str]) -> list[dict[str, Any]]:
-    from layer_boundary.models.runner import RunSpec, build_model, rank_forward
+    from layer_boundary_app.models.runner import RunSpec, build_model, rank_forward
 
     results = []
     for case in cases:

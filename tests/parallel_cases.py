@@ -17,7 +17,7 @@ from torch import nn
 from layer_boundary import (BoundaryContext, ForwardBatch, ProducerReduction, Topology, declare_attn,
                             declare_ffn, get_forward, make_stages)
 from layer_boundary import ops
-from layer_boundary.models.layers import ColumnParallelLinear, RowParallelLinear
+from layer_boundary_app.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary.residual import batch as residual_batch
 
 H, F = 8, 16
@@ -256,7 +256,7 @@ def count_dp_moves() -> Iterator[dict[str, int]]:
 def qwen3_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The Qwen3 reference on each case's layout against the single-rank model."""
     from layer_boundary.layout import BatchVariant
-    from layer_boundary.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
+    from layer_boundary_app.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
 
     results = []
     for case in cases:
@@ -372,7 +372,7 @@ def linear_pipeline(topo: Topology, kinds: str, split: int, x: torch.Tensor,
 def pipeline_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Pipeline-parallel cases: the Qwen3 reference over tp x pp, and the synthetic stack whose
     partition falls after a PARTIAL attention (or after an FFN that deferred its sum)."""
-    from layer_boundary.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
+    from layer_boundary_app.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
 
     results = []
     for case in cases:

@@ -126,7 +126,7 @@ def qwen3_case(topo: Topology, case: dict[str, Any]) -> dict[str, Any]:
     """The Qwen3 or Qwen3-MoE reference with ``tbo``: against the single-rank unsplit model, and
     (``per_microbatch``) each microbatch's rows against that microbatch run alone, unsplit, on
     the same layout."""
-    from layer_boundary.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
+    from layer_boundary_app.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
 
     tp, pp = topo.tp.size, topo.pp.size
     spec = RunSpec(sequences=tuple(tuple(s) for s in case["sequences"]), tp=tp, dp=case.get("dp", 1), pp=pp,
@@ -142,7 +142,7 @@ def qwen3_case(topo: Topology, case: dict[str, Any]) -> dict[str, Any]:
     if case.get("per_microbatch"):
         # Final-normed hidden states (the LM head's GEMM rounds by row count, the layers here do
         # not: each microbatch of a dense stack is exactly that microbatch's own forward).
-        from layer_boundary.models.runner import _batch, tbo_split
+        from layer_boundary_app.models.runner import _batch, tbo_split
 
         assert spec.dp == 1, "one DP group: every rank runs the same microbatch forwards"
         split = tbo_split(spec, 0)

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from layer_boundary import BoundaryContext, Topology
-from layer_boundary.bench import norm as norm_bench
-from layer_boundary.bench import report
-from layer_boundary.bench.candidates import (UnfusedContext, accepted_candidates, no_candidate_reason,
+from layer_boundary_app.bench import norm as norm_bench
+from layer_boundary_app.bench import report
+from layer_boundary_app.bench.candidates import (UnfusedContext, accepted_candidates, no_candidate_reason,
                                              strip_candidates, two_stage_plan)
-from layer_boundary.bench.timing import TimingPlan, wall_time
+from layer_boundary_app.bench.timing import TimingPlan, wall_time
 from layer_boundary.cli.main import build_parser, main
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
 from layer_boundary.providers import NormRequest
@@ -84,8 +84,8 @@ def test_wider_benchmarks_say_how_many_gpus_they_need(argv, gpus, monkeypatch, c
 def test_allreduce_harness_runs_on_four_gloo_ranks():
     """The ranks' side of ``bench allreduce`` at world 4 on CPU (gloo): every row's check passes
     against the reference, and the fused candidates say why they refuse (they need NCCL)."""
-    from layer_boundary.bench.allreduce import _rank
-    from layer_boundary.launch import spawn
+    from layer_boundary_app.bench.allreduce import _rank
+    from layer_boundary_app.launch import spawn
 
     spec = {"tokens": [1, 8], "hidden": [64], "dtype": "float32", "quick": True, "replays": 3, "compile": False,
             "device": "cpu"}

@@ -11,14 +11,14 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from layer_boundary.bench import finalize as fin
-from layer_boundary.bench import report
-from layer_boundary.bench.norm import EPS, norm_methods
+from layer_boundary_app.bench import finalize as fin
+from layer_boundary_app.bench import report
+from layer_boundary_app.bench.norm import EPS, norm_methods
 from layer_boundary.cli.main import build_parser, main
 from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE, finalize_partial_ref
 from layer_boundary.kernels.providers import ReferenceNormProvider
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
-from layer_boundary.models.moe import moe_finalize
+from layer_boundary_app.models.moe import moe_finalize
 from layer_boundary.providers import NormRequest
 
 
@@ -127,7 +127,7 @@ def test_finish_shape_fills_speedups_bandwidth_and_checks():
 def test_the_command_publishes_one_gpu_rows_and_fails_on_a_bad_check(tmp_path, monkeypatch, capsys):
     # The ranks' work is replaced (it needs a GPU); the rest of the command runs: the default
     # world with one GPU visible, the dated JSON and the plot.
-    import layer_boundary.launch as launch
+    import layer_boundary_app.launch as launch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

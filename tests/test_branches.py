@@ -19,7 +19,7 @@ from layer_boundary import (BatchVariant, BoundaryContext, BoundaryError, Declar
                             Topology, declare_attn, declare_ffn, make_ffn_stage, make_stages)
 from layer_boundary.adapters.branch import BranchOutput, branch_output, merge_branch
 from layer_boundary.errors import BRANCH_ENTRY
-from layer_boundary.launch import spawn
+from layer_boundary_app.launch import spawn
 from layer_boundary.residual import batch as rb
 
 import branch_cases
@@ -53,7 +53,7 @@ def test_branch_stack_is_the_written_out_layer(codes, defer):
 
 
 def test_longcat_reference_is_its_written_out_layer():
-    from layer_boundary.models.longcat import (LongcatForCausalLM, init_random_longcat_weights,
+    from layer_boundary_app.models.longcat import (LongcatForCausalLM, init_random_longcat_weights,
                                                plain_forward, small_random_longcat_config)
 
     model = LongcatForCausalLM(small_random_longcat_config(), dtype=torch.float64)
@@ -259,7 +259,7 @@ def test_schedules_agree_and_the_run_spec_refuses_other_variants():
     a = _stack(["La", "Pa"])(x.clone(), ForwardBatch(num_tokens=T))
     b = _stack(["Lb", "Pb"])(x.clone(), ForwardBatch(num_tokens=T))
     assert torch.equal(a, b)
-    from layer_boundary.models.runner import RunSpec
+    from layer_boundary_app.models.runner import RunSpec
 
     for kw, what in ((dict(input_scattered=True), "ordinary token rows only"), (dict(tbo=True), "--tbo"),
                      (dict(moe=True), "--moe"), (dict(residual="mhc"), "plain residual")):
@@ -420,7 +420,7 @@ def test_help_describes_longcat():
 
 def test_single_rank_longcat_run_is_bitwise_the_model(tmp_path, capsys):
     from layer_boundary.cli.main import main
-    from layer_boundary.models.longcat import (LongcatForCausalLM, init_random_longcat_weights,
+    from layer_boundary_app.models.longcat import (LongcatForCausalLM, init_random_longcat_weights,
                                                small_random_longcat_config)
 
     out = tmp_path / "logits.pt"

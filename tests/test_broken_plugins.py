@@ -11,7 +11,7 @@ import torch
 from helpers import make_norm
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
 from layer_boundary.forward import ForwardBatch
-from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 from layer_boundary.plugins import PluginError, PluginRegistry, PluginStatus, discover
 from layer_boundary.providers import NormRequest
 from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
@@ -250,7 +250,7 @@ def test_a_manifest_field_given_as_a_string_is_refused_with_the_fix(field):
 
 
 def test_a_residual_that_is_neither_a_name_nor_a_scheme_is_refused():
-    from layer_boundary.models import small_random_config
+    from layer_boundary_app.models import small_random_config
 
     with pytest.raises(TypeError, match="residual must be a scheme's name .* got 42"):
         Qwen3ForCausalLM(small_random_config(), context=BoundaryContext(), residual=42)

@@ -10,7 +10,7 @@ import torch
 
 from layer_boundary.cli.main import main
 from layer_boundary.forward import ForwardBatch
-from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 
 
 def test_default_run_prints_stages_and_saves_logits(tmp_path, capsys):
@@ -71,7 +71,7 @@ def test_bad_layout_is_refused(capsys):
 
 @pytest.mark.parametrize("argv,usage", [
     (["run", "--out", "x"], "usage: layer-boundary run"),
-    (["bench", "mhc", "--bogus"], "usage: layer-boundary bench mhc"),
+    (["bench", "norm", "--bogus"], "usage: layer-boundary bench norm"),
     (["bench", "host", "--json", "/nonexistent-folder/x.json"], "usage: layer-boundary bench host"),
 ])
 def test_a_command_error_prints_that_commands_usage(argv, usage, capsys):
@@ -166,13 +166,20 @@ def test_a_layout_the_model_refuses_is_its_message_not_a_traceback(capsys):
     assert "cannot be split over 5 pipeline stages" in err and "Traceback" not in err
 
 
-def test_default_ids_outside_a_small_vocabulary_say_they_are_the_defaults(tmp_path, capsys):
+def test_default_ids_fit_a_300_token_vocabulary_and_explicit_ids_past_it_are_refused(tmp_path, capsys):
+    # The defaults (up to id 404) were refused by a checkpoint of 300 tokens: a newcomer's first
+    # run of their own model failed on ids they never gave.
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
-    assert main(["run", "--model", str(tmp_path)]) == 2
-    assert "the default token ids" in capsys.readouterr().err
+    assert main(["run", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "the default token ids [300, 404] are past the vocabulary of 300 tokens: taken modulo 300" in out
+    assert "logits:   [12, 300]" in out
+    assert main(["run", "--model", str(tmp_path), "--input-ids", "1,299,300"]) == 2
+    err = capsys.readouterr().err
+    assert "--input-ids [300] are outside the vocabulary of 300 tokens; pass --input-ids below 300" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
@@ -284,7 +291,7 @@ def test_a_residual_scheme_is_any_registered_name_and_an_unknown_one_says_which_
 
 
 def test_a_plugins_scheme_is_never_described_with_the_plain_formula():
-    from layer_boundary.cli.run import _describe_residual
+    from layer_boundary_app.cli.run import _describe_residual
     from layer_boundary.residual.semantics import PLAIN_RESIDUAL
 
     class Vendor:
@@ -298,7 +305,7 @@ def test_non_finite_logits_name_the_plugin_kernels_the_model_ran_as_suspects():
     # A trial: a plugin kernel that produced NaN was blamed on the checkpoint's weights alone.
     from types import SimpleNamespace
 
-    from layer_boundary.cli.run import _plugin_suspects
+    from layer_boundary_app.cli.run import _plugin_suspects
     from layer_boundary.selection import Selection, SelectionReport
 
     norm = SimpleNamespace(name="acme-norm")
@@ -317,16 +324,16 @@ def test_non_finite_logits_name_the_plugin_kernels_the_model_ran_as_suspects():
 ])
 def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(argv, said, capsys, monkeypatch):
     # A trial: --tp 3 said so only after 23 s, from rank 1, once every rank had started.
-    from layer_boundary.cli import run as run_cli
-    from layer_boundary.cli.run import _check_layout
-    from layer_boundary.models.runner import _config
+    from layer_boundary_app.cli import run as run_cli
+    from layer_boundary_app.cli.run import _check_layout
+    from layer_boundary_app.models.runner import _config
 
     def no_ranks(*a, **k):
         raise AssertionError("a rank was started")
 
     monkeypatch.setattr(run_cli, "spawn", no_ranks)
     if said is None:
-        from layer_boundary.models.runner import RunSpec
+        from layer_boundary_app.models.runner import RunSpec
 
         spec = RunSpec(sequences=((1, 2),), tp=4, dp=2)
         _check_layout(spec, _config(spec))

@@ -27,7 +27,7 @@ def test_bench_norm_on_cpu_runs_without_pytest(tmp_path):
         import sys
         sys.modules["pytest"] = None  # not installed
         import torch
-        from layer_boundary.bench import norm
+        from layer_boundary_app.bench import norm
         from layer_boundary.cli.main import main
         norm._compiled_method(torch.bfloat16)  # the torch.compile peer's tolerance (compiles lazily)
         sys.exit(main(["bench", "norm", "--device", "cpu", "--tokens", "1", "--hidden", "64",

@@ -279,7 +279,7 @@ def test_lora_rows_of_a_cp_ffn_are_refused():
     (dict(tp=2, cp=0), "--cp 0 must be a positive integer"),
 ])
 def test_run_spec_refuses_cp_combinations(kw, text):
-    from layer_boundary.models.runner import RunSpec
+    from layer_boundary_app.models.runner import RunSpec
 
     with pytest.raises(ValueError, match="^" + re.escape(text)):
         RunSpec(sequences=((1, 2),), **kw)
@@ -352,7 +352,7 @@ def test_local_tail_ffn_under_cp_adds_its_component_once(spawned):
 
 @pytest.mark.slow
 def test_qwen3_under_cp_matches_one_rank(spawned):
-    from layer_boundary.cli.run import CHECK_REL
+    from layer_boundary_app.cli.run import CHECK_REL
 
     world, per_rank = spawned
     rows = {}

@@ -14,10 +14,10 @@ import torch
 from helpers import TOL, raises_exact
 from layer_boundary import BoundaryError, ForwardBatch, Topology
 from layer_boundary.errors import START_FIRST, WRITE_BEFORE_TAKE
-from layer_boundary.models.config import small_random_config
-from layer_boundary.models.nextn import Qwen3NextNForCausalLM, init_random_nextn_weights
-from layer_boundary.models.qwen3 import Qwen3ForCausalLM
-from layer_boundary.models.random_init import init_random_weights
+from layer_boundary_app.models.config import small_random_config
+from layer_boundary_app.models.nextn import Qwen3NextNForCausalLM, init_random_nextn_weights
+from layer_boundary_app.models.qwen3 import Qwen3ForCausalLM
+from layer_boundary_app.models.random_init import init_random_weights
 from layer_boundary.residual import batch as rb
 
 import capture_cases

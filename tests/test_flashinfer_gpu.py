@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.launch import spawn
+from layer_boundary_app.launch import spawn
 from layer_boundary.providers import NormRequest
 
 import flashinfer_cases

@@ -20,7 +20,7 @@ import torch
 from layer_boundary import BoundaryContext, ForwardBatch
 from layer_boundary.fusion import FusedSum
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.launch import spawn
+from layer_boundary_app.launch import spawn
 from layer_boundary.layout import SumGroup
 from layer_boundary.plugins import PluginError, PluginRegistry, PluginStatus
 from layer_boundary.plugins.discovery import DiscoveryOptions, find_plugins

@@ -17,7 +17,7 @@ import torch
 
 from layer_boundary import BoundaryContext, ForwardBatch, declare_attn, declare_ffn, make_stages
 from layer_boundary.fusion import AllReduceNormCandidate, FusedSum
-from layer_boundary.launch import spawn
+from layer_boundary_app.launch import spawn
 from layer_boundary.layout import BatchVariant, SumGroup
 from layer_boundary.norms import RMSNorm
 from layer_boundary.topology import GroupInfo

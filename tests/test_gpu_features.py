@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layer_boundary.launch import spawn
+from layer_boundary_app.launch import spawn
 
 import gpu_feature_cases
 from gpu_feature_cases import CASES, feature_matrix, verdicts

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from layer_boundary.forward import ForwardBatch
-from layer_boundary.models import Qwen3ForCausalLM
+from layer_boundary_app.models import Qwen3ForCausalLM
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layer_boundary.launch import spawn
+from layer_boundary_app.launch import spawn
 
 import gpu_cases
 from parallel_cases import expected_collectives

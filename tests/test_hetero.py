@@ -33,8 +33,8 @@ from layer_boundary import (
 from layer_boundary.exit import MixerExit
 from layer_boundary.output import OwedOutput
 from layer_boundary.cli.main import main
-from layer_boundary.launch import spawn
-from layer_boundary.models.hetero import (
+from layer_boundary_app.launch import spawn
+from layer_boundary_app.models.hetero import (
     HeteroConfig,
     HeteroForCausalLM,
     LayerKind,
@@ -45,7 +45,7 @@ from layer_boundary.models.hetero import (
     parse_pattern,
     sequence_offsets,
 )
-from layer_boundary.models.runner import RunSpec
+from layer_boundary_app.models.runner import RunSpec
 from layer_boundary.residual import batch as rb
 
 import hetero_cases
@@ -250,7 +250,7 @@ def test_consistent_unknown_and_restarted_chains_build():
 
 
 def test_qwen3_and_every_pattern_build_on_one_context():
-    from layer_boundary.models import Qwen3ForCausalLM, small_random_config
+    from layer_boundary_app.models import Qwen3ForCausalLM, small_random_config
 
     Qwen3ForCausalLM(small_random_config(), context=BoundaryContext())
     for pattern in ("M-M*-", "MM*-", "*-M-", "M", "-*", "--**MM"):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from layer_boundary.launch import RankError, spawn
+from layer_boundary_app.launch import RankError, spawn
 
 import launch_cases
 

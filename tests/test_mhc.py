@@ -32,7 +32,7 @@ from layer_boundary import (  # noqa: E402
 )
 from layer_boundary.cli.main import main  # noqa: E402
 from layer_boundary.errors import SNAPSHOT_PLAIN  # noqa: E402
-from layer_boundary.models import (  # noqa: E402
+from layer_boundary_app.models import (  # noqa: E402
     Qwen3ForCausalLM,
     init_random_weights,
     load_tensors,

@@ -484,7 +484,7 @@ def test_gpu_compiled_fullgraph_matches_eager():
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_gpu_model_selects_triton_and_matches_the_torch_reference(dtype):
     from layer_boundary import ForwardBatch
-    from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+    from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 
     def model(kernels: str) -> Qwen3ForCausalLM:
         m = Qwen3ForCausalLM(small_random_config(), dtype=dtype, residual=MhcSemantics(kernels=kernels, seed=3))

@@ -7,8 +7,8 @@ import torch
 
 from layer_boundary.cli.main import build_parser, main
 from layer_boundary.forward import ForwardBatch
-from layer_boundary.models.config import small_random_moe_config
-from layer_boundary.models.qwen3_moe import Qwen3MoeForCausalLM, init_random_moe_weights
+from layer_boundary_app.models.config import small_random_moe_config
+from layer_boundary_app.models.qwen3_moe import Qwen3MoeForCausalLM, init_random_moe_weights
 
 
 def _embedded(ids: list[int]) -> torch.Tensor:

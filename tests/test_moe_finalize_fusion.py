@@ -22,10 +22,10 @@ from layer_boundary.fusion.install import install_finalize_fusion, prepare_final
 from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE, MoeFinalizeFusion, finalize_partial_ref
 from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
 from layer_boundary.testing.finalize import make_handoff
-from layer_boundary.launch import spawn
-from layer_boundary.models.config import small_random_moe_config
-from layer_boundary.models.qwen3_moe import Qwen3MoeForCausalLM, init_random_moe_weights
-from layer_boundary.models.runner import _batch
+from layer_boundary_app.launch import spawn
+from layer_boundary_app.models.config import small_random_moe_config
+from layer_boundary_app.models.qwen3_moe import Qwen3MoeForCausalLM, init_random_moe_weights
+from layer_boundary_app.models.runner import _batch
 
 import finalize_cases
 

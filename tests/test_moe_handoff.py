@@ -35,7 +35,7 @@ from layer_boundary import (
     make_stages,
 )
 from layer_boundary.output import OwedOutput
-from layer_boundary.models.moe import SparseMoeBlock
+from layer_boundary_app.models.moe import SparseMoeBlock
 from layer_boundary.residual import batch as rb
 from layer_boundary.topology import GroupInfo
 

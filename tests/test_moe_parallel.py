@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layer_boundary.launch import spawn
+from layer_boundary_app.launch import spawn
 
 import moe_cases
 from parallel_cases import expected_collectives

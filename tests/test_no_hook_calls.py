@@ -17,7 +17,7 @@ import torch
 
 from layer_boundary import BoundaryContext
 from layer_boundary.forward import ForwardBatch, ForwardMode
-from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 from layer_boundary.plugins import discover
 from plugin_fixtures import VendorPlugin
 

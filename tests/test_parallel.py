@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from layer_boundary.launch import spawn
+from layer_boundary_app.launch import spawn
 
 import parallel_cases
 

@@ -4,8 +4,9 @@ Once per module: build the core's and every in-repo plugin's wheel with ``pip wh
 --no-build-isolation`` from a copy of the sources (the checkout stays clean), write three
 third-party plugin wheels, create a fresh virtual environment, install torch into it from this
 machine's local files, then the core and one plugin through the core's extra
-(``layer-boundary[flashinfer]``) with ``--no-index --find-links`` the wheel folder. The
-third-party plugins are:
+(``layer-boundary[flashinfer]``) with ``--no-index --find-links`` the wheel folder, and later the
+application through the ``app`` extra (``layer-boundary[app]``: ``run``). The third-party
+plugins are:
 
 - ``acme_fusion``: a fusion provider whose attention-input candidate accepts every stage;
 - ``broken``: its manifest loads, its hook module raises on import;
@@ -224,16 +225,21 @@ def fresh(tmp_path_factory) -> FreshEnv:
 def core_only(fresh) -> dict:
     """What the fresh environment says before any third-party plugin is installed."""
     listed = _check(fresh.cli("plugins", "--json"))
+    # The core alone has no run: the application (layer-boundary-app) brings it.
+    without_app = fresh.cli("run", "--input-ids", "1")
     freeze = _check(subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(fresh.bin / "python"), "list", "--format", "json",
          "--disable-pip-version-check"], capture_output=True, text=True))
-    return {"plugins": json.loads(listed.stdout), "pip": {d["name"]: d for d in json.loads(freeze.stdout)}}
+    return {"plugins": json.loads(listed.stdout), "pip": {d["name"]: d for d in json.loads(freeze.stdout)},
+            "run without app": without_app}
 
 
 @pytest.fixture(scope="module")
 def with_third_party(fresh, core_only) -> dict[str, subprocess.CompletedProcess]:
-    """Install the three third-party plugins, then run every command the tests below read."""
+    """Install the application through the core's extra and the three third-party plugins, then
+    run every command the tests below read."""
     t0 = time.perf_counter()
+    fresh.pip("--no-index", "--find-links", str(fresh.wheels), "layer-boundary[app]")
     fresh.pip("--no-index", "--find-links", str(fresh.wheels), *(d for d, *_ in THIRD_PARTY))
     fresh.pip("--no-index", "--find-links", str(fresh.wheels), "--no-deps", FUTURE)
     fresh.timings["third-party plugins"] = time.perf_counter() - t0
@@ -270,11 +276,11 @@ def test_fresh_environment_holds_the_wheels_and_nothing_of_the_checkout(fresh, c
     for dist in ("layer-boundary", "layer-boundary-flashinfer"):
         assert pip[dist]["version"] == "0.1.0"
         assert "editable_project_location" not in pip[dist], f"{dist} came from the checkout"
-    others = ("layer-boundary-mhc", "layer-boundary-cutedsl", "layer-boundary-rocm-aiter")
+    others = ("layer-boundary-mhc", "layer-boundary-cutedsl", "layer-boundary-rocm-aiter", "layer-boundary-app")
     assert not any(n.startswith("acme-") or n in others for n in pip)
     assert "flashinfer-python" not in pip  # the vendor library stays an optional extra of the plugin
     built = sorted(p.name.split("-")[0] for p in fresh.wheels.glob("*.whl"))
-    for module in ("layer_boundary", "layer_boundary_flashinfer", "layer_boundary_cutedsl",
+    for module in ("layer_boundary", "layer_boundary_app", "layer_boundary_flashinfer", "layer_boundary_cutedsl",
                    "layer_boundary_rocm_aiter", "acme_fusion"):
         assert module in built
 
@@ -293,6 +299,14 @@ def test_plugins_json_lists_the_installed_plugin_with_its_status(core_only):
     else:  # a CUDA machine: FlashInfer itself is not installed in the fresh environment
         assert (rec["status"], rec["reason"]) == (
             "unavailable", "FlashInfer not installed (distribution flashinfer-python not found)")
+
+
+def test_run_without_the_application_names_the_distribution_to_install(core_only):
+    proc = core_only["run without app"]
+    assert proc.returncode == 2
+    assert ("layer-boundary run: this command comes from the distribution layer-boundary-app, which is not "
+            "installed here; pip install layer-boundary-app") in proc.stderr
+    assert "invalid choice" not in proc.stderr
 
 
 # -- third-party plugins: one chosen, one broken, one incompatible --------------------------------
@@ -344,9 +358,10 @@ def test_run_chooses_the_third_party_candidate_and_skips_the_bad_plugins(with_th
     layers = int(re.search(r"^stages: +(\d+) boundaries", proc.stdout, re.M).group(1)) // 2
     # Every attention stage but the first takes the candidate; the first, at the stack entry, has
     # nothing owed to fuse and says so, naming the candidate and its plugin. The core's own
-    # candidate comes after the plugin's and says why it does not serve gloo.
-    assert (f"attn ORDINARY x{layers - 1}: consumer fusion [attention_input] -> {CANDIDATE}   refused: "
-            "symm-mem all-reduce + add + rmsnorm (core): needs a nccl group; tp uses gloo") in fusion
+    # candidate comes after the plugin's and says why it does not serve gloo (the CPU's backend:
+    # not on this device).
+    assert (f"attn ORDINARY x{layers - 1}: consumer fusion [attention_input] -> {CANDIDATE}   not on this "
+            "device: symm-mem all-reduce + add + rmsnorm (core): needs a nccl group; tp uses gloo") in fusion
     assert (f"attn ORDINARY x1: consumer fusion [attention_input] -> none   refused: {CANDIDATE} "
             "(acme_fusion): stack entry: nothing is owed to this input") in fusion
     assert "forward:" in proc.stdout and "logits:   [4, " in proc.stdout

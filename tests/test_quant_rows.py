@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layer_boundary.launch import spawn
+from layer_boundary_app.launch import spawn
 from layer_boundary.quant import QuantizedRows
 from layer_boundary.rows import move_input
 

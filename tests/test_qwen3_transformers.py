@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from helpers import hf_logits, our_logits, save_hf  # noqa: E402
 
 from layer_boundary.forward import ForwardBatch  # noqa: E402
-from layer_boundary.models import (  # noqa: E402
+from layer_boundary_app.models import (  # noqa: E402
     CheckpointMismatch,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -43,7 +43,7 @@ from layer_boundary.models import (  # noqa: E402
     plain_forward,
     small_random_config,
 )
-from layer_boundary.models.layers import (  # noqa: E402
+from layer_boundary_app.models.layers import (  # noqa: E402
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -245,7 +245,7 @@ def test_config_rejects_what_the_model_does_not_implement(change, message):
     (b"\xff\xfe{}", "is not valid JSON in UTF-8"),
 ])
 def test_a_config_file_that_is_not_a_json_object_is_named(tmp_path, text, message):
-    from layer_boundary.models.config import load_config
+    from layer_boundary_app.models.config import load_config
 
     (tmp_path / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
     for read in (load_config, Qwen3Config.from_folder):
@@ -261,13 +261,13 @@ def test_architectures_that_do_not_name_the_loaded_class_warn(tmp_path, caplog, 
     import json
     import logging
 
-    from layer_boundary.models.config import load_config
+    from layer_boundary_app.models.config import load_config
 
     d = small_random_config().to_dict()
     if arch is not None:
         d["architectures"] = arch
     (tmp_path / "config.json").write_text(json.dumps(d))
-    with caplog.at_level(logging.WARNING, logger="layer_boundary.models.config"):
+    with caplog.at_level(logging.WARNING, logger="layer_boundary_app.models.config"):
         assert isinstance(load_config(tmp_path), Qwen3Config)
         Qwen3Config.from_folder(tmp_path)  # as the model classes read it: the same file, said once
     said = [r.getMessage() for r in caplog.records if "does not name Qwen3ForCausalLM" in r.getMessage()]
@@ -355,7 +355,7 @@ def test_column_merged_row_and_vocab_shards_reassemble(monkeypatch):
     torch.testing.assert_close(partial, xr @ wr.T + br)
 
     # Vocab shards (7 rows over 2 ranks: 4 + 3, padded) sum to the full lookup.
-    monkeypatch.setattr("layer_boundary.models.layers.all_reduce", lambda t, group: t)
+    monkeypatch.setattr("layer_boundary_app.models.layers.all_reduce", lambda t, group: t)
     emb = torch.randn(7, 4, generator=g)
     ids = torch.tensor([0, 3, 4, 6])
     parts = [VocabParallelEmbedding(7, 4, _fake_group(tp, r)) for r in range(tp)]
@@ -367,7 +367,7 @@ def test_column_merged_row_and_vocab_shards_reassemble(monkeypatch):
 
 def test_loader_casts_and_accepts_checkpoint_written_by_safetensors(tmp_path):
     """A checkpoint written without transformers (fp32 tensors) loads into a bf16 model."""
-    from layer_boundary.models import random_state_dict
+    from layer_boundary_app.models import random_state_dict
 
     config = small_random_config()
     tensors = {k: v.contiguous() for k, v in random_state_dict(config, seed=3).items()}

@@ -237,7 +237,7 @@ def test_a_missing_scheme_says_why_it_is_missing(plugin_site: PluginSite):
 
 def test_residual_semantics_that_return_the_wrong_thing_are_named():
     # A trial: a scheme whose stage() returned a tuple failed as "'tuple' object has no attribute 'params'".
-    from layer_boundary.models import Qwen3ForCausalLM, small_random_config
+    from layer_boundary_app.models import Qwen3ForCausalLM, small_random_config
 
     class TupleScheme:
         name = "tuples"

@@ -15,7 +15,7 @@ from helpers import fake_topology, install_fake_dist, make_norm
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
 from layer_boundary.forward import ForwardBatch
 from layer_boundary.layout import BatchVariant
-from layer_boundary.models import Qwen3ForCausalLM, init_random_weights, small_random_config
+from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 from plugin_fixtures import Candidate, Fusion, vendor_context
 
 ORDINARY = BatchVariant.ORDINARY
@@ -103,8 +103,9 @@ def test_qwen3_report_lists_candidates_choice_and_refusals():
     assert row == {
         "stage": "ffn #2", "variant": "ORDINARY", "what": "consumer fusion", "request": "ffn_input",
         "chosen": "ffn-fused",
-        "candidates": [{"name": "ffn-fused", "origin": "vendor", "refused": None},
-                       {"name": "ffn-fp8-only", "origin": "vendor", "refused": "FP8 activations only"}],
+        "candidates": [{"name": "ffn-fused", "origin": "vendor", "refused": None, "off_device": False},
+                       {"name": "ffn-fp8-only", "origin": "vendor", "refused": "FP8 activations only",
+                        "off_device": False}],
     }
 
 
@@ -295,7 +296,7 @@ def test_ranks_that_chose_differently_are_an_error_naming_the_difference(monkeyp
     rank made (a pipeline stage's own layers) are not compared."""
     import torch.distributed as dist
 
-    from layer_boundary import launch as launch_module
+    from layer_boundary import ops as launch_module
     from layer_boundary.errors import DeclarationError
 
     ctx = BoundaryContext()
@@ -330,7 +331,7 @@ def test_ranks_of_the_tp_group_that_asked_or_built_differently_are_named():
     """A trial: ranks with another reduction policy, or another layer count, passed the check (only
     decisions both made with the same request were compared) and then aborted inside gloo. In the
     TP group every decision must be made everywhere, asked and answered alike."""
-    from layer_boundary.launch import spawn
+    from layer_boundary_app.launch import spawn
 
     texts = spawn(_disagreeing_job, 2, args=("policy",))
     assert all("ranks decided differently for" in t and "output return" in t for t in texts), texts
@@ -361,7 +362,7 @@ def _disagreeing_job(rank, world, how):
 def test_selections_are_gathered_without_numpy():
     """The gather behind verify_agreement, on two gloo ranks: torch's all_gather_object needs NumPy,
     which a CPU install of torch lacks (a fresh-package test failed on it)."""
-    from layer_boundary.launch import spawn
+    from layer_boundary_app.launch import spawn
 
     got = spawn(_gather_job, 2)
     assert got == [[{"rank": 0, "x": "a" * 10}, {"rank": 1, "x": "a" * 11}]] * 2
@@ -370,7 +371,7 @@ def test_selections_are_gathered_without_numpy():
 def _gather_job(rank, world):
     import torch.distributed as dist
 
-    from layer_boundary.launch import gather_objects
+    from layer_boundary.ops import gather_objects
 
     def no_numpy(self):
         raise RuntimeError("Numpy is not available")  # as on a CPU torch install without NumPy

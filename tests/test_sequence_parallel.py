@@ -140,7 +140,7 @@ def test_linear_stack_under_sequence_parallel_is_bitwise_one_rank(spawned):
 @pytest.mark.slow
 def test_qwen3_under_sequence_parallel_matches_one_rank(spawned):
     """Dense Qwen3, and Qwen3-MoE under two-batch overlap (each microbatch re-sliced over TP)."""
-    from layer_boundary.cli.run import CHECK_REL
+    from layer_boundary_app.cli.run import CHECK_REL
 
     world, per_rank = spawned
     got = cp_cases.of_kind(per_rank, "qwen3_sp")

@@ -31,7 +31,7 @@ from layer_boundary.adapters.tbo import (TboRows, TboSplit, balanced_split, entr
                                          interleave, merge_streams, plan_overlap, split_batch, split_stream)
 from layer_boundary.cli.main import main
 from layer_boundary.errors import FOREIGN_OUTPUT, START_FIRST
-from layer_boundary.launch import spawn
+from layer_boundary_app.launch import spawn
 from layer_boundary.residual import batch as rb
 
 import tbo_cases
@@ -163,7 +163,7 @@ def test_interleave_keeps_stepping_the_longer_schedule():
 
 def test_a_stage_that_yields_inside_an_exit_scope_is_refused():
     from layer_boundary import get_forward
-    from layer_boundary.models.moe import DeferFinalize
+    from layer_boundary_app.models.moe import DeferFinalize
 
     ctx = BoundaryContext(Topology.single())
     a, f = make_stages((declare_attn(), make_norm(H, torch.float64)),

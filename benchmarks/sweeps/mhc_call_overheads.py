@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from layer_boundary.bench.timing import TimingPlan, time_call
+from layer_boundary_app.bench.timing import TimingPlan, time_call
 from layer_boundary_mhc import MhcKernelConfig, bench, cluster_ops
 from layer_boundary_mhc.finish import sinkhorn_kernel
 

@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call
+from layer_boundary_app.bench.timing import TimingPlan, copy_bandwidth, time_call
 from layer_boundary_mhc import MhcKernelConfig, accuracy, bench, reference, triton_ops
 from layer_boundary_mhc import triton_mhc as tm
 

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call, time_eager
+from layer_boundary_app.bench.timing import TimingPlan, copy_bandwidth, time_call, time_eager
 from layer_boundary_mhc import MhcKernelConfig, accuracy, bench, cluster_ops, triton_ops
 
 N = 4

@@ -18,7 +18,7 @@ import sys
 import torch
 
 import mhc_check
-from layer_boundary.bench.timing import TimingPlan, copy_bandwidth, time_call
+from layer_boundary_app.bench.timing import TimingPlan, copy_bandwidth, time_call
 from layer_boundary_mhc import MhcKernelConfig, accuracy, bench, triton_ops
 from layer_boundary_mhc import triton_mhc as tm
 

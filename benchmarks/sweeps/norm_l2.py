@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from layer_boundary.bench.norm import _inputs, norm_methods, peer_methods, providers_for
+from layer_boundary_app.bench.norm import _inputs, norm_methods, peer_methods, providers_for
 from layer_boundary.providers import NormRequest
 
 SETS = 16

@@ -14,6 +14,7 @@ from .factories import make_stages as make_stages
 from .contracts import ProducerReduction as ProducerReduction
 from .contracts import StageKind as StageKind
 from .output import OutputTransform as OutputTransform
+from .residual.add_norm import AddNormReadSpec as AddNormReadSpec
 
 # The model's process groups and installed plugins
 from .context import BoundaryContext as BoundaryContext
@@ -27,6 +28,9 @@ from .forward import ForwardMode as ForwardMode
 from .forward import get_forward as get_forward
 from .layout import BatchVariant as BatchVariant
 from .stage import StageBoundary as StageBoundary
+# Pipeline parallel: a stage's tensors (residual_batch.to_pp) to the next stage's ranks and back
+from .ops import recv_tensors as recv_tensors
+from .ops import send_tensors as send_tensors
 from .residual import batch as residual_batch
 from .residual.stream import ResidualStream as ResidualStream
 from .output import HandoffOutput as HandoffOutput
@@ -48,5 +52,6 @@ from .fusion.install import prepare_finalize_fusion as prepare_finalize_fusion
 # Errors
 from .errors import BoundaryError as BoundaryError
 from .errors import DeclarationError as DeclarationError
+from .plugins.discovery import PluginError as PluginError
 
 __version__: str

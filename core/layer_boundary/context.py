@@ -313,7 +313,7 @@ class BoundaryContext:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
         from .errors import DeclarationError
-        from .launch import gather_objects
+        from .ops import gather_objects
 
         # strict: a decision per stage, variant and kind with what it was asked and what it chose, so
         # that a rank that asked something else (another policy, another dtype) or built stages the

@@ -8,6 +8,10 @@ inference mode does not trip autograd's view checks inside gloo.
 
 from __future__ import annotations
 
+import ctypes
+import pickle
+from typing import Any, Optional
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +23,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = ["all_reduce", "all_gather_rows", "reduce_scatter_rows", "all_to_all_rows", "send_tensors",
-           "recv_tensors"]
+           "recv_tensors", "gather_objects"]
 
 
 @torch.no_grad()
@@ -123,3 +127,24 @@ def recv_tensors(group: GroupInfo, device: torch.device | str = "cpu") -> dict[s
     for name in sorted(out):
         dist.recv(out[name], src, group=group.group)
     return out
+
+
+def gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable) in ``group`` (default the world), in group rank order.
+    torch's all_gather_object needs NumPy, which a CPU install of torch does not bring (``run``
+    under torchrun failed on it): pickled bytes in uint8 tensors instead. Host syncs (the sizes'
+    ``.item()``): for construction and results, never a forward step."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+              else torch.device("cpu"))
+    # Bytes in and out without a Python int per byte (a rank's logits can be many MB).
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
+    lengths = [int(v.item()) for v in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    bufs = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(bufs, padded, group=group)
+    host = [b[:k].cpu().contiguous() for b, k in zip(bufs, lengths)]
+    return [pickle.loads(ctypes.string_at(h.data_ptr(), h.numel())) for h in host]

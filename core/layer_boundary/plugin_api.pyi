@@ -20,6 +20,7 @@ from .quant import FP8_SCALE_FLOOR as FP8_SCALE_FLOOR
 from .quant import QUANT_FORMATS as QUANT_FORMATS
 from .quant import QuantizedRows as QuantizedRows
 from .kernels.refusals import cuda_half_norm_refusal as cuda_half_norm_refusal
+from .selection import not_on_this_device as not_on_this_device
 from .kernels.fallback import FallbackNotice as FallbackNotice
 from .norms import norm_params as norm_params
 
@@ -42,6 +43,9 @@ from .fusion import WorkspaceUnavailable as WorkspaceUnavailable
 from .fusion.moe_finalize import FINALIZE_TOLERANCE as FINALIZE_TOLERANCE
 from .fusion.moe_finalize import MoeFinalizeFusion as MoeFinalizeFusion
 from .fusion.moe_finalize import finalize_partial_ref as finalize_partial_ref
+from .fusion.moe_finalize import moe_finalize as moe_finalize
+# A construction-time collective (picklable objects over a group, without NumPy): workspace set-up
+from .ops import gather_objects as gather_objects
 
 # Residual semantics: update/read pairs registered by name
 from .providers import ResidualSemantics as ResidualSemantics

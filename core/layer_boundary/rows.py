@@ -41,7 +41,7 @@ def check_counts_agree(counts: Sequence[int], topology: Topology, *, dp: bool = 
     if tp.size == 1 or not _checking():
         return
     from .errors import BoundaryError
-    from .launch import gather_objects
+    from .ops import gather_objects
 
     mine = tuple(int(c) for c in counts)
     every = gather_objects(mine, tp.group)

@@ -1,11 +1,27 @@
-"""The selection report: per stage and batch variant, the candidates, the choice and the refusals."""
+"""The selection report: per stage and batch variant, the candidates, the choice and the refusals.
+
+A refusal that is the normal case on this machine (a CUDA kernel on a CPU, an NVIDIA kernel on a
+ROCm GPU) is an :class:`OffDevice` reason (``not_on_this_device(...)``): the report lists those
+apart, after "not on this device:", so that a CPU run does not read as a run of errors.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["Candidate", "Selection", "SelectionReport"]
+__all__ = ["Candidate", "Selection", "SelectionReport", "OffDevice", "not_on_this_device"]
+
+
+class OffDevice(str):
+    """A refusal reason saying the candidate serves another kind of device than this one."""
+
+    __slots__ = ()
+
+
+def not_on_this_device(reason: str) -> OffDevice:
+    """Mark ``reason`` (what a provider's ``refuse`` returns) as the device's, not a problem."""
+    return OffDevice(reason)
 
 
 @dataclass(frozen=True)
@@ -27,20 +43,25 @@ class Selection:
     candidates: tuple[Candidate, ...]
 
     def text(self) -> str:
-        refused = "; ".join(f"{c.name} ({c.origin}): {c.refused}" for c in self.candidates if c.refused)
+        refused = "; ".join(f"{c.name} ({c.origin}): {c.refused}" for c in self.candidates
+                            if c.refused and not isinstance(c.refused, OffDevice))
+        elsewhere = "; ".join(f"{c.name} ({c.origin}): {c.refused}" for c in self.candidates
+                              if isinstance(c.refused, OffDevice))
         chosen = self.chosen or "none"
         if sum(c.name == self.chosen for c in self.candidates) > 1:
             # Two plugins' providers of one name: say whose was chosen.
             origin = next(c.origin for c in self.candidates if c.name == self.chosen and not c.refused)
             chosen = f"{chosen} ({origin})"
         line = f"{self.what} [{self.request}] -> {chosen}"
-        return line + (f"   refused: {refused}" if refused else "")
+        return (line + (f"   refused: {refused}" if refused else "")
+                + (f"   not on this device: {elsewhere}" if elsewhere else ""))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "stage": self.stage, "variant": self.variant, "what": self.what, "request": self.request,
             "chosen": self.chosen,
-            "candidates": [{"name": c.name, "origin": c.origin, "refused": c.refused} for c in self.candidates],
+            "candidates": [{"name": c.name, "origin": c.origin, "refused": c.refused,
+                            "off_device": isinstance(c.refused, OffDevice)} for c in self.candidates],
         }
 
 

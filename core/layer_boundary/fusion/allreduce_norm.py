@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..contracts import OwedKind
 from ..forward import active_variant
 from ..layout import BatchVariant, SumGroup
+from ..selection import not_on_this_device
 from ..topology import GroupInfo
 
 __all__ = [
@@ -314,7 +315,9 @@ class AllReduceNormProvider:
     def _common_refusal(self, fused: FusedSum) -> Optional[str]:
         backend = group_backend(fused.group)
         if backend not in self.backends:
-            return f"needs a {'/'.join(sorted(self.backends))} group; {fused.sum_group.value} uses {backend}"
+            why = f"needs a {'/'.join(sorted(self.backends))} group; {fused.sum_group.value} uses {backend}"
+            # gloo is the CPU's backend: a GPU fusion declining it is the normal case there.
+            return not_on_this_device(why) if backend == "gloo" else why
         why = limits_refusal(self, fused.group.size, fused.dtype, fused.hidden_size)
         if why is not None:
             return why

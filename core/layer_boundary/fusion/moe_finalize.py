@@ -42,7 +42,7 @@ from ..output import HandoffOutput
 from ..topology import GroupInfo
 from .allreduce_norm import RefusedCandidate, agree, group_backend, limits_refusal, owed_sum
 
-__all__ = ["MoeFinalizeFusion", "FinalizeCandidate", "finalize_partial_ref", "FINALIZE_TOLERANCE"]
+__all__ = ["MoeFinalizeFusion", "FinalizeCandidate", "moe_finalize", "finalize_partial_ref", "FINALIZE_TOLERANCE"]
 
 log = logging.getLogger("layer_boundary")
 
@@ -57,6 +57,24 @@ FINALIZE_TOLERANCE = {
 
 # Where the fused kernel reads parameters from: (weight, eps, weight offset).
 NormParams = tuple[torch.Tensor, float, float]
+
+
+def moe_finalize(
+    expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The unfused finalize: ``sum_j w[t, j] * expert_out[t, j] (+ shared_out[t])`` -> ``[T, H]``.
+
+    Summed expert by expert in slot order, each product rounded to the model dtype first, as the
+    reference (transformers) accumulates; a sum over ranks still follows when the output is partial.
+    """
+    out = expert_out[:, 0] * topk_weights[:, :1] if expert_out.shape[1] else None
+    for j in range(1, expert_out.shape[1]):
+        out = out + expert_out[:, j] * topk_weights[:, j : j + 1]
+    if out is None:
+        out = expert_out.new_zeros(expert_out.shape[0], expert_out.shape[2])
+    if shared_out is not None:
+        out = out + shared_out
+    return out
 
 
 def finalize_partial_ref(expert_out: torch.Tensor, topk_weights: torch.Tensor,

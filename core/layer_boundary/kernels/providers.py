@@ -14,6 +14,7 @@ import torch
 from ..providers import NormRequest
 from ..quant import QUANT_FORMATS
 from ..residual.add_norm import NormKernels, reference_kernels
+from ..selection import not_on_this_device
 
 __all__ = [
     "ReferenceNormProvider",
@@ -81,7 +82,7 @@ class TritonNormProvider:
 
     def refuse(self, request: NormRequest) -> Optional[str]:
         if request.device_type != "cuda":
-            return f"runs on CUDA devices only, not {request.device_type}"
+            return not_on_this_device(f"runs on CUDA devices only, not {request.device_type}")
         if request.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return (f"{str(request.dtype).replace('torch.', '')} is not supported (bf16, fp16, fp32): "
                     "FP32 accumulation would round FP64 input")

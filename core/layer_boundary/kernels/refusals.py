@@ -12,6 +12,7 @@ import torch
 
 from ..providers import NormRequest
 from ..quant import QUANT_FORMATS
+from ..selection import not_on_this_device
 
 __all__ = ["cuda_half_norm_refusal"]
 
@@ -24,9 +25,9 @@ def cuda_half_norm_refusal(request: NormRequest, *, takes: str, offers: str, fp8
     RMSNorm or Gemma RMSNorm. ``takes``: who takes bf16 and fp16 only ("FlashInfer's norm kernels
     take"); ``offers``: what is offered ("FlashInfer has RMSNorm (offset 0) and ...")."""
     if request.device_type != "cuda":
-        return f"runs on CUDA devices only, not {request.device_type}"
+        return not_on_this_device(f"runs on CUDA devices only, not {request.device_type}")
     if nvidia_only and torch.version.hip is not None:
-        return f"runs on NVIDIA GPUs only, not a ROCm build of torch (torch {torch.__version__})"
+        return not_on_this_device(f"runs on NVIDIA GPUs only, not a ROCm build of torch (torch {torch.__version__})")
     if request.quant is not None:
         if request.quant == "fp8_e4m3":
             return fp8_refusal

@@ -17,6 +17,9 @@ class PlainResidual:
 
     name = "plain"
 
+    def describe(self) -> str:
+        return "plain: r' = r + y, add+RMSNorm reads"
+
     def stage(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
         return StageResidual(PLAIN_ADD, ADD_NORM, None)
 

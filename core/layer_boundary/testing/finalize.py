@@ -28,7 +28,7 @@ TOPK = 4
 def make_handoff(rows: int, hidden: int, dtype: torch.dtype, device: str, *, seed: int = 0,
                  shared: bool = True, payload: bool = True) -> HandoffOutput:
     """A single-rank finalize handoff as a sparse FFN returns one (``moe_finalize`` unfused)."""
-    from ..models.moe import moe_finalize
+    from ..fusion.moe_finalize import moe_finalize
 
     g = torch.Generator().manual_seed(seed)
     expert = torch.randn(rows, TOPK, hidden, generator=g).to(dtype).to(device)
@@ -61,8 +61,7 @@ class HandoffConformance:
 
     def test_handoff_candidates_match_the_unfused_finalize(self, provider: Any, hidden_size: int,
                                                            dtype: torch.dtype, device: str) -> None:
-        from ..fusion.moe_finalize import FINALIZE_TOLERANCE
-        from ..models.moe import moe_finalize
+        from ..fusion.moe_finalize import FINALIZE_TOLERANCE, moe_finalize
 
         def check(cand: Any, read: Any) -> None:
             for rows, shared in ((1, False), (5, True)):
@@ -99,7 +98,7 @@ class HandoffConformance:
                                                        dtype: torch.dtype) -> None:
         if not torch.cuda.is_available():
             pytest.skip("no CUDA device")
-        from ..models.moe import moe_finalize
+        from ..fusion.moe_finalize import moe_finalize
         from .semantics import _graph_replays
 
         def check(cand: Any, read: Any) -> None:

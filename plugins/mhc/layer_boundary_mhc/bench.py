@@ -53,8 +53,8 @@ import torch
 from .config import DEFAULT_CONFIG, PER_BUCKET, MhcKernelConfig
 
 if TYPE_CHECKING:
-    from layer_boundary.bench import report
-    from layer_boundary.bench.timing import TimingPlan
+    from layer_boundary_app.bench import report
+    from layer_boundary_app.bench.timing import TimingPlan
 
 __all__ = ["MHC_HIDDEN", "MHC_TOKENS", "OPS", "bytes_moved", "run_mhc", "mhc_command", "TUNABLE"]
 
@@ -219,7 +219,7 @@ def _config(method: MhcMethod, tokens: int, n: int, hidden: int, dtype: torch.dt
 
 
 def _columns() -> list[report.Column]:
-    from layer_boundary.bench import report
+    from layer_boundary_app.bench import report
 
     return [
         report.Column("op", "op", width=12),
@@ -237,7 +237,7 @@ def _columns() -> list[report.Column]:
 
 def measure(method: MhcMethod, inputs: Inputs, plan: TimingPlan, device: str, n: int,
             config: MhcKernelConfig = DEFAULT_CONFIG) -> dict[str, Any]:
-    from layer_boundary.bench.timing import time_call
+    from layer_boundary_app.bench.timing import time_call
 
     t, _, c = inputs.x.shape
     dtype = inputs.x.dtype
@@ -265,8 +265,8 @@ def run_mhc(tokens: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, de
             out: Callable[[str], None] = print) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """``(copy bandwidth, rows, refusals)``; rows are printed as they are measured. Every kernel
     call runs with ``config``."""
-    from layer_boundary.bench import report
-    from layer_boundary.bench.timing import reported_copy_bandwidth
+    from layer_boundary_app.bench import report
+    from layer_boundary_app.bench.timing import reported_copy_bandwidth
 
     from . import reference, selection
 
@@ -321,7 +321,7 @@ def run_mhc(tokens: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, de
 
 
 def mhc_panels(rows: Sequence[dict[str, Any]], copy_gbps: float) -> list[report.Panel]:
-    from layer_boundary.bench import report
+    from layer_boundary_app.bench import report
 
     panels = []
     for c in sorted({r["hidden"] for r in rows}):
@@ -369,8 +369,8 @@ def _apply_tuning(settings: Sequence[str]) -> tuple[MhcKernelConfig, dict[str, A
 
 
 def mhc_command(args: argparse.Namespace) -> int:
-    from layer_boundary.bench import report
-    from layer_boundary.bench.timing import TimingPlan, cuda_unavailable, this_device
+    from layer_boundary_app.bench import report
+    from layer_boundary_app.bench.timing import TimingPlan, cuda_unavailable, this_device
 
     device = args.device
     if device == "cuda":

@@ -32,9 +32,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from layer_boundary.plugin_api import AllReduceNormProvider, FusedSum, WorkspaceUnavailable
-from layer_boundary.launch import gather_objects
 from layer_boundary import GroupInfo
+from layer_boundary.plugin_api import AllReduceNormProvider, FusedSum, WorkspaceUnavailable, gather_objects
 
 from .api import AiterApi
 from .norm import MAX_ONE_PASS_HIDDEN

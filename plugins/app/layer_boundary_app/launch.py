@@ -6,7 +6,6 @@ rank's traceback, within the process-group timeout at worst, never a hang.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import pickle
@@ -181,24 +180,3 @@ def spawn(
     if failure is not None:
         raise failure
     return [got[r] for r in range(world_size)]
-
-
-def gather_objects(obj: Any, group: Any = None) -> list[Any]:
-    """Every rank's ``obj`` (picklable) in ``group`` (default the world), in group rank order.
-    torch's all_gather_object needs NumPy, which a CPU install of torch does not bring (``run``
-    under torchrun failed on it): pickled bytes in uint8 tensors instead. Host syncs (the sizes'
-    ``.item()``): for construction and results, never a forward step."""
-    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
-              else torch.device("cpu"))
-    # Bytes in and out without a Python int per byte (a rank's logits can be many MB).
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    n = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
-    lengths = [int(v.item()) for v in sizes]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    bufs = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(bufs, padded, group=group)
-    host = [b[:k].cpu().contiguous() for b, k in zip(bufs, lengths)]
-    return [pickle.loads(ctypes.string_at(h.data_ptr(), h.numel())) for h in host]

@@ -12,9 +12,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.models.qwen3 import Qwen3ForCausalLM
-from layer_boundary.ops import all_reduce
+from layer_boundary.plugin_api import fused_add_rmsnorm_ref, rmsnorm_ref
+
+from .comm import all_reduce
+from .qwen3 import Qwen3ForCausalLM
 
 __all__ = ["plain_forward", "attention_half"]
 

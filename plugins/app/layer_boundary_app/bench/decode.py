@@ -57,7 +57,7 @@ def plain_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, for
     The final norm uses the last FFN stage's kernels: its request (RMSNorm, dtype, width, device)
     is the same, so selection chose the same provider for it.
     """
-    from ..ops import all_reduce
+    from ..models.comm import all_reduce
 
     m = model.model
     attn_tp = model.topology.attn_tp
@@ -113,9 +113,7 @@ COLUMNS = [
 
 
 def _decode_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
-    from ..context import BoundaryContext
-    from ..forward import ForwardBatch, ForwardMode
-    from ..topology import Topology
+    from layer_boundary import BoundaryContext, ForwardBatch, ForwardMode, Topology
 
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     # cuda (NCCL) for the benchmark; cpu (gloo) only exercises the harness.
@@ -134,7 +132,7 @@ def _decode_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                               "one rank, no sum between stages, nothing to fuse")
     variants: dict[str, Any] = {}
     if cands:
-        unfused_ctx = UnfusedContext(topo, registry=_registry(), device=device)
+        unfused_ctx = UnfusedContext(topo, registry=_registry(device), device=device)
         unfused = _build(cfg, unfused_ctx, dtype, device, like=discovered)
         dropped = strip_candidates(model_stages(unfused))
         if dropped:
@@ -195,10 +193,11 @@ def _decode_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             "layers": cfg.num_hidden_layers, "boundaries_per_step": boundaries}
 
 
-def _registry() -> Any:
-    from ..plugins import discover
+def _registry(device: str) -> Any:
+    """A fresh registry of the plugins found here (a context's own, for the unfused peer)."""
+    from layer_boundary import BoundaryContext
 
-    return discover()
+    return BoundaryContext.discover(device=device).registry
 
 
 def _panels(rows: list[dict[str, Any]]) -> list[report.Panel]:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..launch import RankError, gather_objects, spawn, under_torchrun
+from layer_boundary import PluginError, Topology
+from layer_boundary.plugin_api import gather_objects
+
+from ..launch import RankError, spawn, under_torchrun
 from ..models.runner import RunSpec, build_model, describe_model, rank_forward, single_rank_logits
-from ..plugins import PluginError
-from ..topology import Topology
 
 __all__ = ["run_command", "describe_stages"]
 
@@ -224,9 +226,14 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     vocab = cfg.vocab_size
     bad = sorted({i for s in spec.sequences for i in s if i >= vocab})
-    if bad:
-        which = ("the default token ids" if getattr(args, "default_ids", False) else "--input-ids")
-        print(f"layer-boundary run: {which} {bad} are outside the vocabulary of {vocab} tokens; pass "
+    note = None
+    if bad and getattr(args, "default_ids", False):
+        # The default ids are examples, not a text: any vocabulary takes them modulo its size.
+        spec = replace(spec, sequences=tuple(tuple(i % vocab for i in s) for s in spec.sequences))
+        note = (f"the default token ids {bad} are past the vocabulary of {vocab} tokens: taken modulo "
+                f"{vocab} ({', '.join(str(i) for s in spec.sequences for i in s)}); --input-ids gives your own")
+    elif bad:
+        print(f"layer-boundary run: --input-ids {bad} are outside the vocabulary of {vocab} tokens; pass "
               f"--input-ids below {vocab}", file=sys.stderr)
         return 2
     try:
@@ -253,13 +260,16 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         return 0  # rank 0 reports (and checks, and saves) for the whole run
-    return _report(args, spec, results, backend)
+    return _report(args, spec, results, backend, note)
 
 
-def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any]], backend: str) -> int:
+def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any]], backend: str,
+            note: Optional[str] = None) -> int:
     head = results[0]["header"]
     total = sum(len(s) for s in spec.sequences)
     print(f"model:    {describe_model(spec)}")
+    if note is not None:
+        print(f"input:    {note}")
     print(f"dtype:    {spec.dtype}   device: {spec.device}   ranks: {spec.world_size} ({backend})   "
           f"topology: {head['topology']}   reduction: {spec.reduction}")
     print(f"residual: {head['residual']}")
@@ -285,16 +295,43 @@ def _report(args: argparse.Namespace, spec: RunSpec, results: list[dict[str, Any
           f"{1e3 * slowest['median']:.2f} ms (first call {1e3 * results[0]['first']:.2f} ms)")
     top = torch.topk(logits[-1], k=min(5, head["vocab"]))
     print(f"logits:   [{total}, {head['vocab']}] float32; last token top-5 ids {top.indices.tolist()}")
-    rc = 0
-    if args.check:
-        rc = _check(spec, results)
+    checked = _check(spec, results) if args.check else None
     if args.save_logits:
         torch.save(logits, args.save_logits)
         print(f"saved:    {args.save_logits}")
-    return rc
+    print(f"terms:    {CONCEPTS} explains every term above (PARTIAL, SCOPED, [policy ...] -> ..., variants, ...)")
+    print(_verdict(spec, head["topology"], backend, checked))
+    return 0 if checked is None or checked.ok else 1
 
 
-def _check(spec: RunSpec, results: list[dict[str, Any]]) -> int:
+# The concepts page every term of the report is explained in (linked once, in the "terms" line).
+CONCEPTS = "docs/concepts.md"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    ok: bool
+    worst: float  # the largest |logit difference| against the single-rank model
+    rank: int  # where it was (-1: no rank holds rows)
+    tolerance: float
+
+
+def _verdict(spec: RunSpec, topology: str, backend: str, checked: Optional[CheckResult]) -> str:
+    """The report's last line: what ran, on what layout, and what was verified (or that nothing was)."""
+    ran = (f"verdict:  ran {describe_model(spec)} in {spec.dtype} on {spec.world_size} "
+           f"{'rank' if spec.world_size == 1 else 'ranks'} ({topology}; {spec.device}, {backend})")
+    if checked is None:
+        return (f"{ran}; nothing checked: rerun with --check to compare every rank's logits with the "
+                "single-rank model")
+    where = f" on rank {checked.rank}" if checked.rank >= 0 else ""
+    if checked.ok:
+        return (f"{ran}; checked: logits equal the single-rank model (max |diff| {checked.worst:.3g}{where}, "
+                f"tolerance {checked.tolerance:.3g})")
+    return (f"{ran}; CHECK FAILED: logits differ from the single-rank model by {checked.worst:.3g}{where}, "
+            f"above the tolerance {checked.tolerance:.3g}")
+
+
+def _check(spec: RunSpec, results: list[dict[str, Any]]) -> CheckResult:
     ref = single_rank_logits(RunSpec(**{**spec.__dict__, "tp": 1, "dp": 1, "pp": 1, "cp": 1}))
     scale = max(1.0, ref.abs().max().item())
     tol = CHECK_REL[spec.dtype] * scale
@@ -311,7 +348,7 @@ def _check(spec: RunSpec, results: list[dict[str, Any]]) -> int:
         print("note:     in bfloat16 a near-tie in a MoE router's top-k can choose another expert "
               "when the sums feeding it are regrouped over ranks; that token's logits then move by "
               "more than rounding. Check the layout in float32 (--dtype float32)")
-    return 0 if ok else 1
+    return CheckResult(ok, worst[0], worst[1], tol)
 
 
 def _is_moe_folder(spec: RunSpec) -> bool:
@@ -356,11 +393,8 @@ def _describe_residual(semantics: Any) -> str:
     describe = getattr(semantics, "describe", None)
     if callable(describe):
         return describe()
-    from ..residual.semantics import PLAIN_RESIDUAL
-
     # A plugin's scheme that does not describe itself is named, never given the plain formula.
-    return (f"{semantics.name}: r' = r + y, add+RMSNorm reads" if semantics is PLAIN_RESIDUAL
-            else f"{semantics.name} (a plugin's scheme; it has no describe())")
+    return f"{semantics.name} (a plugin's scheme; it has no describe())"
 
 
 def _sync(device: str) -> None:

@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..forward import get_forward
-from ..ops import all_reduce
-from ..topology import GroupInfo
+from layer_boundary import get_forward, GroupInfo
+
+from .comm import all_reduce
 
 __all__ = [
     "all_gather_last_dim",

@@ -26,11 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages, ops
-from layer_boundary.adapters.tbo import model_forward_stages, plan_overlap
-from layer_boundary.cp import context_parallel_split
-from layer_boundary.models.config import Qwen3Config
-from layer_boundary.models.layers import (
+from layer_boundary import (
+    BoundaryContext, context_parallel_split, declare_attn, declare_ffn, GemmaRMSNorm, GroupInfo, make_stages,
+    model_forward_stages, plan_overlap, recv_tensors, RMSNorm, send_tensors, Topology,
+)
+from layer_boundary.plugin_api import ResidualSemantics, residual_part
+from layer_boundary.residual import batch as residual_batch
+
+from .config import Qwen3Config
+from .layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -38,11 +42,7 @@ from layer_boundary.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from layer_boundary.models.loader import load_checkpoint
-from layer_boundary.norms import GemmaRMSNorm, RMSNorm
-from layer_boundary.providers import ResidualSemantics, residual_part
-from layer_boundary.residual import batch as residual_batch
-from layer_boundary.topology import GroupInfo, Topology
+from .loader import load_checkpoint
 
 __all__ = [
     "Qwen3Attention",
@@ -498,10 +498,10 @@ class Qwen3ForCausalLM(nn.Module):
         A non-first stage first receives the previous stage's tensors over ``topology.pp``.
         """
         pp = self.topology.pp
-        tensors = ops.recv_tensors(pp, device=input_ids.device) if pp.rank > 0 else None
+        tensors = recv_tensors(pp, device=input_ids.device) if pp.rank > 0 else None
         hidden_states = self.model(input_ids, positions, forward_batch, tensors)
         if pp.rank < pp.size - 1:
-            ops.send_tensors(hidden_states, pp)
+            send_tensors(hidden_states, pp)
             return None
         return self.lm_head(hidden_states).float()
 

@@ -15,9 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..context import BoundaryContext
-from ..forward import ForwardBatch
-from ..topology import Topology
+from layer_boundary import BoundaryContext, ForwardBatch, Topology
 
 __all__ = ["RunSpec", "assign_sequences", "build_model", "model_class", "describe_model", "rank_forward",
            "single_rank_logits", "tbo_split", "DTYPES"]
@@ -250,7 +248,7 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
         if cfg.model_type != "qwen3_moe":
             raise ValueError("--fused-finalize needs a Qwen3-MoE model (--moe, or a --model folder "
                              "whose model_type is qwen3_moe); a dense model has no finalize")
-        from ..fusion.moe_finalize import MoeFinalizeFusion
+        from layer_boundary.plugin_api import MoeFinalizeFusion
 
         kw["fusions"] = MoeFinalizeFusion()
     if spec.pattern is not None:
@@ -275,7 +273,7 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
             init_random_weights(model, seed=spec.seed)
         model = model.to(device).eval().requires_grad_(False)
     if spec.fused_finalize:
-        from ..fusion.install import install_finalize_fusion, prepare_finalize_fusion
+        from layer_boundary import install_finalize_fusion, prepare_finalize_fusion
 
         install_finalize_fusion(model, type(kw["fusions"]), terminal_finalize=True)
         prepare_finalize_fusion(model, type(kw["fusions"]))
@@ -325,7 +323,7 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
 def _cp_batch(ids: torch.Tensor, fb: ForwardBatch, token_index: list[int], topology: Topology,
               device: str) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
     """This CP rank's part of a packed prefill batch: its tokens of every sequence (zig-zag)."""
-    from ..cp import CpSplit
+    from layer_boundary import CpSplit
 
     split = CpSplit.zigzag(fb.seq_lens or (fb.num_tokens,), topology, device=device)
     mine = split.owners(split.rank).tolist()
@@ -336,7 +334,7 @@ def _cp_batch(ids: torch.Tensor, fb: ForwardBatch, token_index: list[int], topol
 
 def tbo_split(spec: RunSpec, dp_rank: int, trace: Optional[list] = None) -> Any:
     """The two-batch split of DP group ``dp_rank``'s sequences (every group's row counts too)."""
-    from ..adapters.tbo import TboSplit
+    from layer_boundary import TboSplit
 
     groups = assign_sequences(len(spec.sequences), spec.dp)
     return TboSplit.balanced([[len(spec.sequences[i]) for i in g] for g in groups], dp_rank, trace=trace)

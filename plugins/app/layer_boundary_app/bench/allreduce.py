@@ -53,7 +53,7 @@ COLUMNS = [
 
 
 def _check(got: Any, want: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, bool]:
-    from ..tolerances import DEFAULT_TOLERANCE
+    from layer_boundary.plugin_api import DEFAULT_TOLERANCE
 
     atol, rtol = DEFAULT_TOLERANCE[want[0].dtype]
     err = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
@@ -80,11 +80,9 @@ def best_separate(methods: list[NormMethod], c0: torch.Tensor, r0: torch.Tensor,
 def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ..forward import ForwardBatch
-    from ..kernels.reference import fused_add_rmsnorm_ref
-    from ..providers import NormRequest
-    from ..topology import Topology
-    from ..context import BoundaryContext
+    from layer_boundary import ForwardBatch
+    from layer_boundary.plugin_api import fused_add_rmsnorm_ref, NormRequest
+    from layer_boundary import BoundaryContext, Topology
 
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     # cuda (NCCL) for the benchmark; cpu (gloo) only exercises the harness.

@@ -41,11 +41,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..fusion.moe_finalize import FINALIZE_TOLERANCE
-from ..kernels.reference import fused_add_rmsnorm_ref
-from ..models.moe import moe_finalize
-from ..providers import NormRequest
+from layer_boundary.plugin_api import FINALIZE_TOLERANCE, fused_add_rmsnorm_ref, NormRequest
+
 from . import report
+from ..models.moe import moe_finalize
 from .allreduce import best_separate, us_panels
 from .norm import COPY_BYTES, DTYPES, EPS, NormMethod, norm_methods, peer_methods, providers_for
 from .timing import (TimingPlan, cuda_unavailable, max_over_group, reported_copy_bandwidth, slowest,
@@ -133,7 +132,7 @@ def whole_call(i: Inputs, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) 
 
 
 def _fused_call(i: Inputs, ws: Any) -> Call:
-    from ..fusion.symm_mem import launch
+    from layer_boundary.fusion.symm_mem import launch
 
     r, y = i.residual.clone(), torch.empty_like(i.residual)
 
@@ -256,8 +255,8 @@ def _shape(run: _Rank, t: int, h: int, norms: list[NormMethod], ws: Any) -> list
 def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ..fusion.symm_mem import make_symm_workspace
-    from ..topology import Topology
+    from layer_boundary.fusion.symm_mem import make_symm_workspace
+    from layer_boundary import Topology
 
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     device = this_device("cuda")

@@ -40,21 +40,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layer_boundary import BoundaryContext, ProducerReduction, declare_attn, declare_ffn, make_stages
-from layer_boundary.cp import context_parallel_split
-from layer_boundary.factories import StageDeclaration
-from layer_boundary.models.layers import (
+from layer_boundary import (
+    BoundaryContext, context_parallel_split, declare_attn, declare_ffn, GroupInfo, make_stages,
+    ProducerReduction, RMSNorm, StageDeclaration, Topology,
+)
+from layer_boundary.residual import batch as residual_batch
+
+from .layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from layer_boundary.models.loader import load_tensors
-from layer_boundary.models.qwen3 import Qwen3Attention, Qwen3MLP
-from layer_boundary.norms import RMSNorm
-from layer_boundary.residual import batch as residual_batch
-from layer_boundary.topology import GroupInfo, Topology
+from .loader import load_tensors
+from .qwen3 import Qwen3Attention, Qwen3MLP
 
 __all__ = [
     "LayerKind",

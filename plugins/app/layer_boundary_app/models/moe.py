@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..forward import get_forward
-from ..ops import all_reduce
-from ..output import HandoffOutput
-from ..topology import GroupInfo
+from layer_boundary import get_forward, GroupInfo, HandoffOutput
+from layer_boundary.plugin_api import moe_finalize
+
+from .comm import all_reduce
 from .layers import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
 
 __all__ = [
@@ -127,24 +127,6 @@ class TopKRouter(nn.Module):
     def extra_repr(self) -> str:
         e, h = self.weight.shape
         return f"hidden={h}, experts={e}, top_k={self.top_k}, renormalize={self.renormalize}"
-
-
-def moe_finalize(
-    expert_out: torch.Tensor, topk_weights: torch.Tensor, shared_out: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """The unfused finalize: ``sum_j w[t, j] * expert_out[t, j] (+ shared_out[t])`` -> ``[T, H]``.
-
-    Summed expert by expert in slot order, each product rounded to the model dtype first, as the
-    reference (transformers) accumulates; a sum over ranks still follows when the output is partial.
-    """
-    out = expert_out[:, 0] * topk_weights[:, :1] if expert_out.shape[1] else None
-    for j in range(1, expert_out.shape[1]):
-        out = out + expert_out[:, j] * topk_weights[:, j : j + 1]
-    if out is None:
-        out = expert_out.new_zeros(expert_out.shape[0], expert_out.shape[2])
-    if shared_out is not None:
-        out = out + shared_out
-    return out
 
 
 class SparseMoeBlock(nn.Module):

@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..kernels.reference import fused_add_rmsnorm_ref
-from ..providers import NormRequest
+from layer_boundary.plugin_api import fused_add_rmsnorm_ref, NormRequest
+
 from . import report
 from .timing import TimingPlan, cuda_unavailable, reported_copy_bandwidth, this_device, time_call
 
@@ -55,7 +55,7 @@ class NormMethod:
 
 
 def _provider_method(origin: str, provider: Any, request: NormRequest) -> NormMethod:
-    from ..tolerances import tolerance_of
+    from layer_boundary.plugin_api import tolerance_of
 
     k = provider.kernels(request)
     fused = k.fused_add_rmsnorm
@@ -77,7 +77,7 @@ def _provider_method(origin: str, provider: Any, request: NormRequest) -> NormMe
 def _compiled_method(dtype: torch.dtype, weight_offset: float = 0.0) -> NormMethod:
     import torch._dynamo
 
-    from ..tolerances import DEFAULT_TOLERANCE
+    from layer_boundary.plugin_api import DEFAULT_TOLERANCE
 
     # A fresh Dynamo cache per shape: shapes are static (dynamic=False, as an engine captures a
     # graph per batch size) and would otherwise run into Dynamo's recompile limit.
@@ -106,7 +106,7 @@ EAGER = NormMethod("torch eager", "peer", _eager_call, None)
 def providers_for(device: str) -> list[tuple[str, Any]]:
     """``(origin, provider)`` of every norm-kernel provider known here: installed plugins' and the
     core's (a provider added later appears here without a change to this benchmark)."""
-    from ..context import BoundaryContext
+    from layer_boundary import BoundaryContext
 
     return BoundaryContext.discover(device=device).norm_candidates()
 

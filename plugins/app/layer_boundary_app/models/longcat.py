@@ -36,14 +36,14 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from torch import nn
 
-from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
-from layer_boundary.adapters.branch import branch_output, merge_branch
-from layer_boundary.models.config import Qwen3Config, small_random_config
-from layer_boundary.models.layers import RotaryEmbedding
-from layer_boundary.models.moe import SparseMoeBlock
-from layer_boundary.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
-from layer_boundary.norms import RMSNorm
-from layer_boundary.topology import Topology
+from layer_boundary import (
+    BoundaryContext, branch_output, declare_attn, declare_ffn, make_stages, merge_branch, RMSNorm, Topology,
+)
+
+from .config import Qwen3Config, small_random_config
+from .layers import RotaryEmbedding
+from .moe import SparseMoeBlock
+from .qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 
 __all__ = [
     "LongcatConfig",
@@ -275,8 +275,8 @@ def plain_forward(model: LongcatForCausalLM, input_ids: torch.Tensor, positions:
                   forward_batch: Any) -> torch.Tensor:
     """``logits [T, vocab]`` of ``model`` written out without boundaries (the layer formula in
     the module docstring, with the add+norm references); one pipeline stage, no attention DP."""
-    from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
-    from layer_boundary.models.qwen3_plain import attention_half
+    from layer_boundary.plugin_api import fused_add_rmsnorm_ref
+    from .qwen3_plain import attention_half
 
     topo = model.topology
     if topo.attn_dp.size != 1 or topo.pp.size != 1:

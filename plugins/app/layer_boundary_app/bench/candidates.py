@@ -13,8 +13,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ..context import BoundaryContext
-from ..layout import BatchVariant
+from layer_boundary import BatchVariant, BoundaryContext
 
 __all__ = ["AcceptedCandidate", "accepted_candidates", "no_candidate_reason", "describe_candidates",
            "UnfusedContext", "strip_candidates", "two_stage_plan", "model_stages"]
@@ -95,8 +94,7 @@ def two_stage_plan(ctx: BoundaryContext, hidden: int, dtype: torch.dtype, device
                    seed: int = 0) -> tuple[Any, Any]:
     """An attention and an FFN stage of one decoder layer (previous: an FFN), built on ``ctx``
     with norm weights ``1 + N(0, 0.1^2)`` on ``device``; the context is frozen afterwards."""
-    from ..factories import declare_attn, declare_ffn, make_stages
-    from ..norms import RMSNorm
+    from layer_boundary import declare_attn, declare_ffn, make_stages, RMSNorm
 
     g = torch.Generator().manual_seed(seed)
     norms = []

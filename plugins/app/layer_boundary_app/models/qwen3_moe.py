@@ -22,13 +22,13 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from layer_boundary import BoundaryContext, declare_ffn
-from layer_boundary.models.config import Qwen3MoeConfig
-from layer_boundary.models.layers import RotaryEmbedding
-from layer_boundary.models.moe import SparseMoeBlock
-from layer_boundary.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
-from layer_boundary.providers import ResidualSemantics
-from layer_boundary.topology import Topology
+from layer_boundary import BoundaryContext, declare_ffn, Topology
+from layer_boundary.plugin_api import ResidualSemantics
+
+from .config import Qwen3MoeConfig
+from .layers import RotaryEmbedding
+from .moe import SparseMoeBlock
+from .qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 
 __all__ = [
     "Qwen3MoeDecoderLayer",

@@ -19,12 +19,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..factories import declare_attn, declare_ffn, make_stages
-from ..forward import ForwardBatch
-from ..kernels.reference import fused_add_rmsnorm_ref
-from ..norms import RMSNorm
-from ..residual.add_norm import AddNormReadSpec, NormKernels
-from ..residual.stream import ResidualStream
+from layer_boundary import (
+    AddNormReadSpec, declare_attn, declare_ffn, ForwardBatch, make_stages, ResidualStream, RMSNorm,
+)
+from layer_boundary.plugin_api import fused_add_rmsnorm_ref, NormKernels
 
 __all__ = ["boundary_overhead", "forward_ratio", "host_command"]
 

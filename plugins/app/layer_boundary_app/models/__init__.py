@@ -12,8 +12,8 @@ from .hetero import (
 )
 from .loader import CheckpointMismatch, load_checkpoint, load_tensors
 from .longcat import LongcatConfig, LongcatForCausalLM, init_random_longcat_weights, small_random_longcat_config
-from .qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 from .moe import DeferFinalize, SparseMoeBlock
+from .qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 from .qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel, init_random_moe_weights, random_moe_state_dict
 from .qwen3_plain import plain_forward
 from .random_init import init_random_weights, random_state_dict

@@ -22,13 +22,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from layer_boundary import BoundaryContext
-from layer_boundary.models.config import Qwen3Config
-from layer_boundary.models.layers import RotaryEmbedding
-from layer_boundary.models.loader import load_tensors
-from layer_boundary.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
-from layer_boundary.norms import RMSNorm
+from layer_boundary import BoundaryContext, RMSNorm
 from layer_boundary.residual import batch as residual_batch
+
+from .config import Qwen3Config
+from .layers import RotaryEmbedding
+from .loader import load_tensors
+from .qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
 
 __all__ = ["Qwen3NextN", "Qwen3NextNForCausalLM", "nextn_random_state_dict", "init_random_nextn_weights"]
 
