@@ -13,7 +13,7 @@ names below are imported on first use.
 
 from __future__ import annotations
 
-from layer_boundary.lazy import lazy_exports
+from layer_boundary.plugin_api import lazy_exports
 
 from ._manifest import MANIFEST
 

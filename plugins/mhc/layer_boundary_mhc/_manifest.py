@@ -7,7 +7,7 @@ hook-API version matches the core's.
 
 from __future__ import annotations
 
-from layer_boundary.plugins.manifest import HOOK_API_VERSION, PluginManifest
+from layer_boundary.plugin_api import HOOK_API_VERSION, PluginManifest
 
 __all__ = ["MANIFEST"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from layer_boundary.plugins import hookimpl
+from layer_boundary.plugin_api import hookimpl
 
 from .semantics import MhcSemantics
 

@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 from layer_boundary.plugin_api import StageUpdate
-from layer_boundary.kernels.reference import rmsnorm_ref
-from layer_boundary.norms import norm_params
+from layer_boundary.plugin_api import norm_params, rmsnorm_ref
 
 from .coefficients import acc_dtype
 from .params import MhcHead, MhcStageParams

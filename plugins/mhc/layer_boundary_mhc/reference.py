@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from layer_boundary.kernels.reference import rmsnorm_ref
+from layer_boundary.plugin_api import rmsnorm_ref
 
 from .coefficients import SINKHORN_ITERS, acc_dtype, mhc_coefficients
 from .params import MhcStageParams
