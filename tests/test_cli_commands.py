@@ -11,7 +11,8 @@ from importlib import metadata
 
 import pytest
 
-from layer_boundary.cli import ENTRY_POINT_GROUP, Command
+from layer_boundary.cli import ENTRY_POINT_GROUP
+from layer_boundary.plugin_api import Command
 from layer_boundary.cli import commands as commands_module
 from layer_boundary.cli import main as main_module
 from layer_boundary.cli.commands import CommandEntry

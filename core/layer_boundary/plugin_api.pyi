@@ -55,3 +55,7 @@ from .residual import LayerResidual as LayerResidual
 from .residual import ReadSpec as ReadSpec
 from .residual import StageRead as StageRead
 from .residual import StageUpdate as StageUpdate
+
+# Commands: a distribution adds `layer-boundary <name>` through the entry-point group
+# `layer_boundary.commands` with an object of this protocol
+from .cli.commands import Command as Command

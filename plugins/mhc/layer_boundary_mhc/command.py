@@ -1,5 +1,5 @@
 """``layer-boundary bench mhc``: the plugin's benchmark as a command of the core's ``layer-boundary``
-(entry point ``bench.mhc`` of ``layer_boundary.commands``; protocol: ``layer_boundary.cli.commands``).
+(entry point ``bench.mhc`` of ``layer_boundary.commands``; protocol: ``layer_boundary.plugin_api.Command``).
 
 This module imports argparse only; ``main`` imports the benchmark (``bench``), which times with the
 application's bench helpers (``layer_boundary_app.bench``: ``pip install layer-boundary-app``).

@@ -1,5 +1,5 @@
 """``layer-boundary bench ...``: the benchmark commands, entry points of ``layer_boundary.commands``
-(``bench`` and ``bench.<name>``; protocol: :mod:`layer_boundary.cli.commands`). This module imports
+(``bench`` and ``bench.<name>``; protocol: :class:`layer_boundary.plugin_api.Command`). This module imports
 argparse only; each ``main`` imports its benchmark's module when it runs.
 """
 

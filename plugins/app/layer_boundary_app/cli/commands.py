@@ -1,5 +1,5 @@
 """The application's commands, as the core's ``layer-boundary`` finds them: entry points of
-``layer_boundary.commands`` (protocol: :mod:`layer_boundary.cli.commands`). This module imports
+``layer_boundary.commands`` (protocol: :class:`layer_boundary.plugin_api.Command`). This module imports
 argparse only; each ``main`` imports its command's module (torch, the models) when it runs.
 """
 
