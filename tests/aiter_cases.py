@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from layer_boundary import BoundaryContext, ForwardBatch, declare_attn, declare_ffn, make_stages
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
-from layer_boundary.layout import BatchVariant
-from layer_boundary.norms import GemmaRMSNorm, RMSNorm
-from layer_boundary.plugins import PluginRegistry, hookimpl
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref
+from layer_boundary._layout import BatchVariant
+from layer_boundary._norms import GemmaRMSNorm, RMSNorm
+from layer_boundary._plugins import PluginRegistry, hookimpl
 from layer_boundary_rocm_aiter.api import AiterApi
 from layer_boundary_rocm_aiter.fusion import AiterAllReduceNorm
 from layer_boundary_rocm_aiter.norm import AiterNormKernels

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
 
 __all__ = ["VERSION", "Violation", "AiterDouble", "install"]
 

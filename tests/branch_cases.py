@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from layer_boundary import BoundaryContext, ForwardBatch, Topology, declare_attn, declare_ffn, make_stages
-from layer_boundary.adapters.branch import branch_output, merge_branch
+from layer_boundary._adapters.branch import branch_output, merge_branch
 from layer_boundary_app.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary_app.models.moe import SparseMoeBlock
 

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from layer_boundary import (AuxHiddenStateList, BoundaryContext, ForwardBatch, RMSNorm, Topology,
-                            declare_attn, declare_ffn, make_stages, ops)
-from layer_boundary.layout import BatchVariant
+                            declare_attn, declare_ffn, make_stages, _ops as ops)
+from layer_boundary._layout import BatchVariant
 from layer_boundary_app.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary.residual import batch as rb
-from layer_boundary.residual.add_norm import AddNormReadSpec, NormKernels
+from layer_boundary.residual._add_norm import AddNormReadSpec, NormKernels
 
 from parallel_cases import DeferAlways, F, H, dyadic, topology
 

@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def fake_dist(monkeypatch: pytest.MonkeyPatch):
-    """Collectives of ``layer_boundary.ops`` routed to a recording fake (see helpers.FakeCollectives)."""
+    """Collectives of ``layer_boundary._ops`` routed to a recording fake (see helpers.FakeCollectives)."""
     from helpers import install_fake_dist
 
     return install_fake_dist(monkeypatch)

@@ -20,7 +20,7 @@ from torch import nn
 
 from layer_boundary import BoundaryContext, ForwardBatch, ForwardMode, Topology, get_forward, make_stages
 from layer_boundary import ProducerReduction, declare_attn, declare_ffn
-from layer_boundary.cp import CpSplit, context_parallel_split
+from layer_boundary._cp import CpSplit, context_parallel_split
 from layer_boundary_app.launch import spawn
 from layer_boundary_app.models.layers import ColumnParallelLinear, RowParallelLinear
 

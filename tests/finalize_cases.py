@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from layer_boundary.fusion.moe_finalize import MoeFinalizeFusion
+from layer_boundary._fusion.moe_finalize import MoeFinalizeFusion
 from layer_boundary_app.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
 
 from parallel_cases import topology

@@ -16,9 +16,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run with TRITON_INTERPRET=1 (tests/test_moe_finalize_fusion.py does)", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
-from layer_boundary.fusion.moe_finalize import finalize_partial_ref  # noqa: E402
-from layer_boundary.fusion.symm_mem import SymmWorkspace, launch  # noqa: E402
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref  # noqa: E402
+from layer_boundary._fusion.moe_finalize import finalize_partial_ref  # noqa: E402
+from layer_boundary._fusion.symm_mem import SymmWorkspace, launch  # noqa: E402
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref  # noqa: E402
 
 EPS = 1e-6
 

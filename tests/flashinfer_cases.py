@@ -13,9 +13,9 @@ from typing import Any, Optional
 import torch
 
 from layer_boundary import BoundaryContext, ForwardBatch, declare_attn, declare_ffn, make_stages
-from layer_boundary.layout import BatchVariant
-from layer_boundary.norms import GemmaRMSNorm, RMSNorm
-from layer_boundary.plugins import PluginRegistry
+from layer_boundary._layout import BatchVariant
+from layer_boundary._norms import GemmaRMSNorm, RMSNorm
+from layer_boundary._plugins import PluginRegistry
 
 import flashinfer_double
 import fused_cases
@@ -172,8 +172,8 @@ def _candidate_case(rank: int, world: int, double: Any, case: dict[str, Any]) ->
 
 
 def _fused_of(plan: Any, prov: Any) -> Any:
-    from layer_boundary.fusion import FusedSum
-    from layer_boundary.layout import SumGroup
+    from layer_boundary._fusion import FusedSum
+    from layer_boundary._layout import SumGroup
 
     w = plan.read.weight
     return FusedSum(SumGroup.ATTN_TP, plan.topology.attn_tp, int(w.shape[0]), w.dtype, float(plan.read.offset), None)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from layer_boundary.kernels.reference import rmsnorm_ref
+from layer_boundary._kernels.reference import rmsnorm_ref
 
 __all__ = ["FlashInferMisuse", "FlashInferDouble", "install"]
 

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from layer_boundary import BoundaryContext, ForwardBatch
-from layer_boundary.fusion import AllReduceNormProvider, FusedSum, WorkspaceUnavailable
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
-from layer_boundary.plugins import PluginRegistry, hookimpl
+from layer_boundary._fusion import AllReduceNormProvider, FusedSum, WorkspaceUnavailable
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref
+from layer_boundary._plugins import PluginRegistry, hookimpl
 
 import parallel_cases
 
@@ -149,8 +149,8 @@ def late_refusal(rank: int, world: int) -> dict[str, Any]:
 def symm_mem_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The core symmetric-memory candidate against NCCL all-reduce + the torch reference."""
     from layer_boundary import Topology, declare_attn, declare_ffn, make_stages
-    from layer_boundary.layout import BatchVariant
-    from layer_boundary.norms import GemmaRMSNorm, RMSNorm
+    from layer_boundary._layout import BatchVariant
+    from layer_boundary._norms import GemmaRMSNorm, RMSNorm
 
     topo = parallel_cases.topology(world, 1)
     results = []

@@ -27,8 +27,8 @@ from layer_boundary import (
     declare_ffn,
     make_stages,
 )
-from layer_boundary.contracts import Owed, OwedKind
-from layer_boundary.layout import SumGroup
+from layer_boundary._contracts import Owed, OwedKind
+from layer_boundary._layout import SumGroup
 
 EPS = 1e-6
 
@@ -190,7 +190,7 @@ def fake_topology(*, tp: int = 2, attn_dp: int = 1) -> Topology:
 
 
 class FakeCollectives:
-    """Stands in for torch.distributed under ``layer_boundary.ops``: an all-reduce over a fake
+    """Stands in for torch.distributed under ``layer_boundary._ops``: an all-reduce over a fake
     group of ``n`` ranks multiplies by ``n`` (every rank holds the same values), so a sum that
     runs twice or not at all changes the numbers. Records every call."""
 
@@ -207,9 +207,9 @@ class FakeCollectives:
 
 
 def install_fake_dist(monkeypatch: pytest.MonkeyPatch) -> FakeCollectives:
-    """Route ``layer_boundary.ops`` collectives, and the reference models' own all-reduce
+    """Route ``layer_boundary._ops`` collectives, and the reference models' own all-reduce
     (``layer_boundary_app.models.comm``), to a ``FakeCollectives`` (undone by monkeypatch)."""
-    import layer_boundary.ops as ops
+    import layer_boundary._ops as ops
     import layer_boundary_app.models.comm as comm
 
     fake = FakeCollectives()

@@ -14,13 +14,13 @@ from typing import Any, Optional
 
 import torch
 
-from layer_boundary import StageKind, get_forward, ops
-from layer_boundary.context import BoundaryContext
-from layer_boundary.layout import SumGroup
+from layer_boundary import StageKind, get_forward, _ops as ops
+from layer_boundary._context import BoundaryContext
+from layer_boundary._layout import SumGroup
 from layer_boundary_app.models import hetero
 from layer_boundary_app.models.runner import RunSpec, rank_forward, single_rank_logits
-from layer_boundary.reduction import return_paths
-from layer_boundary.residual.add_norm import PLAIN_ADD
+from layer_boundary._reduction import return_paths
+from layer_boundary.residual._add_norm import PLAIN_ADD
 
 from parallel_cases import count_collectives, topology
 

@@ -22,7 +22,7 @@ from torch import nn
 from layer_boundary import BoundaryContext, ForwardBatch, Topology, declare_attn, declare_ffn, make_stages
 from layer_boundary_app.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary_app.models.moe import DeferFinalize, SparseMoeBlock
-from layer_boundary.output import HandoffOutput
+from layer_boundary._output import HandoffOutput
 
 from parallel_cases import BoundaryStack, count_collectives, dp_rows, dyadic, topology
 

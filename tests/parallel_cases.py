@@ -16,7 +16,7 @@ from torch import nn
 
 from layer_boundary import (BoundaryContext, ForwardBatch, ProducerReduction, Topology, declare_attn,
                             declare_ffn, get_forward, make_stages)
-from layer_boundary import ops
+from layer_boundary import _ops as ops
 from layer_boundary_app.models.layers import ColumnParallelLinear, RowParallelLinear
 from layer_boundary.residual import batch as residual_batch
 
@@ -230,7 +230,7 @@ def count_dp_moves() -> Iterator[dict[str, int]]:
     """How often the FFN input under attention DP took each path: ``joined_sum`` (the attention
     sum, the plain add and the gather in one all-reduce) or ``gather`` (read on the local rows,
     then the normalized input gathered: the ``before_gather`` read order)."""
-    from layer_boundary.dp import DpRows
+    from layer_boundary._dp import DpRows
 
     counts = {"gather": 0, "joined_sum": 0}
     saved = {name: getattr(DpRows, name) for name in counts}
@@ -255,7 +255,7 @@ def count_dp_moves() -> Iterator[dict[str, int]]:
 
 def qwen3_matrix(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The Qwen3 reference on each case's layout against the single-rank model."""
-    from layer_boundary.layout import BatchVariant
+    from layer_boundary._layout import BatchVariant
     from layer_boundary_app.models.runner import RunSpec, build_model, rank_forward, single_rank_logits
 
     results = []

@@ -30,9 +30,9 @@ import pytest
 import torch
 
 from layer_boundary import BoundaryContext
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.plugins import ENTRY_POINT_GROUP, HOOK_API_VERSION, PluginRegistry, hookimpl
-from layer_boundary.residual.add_norm import NormKernels
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary._plugins import ENTRY_POINT_GROUP, HOOK_API_VERSION, PluginRegistry, hookimpl
+from layer_boundary.residual._add_norm import NormKernels
 
 PREFIX = "lbt_"
 

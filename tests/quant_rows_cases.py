@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from layer_boundary.kernels.reference import rmsnorm_fp8_ref
-from layer_boundary.dp import DpRows
-from layer_boundary.rows import move_input
+from layer_boundary._kernels.reference import rmsnorm_fp8_ref
+from layer_boundary._dp import DpRows
+from layer_boundary._rows import move_input
 
 import parallel_cases
 

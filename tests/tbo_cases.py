@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from layer_boundary import BoundaryContext, ForwardBatch, Topology
-from layer_boundary.adapters.tbo import TboPlan, TboRows, TboSplit, model_forward_stages, plan_overlap
+from layer_boundary._adapters.tbo import TboPlan, TboRows, TboSplit, model_forward_stages, plan_overlap
 from layer_boundary.residual import batch as residual_batch
 
 from moe_cases import H, LinearMoeLayer, count_handoffs

@@ -31,11 +31,11 @@ from layer_boundary import (
     declare_ffn,
     make_stages,
 )
-from layer_boundary.contracts import Owed, OwedKind
-from layer_boundary.layout import SumGroup
-from layer_boundary.output import OwedOutput
-from layer_boundary.residual.stream import StreamState
-from layer_boundary.errors import FOREIGN_OUTPUT, SNAPSHOT_PLAIN, START_FIRST, WRITE_BEFORE_TAKE
+from layer_boundary._contracts import Owed, OwedKind
+from layer_boundary._layout import SumGroup
+from layer_boundary._output import OwedOutput
+from layer_boundary.residual._stream import StreamState
+from layer_boundary._errors import FOREIGN_OUTPUT, SNAPSHOT_PLAIN, START_FIRST, WRITE_BEFORE_TAKE
 from layer_boundary.residual import batch as rb
 
 H, T = 8, 3

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from layer_boundary import BatchVariant, RMSNorm, declare_attn, declare_ffn, make_stages
-from layer_boundary.batch_rows import BatchRows, OrdinaryRows
-from layer_boundary.context import BoundaryContext
-from layer_boundary.cp import CpRows
-from layer_boundary.dp import AttentionDpRows
-from layer_boundary.scatter import ScatteredRows
+from layer_boundary._batch_rows import BatchRows, OrdinaryRows
+from layer_boundary._context import BoundaryContext
+from layer_boundary._cp import CpRows
+from layer_boundary._dp import AttentionDpRows
+from layer_boundary._scatter import ScatteredRows
 
 from cp_cases import fake_cp_topology
 from helpers import fake_topology

@@ -21,10 +21,10 @@ from layer_boundary_app.bench import report
 from layer_boundary_app.bench.candidates import (UnfusedContext, accepted_candidates, no_candidate_reason,
                                              strip_candidates, two_stage_plan)
 from layer_boundary_app.bench.timing import TimingPlan, wall_time
-from layer_boundary.cli.main import build_parser, main
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.providers import NormRequest
-from layer_boundary.residual.add_norm import NormKernels
+from layer_boundary._cli.main import build_parser, main
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary._providers import NormRequest
+from layer_boundary.residual._add_norm import NormKernels
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -14,12 +14,12 @@ import torch
 from layer_boundary_app.bench import finalize as fin
 from layer_boundary_app.bench import report
 from layer_boundary_app.bench.norm import EPS, norm_methods
-from layer_boundary.cli.main import build_parser, main
-from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE, finalize_partial_ref
-from layer_boundary.kernels.providers import ReferenceNormProvider
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
+from layer_boundary._cli.main import build_parser, main
+from layer_boundary._fusion.moe_finalize import FINALIZE_TOLERANCE, finalize_partial_ref
+from layer_boundary._kernels.providers import ReferenceNormProvider
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref
 from layer_boundary_app.models.moe import moe_finalize
-from layer_boundary.providers import NormRequest
+from layer_boundary._providers import NormRequest
 
 
 def test_parser_reads_the_finalize_options():

@@ -17,8 +17,8 @@ from torch import nn
 from helpers import HalfSkip, exact, fake_topology, raises_exact
 from layer_boundary import (BatchVariant, BoundaryContext, BoundaryError, DeclarationError, ForwardBatch,
                             Topology, declare_attn, declare_ffn, make_ffn_stage, make_stages)
-from layer_boundary.adapters.branch import BranchOutput, branch_output, merge_branch
-from layer_boundary.errors import BRANCH_ENTRY
+from layer_boundary._adapters.branch import BranchOutput, branch_output, merge_branch
+from layer_boundary._errors import BRANCH_ENTRY
 from layer_boundary_app.launch import spawn
 from layer_boundary.residual import batch as rb
 
@@ -247,7 +247,7 @@ def test_an_unmerged_branch_output_is_never_dropped(leave):
         elif leave == "to_pp":
             rb.to_pp(h, fb)
         elif leave == "split_stream":
-            from layer_boundary.adapters.tbo import split_stream
+            from layer_boundary._adapters.tbo import split_stream
 
             split_stream(h, fb, [ForwardBatch(num_tokens=2), ForwardBatch(num_tokens=T - 2)])
         else:
@@ -412,14 +412,14 @@ def test_longcat_reference_matches_one_rank_on_every_layout(matrix):
 
 
 def test_help_describes_longcat():
-    from layer_boundary.cli.main import build_parser
+    from layer_boundary._cli.main import build_parser
 
     text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
     assert "--longcat" in text and "LongCat-style" in text and "branch_input" in text
 
 
 def test_single_rank_longcat_run_is_bitwise_the_model(tmp_path, capsys):
-    from layer_boundary.cli.main import main
+    from layer_boundary._cli.main import main
     from layer_boundary_app.models.longcat import (LongcatForCausalLM, init_random_longcat_weights,
                                                small_random_longcat_config)
 
@@ -438,7 +438,7 @@ def test_single_rank_longcat_run_is_bitwise_the_model(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_longcat_runs_on_two_dp_groups_and_checks(capsys):
-    from layer_boundary.cli.main import main
+    from layer_boundary._cli.main import main
 
     rc = main(["run", "--longcat", "--check", "--dp", "2", "--reduction", "rsv", "--input-ids",
                "3,1,4;1,5;9,2,6"])

@@ -10,10 +10,10 @@ import torch
 
 from helpers import make_norm
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
-from layer_boundary.forward import ForwardBatch
+from layer_boundary._forward import ForwardBatch
 from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
-from layer_boundary.plugins import PluginError, PluginRegistry, PluginStatus, discover
-from layer_boundary.providers import NormRequest
+from layer_boundary._plugins import PluginError, PluginRegistry, PluginStatus, discover
+from layer_boundary._providers import NormRequest
 from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
 from test_registry import InProcess
 
@@ -110,7 +110,7 @@ class HollowKernels(BrokenKernels):
     name = "hollow-kernels"
 
     def kernels(self, request):
-        from layer_boundary.residual.add_norm import NormKernels
+        from layer_boundary.residual._add_norm import NormKernels
 
         return NormKernels("hollow", None, None)  # a trial: accepted, then the first forward crashed
 
@@ -136,7 +136,7 @@ def test_providers_that_return_the_wrong_thing_are_skipped_with_the_reason():
     ctx.freeze()
     report = "\n".join(ctx.report.lines())
     assert "false-refusal (vendor): refuse() returned False: expected None (it serves) or a str" in report
-    assert "junk-kernels (vendor): kernels() returned str: expected layer_boundary.residual.add_norm.NormKernels" \
+    assert "junk-kernels (vendor): kernels() returned str: expected layer_boundary.residual._add_norm.NormKernels" \
         in report
     assert "hollow-kernels (vendor): kernels() returned a NormKernels whose rmsnorm is NoneType, not a callable" \
         in report
@@ -219,7 +219,7 @@ def test_a_plugin_scheme_named_plain_is_ignored_and_not_listed():
 def test_the_plugins_listing_in_strict_mode_still_calls_the_hooks(plugin_site: PluginSite, monkeypatch, capsys):
     # Strict mode fails on the broken plugin, and the listing it still prints must show it failed
     # (it once showed discovery alone: "active").
-    from layer_boundary.cli.main import main
+    from layer_boundary._cli.main import main
 
     plugin_site.add("alpha")
     plugin_site.add("single", hooks_source='''
@@ -241,7 +241,7 @@ def test_the_plugins_listing_in_strict_mode_still_calls_the_hooks(plugin_site: P
 @pytest.mark.parametrize("field", ["provides", "requires_distributions"])
 def test_a_manifest_field_given_as_a_string_is_refused_with_the_fix(field):
     # It was read a character at a time ("t, o, r, c, h not installed").
-    from layer_boundary.plugins import PluginManifest
+    from layer_boundary._plugins import PluginManifest
 
     kw = dict(name="vendor", api_version=1, provides=("norm_kernels",), hooks="vendor.hooks")
     kw[field] = "norm_kernels" if field == "provides" else "torch"
@@ -258,7 +258,7 @@ def test_a_residual_that_is_neither_a_name_nor_a_scheme_is_refused():
 
 def test_a_reason_of_several_lines_stays_on_its_row_of_the_listing(plugin_site: PluginSite, capsys):
     # A hook's exception text of several lines (as pluggy's are) once broke the table's rows.
-    from layer_boundary.cli.main import main
+    from layer_boundary._cli.main import main
 
     plugin_site.add("alpha")
     plugin_site.add("wordy", hooks_source='''
@@ -281,7 +281,7 @@ def test_a_reason_of_several_lines_stays_on_its_row_of_the_listing(plugin_site: 
 def test_strict_mode_refuses_a_provider_skipped_for_a_defect():
     """A trial: pinned and strict, a provider whose refuse() raised was skipped with one log line and
     the engine ran the torch reference: strict must make that an error when construction ends."""
-    from layer_boundary.plugins.discovery import DiscoveryOptions
+    from layer_boundary._plugins.discovery import DiscoveryOptions
 
     reg = PluginRegistry([], DiscoveryOptions(strict=True))
     reg.register(InProcess('v', norms=[BrokenKernels()]), name="vendor")
@@ -314,9 +314,9 @@ class WrongShapeKernels(BrokenKernels):
         self.quant = quant
 
     def kernels(self, request):
-        from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-        from layer_boundary.quant import QuantizedRows
-        from layer_boundary.residual.add_norm import NormKernels, reference_kernels
+        from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+        from layer_boundary._quant import QuantizedRows
+        from layer_boundary.residual._add_norm import NormKernels, reference_kernels
 
         ref = reference_kernels(request.quant)
 
@@ -340,8 +340,8 @@ class WrongShapeKernels(BrokenKernels):
 
 
 def _broken_layer(bad, *, strict=False, quant=None):
-    from layer_boundary.plugins.discovery import DiscoveryOptions
-    from layer_boundary.residual.add_norm import AddNormReadSpec
+    from layer_boundary._plugins.discovery import DiscoveryOptions
+    from layer_boundary.residual._add_norm import AddNormReadSpec
 
     reg = PluginRegistry([], DiscoveryOptions(strict=strict))
     reg.register(InProcess('v', norms=[WrongShapeKernels(bad)]), name="vendor")
@@ -382,7 +382,7 @@ def test_kernels_defective_at_their_first_call_are_reported_and_replaced(bad, ca
     assert said == [f"provider wrong-shape skipped: its kernels 'spoilt-{bad}' (plugin vendor) are defective at "
                     f"their first call in attn #1: {SHOWN[bad]}; torch-reference serves instead, for every stage of "
                     "this model (run the plugin's conformance kit; LAYER_BOUNDARY_DISABLE=vendor leaves it out)"]
-    from layer_boundary.residual.add_norm import REFERENCE_KERNELS
+    from layer_boundary.residual._add_norm import REFERENCE_KERNELS
 
     # One warning: the FFN's read was switched before its first call, never running the kernels.
     for stage in (attn, ffn):
@@ -403,8 +403,8 @@ def test_a_fused_kernel_defective_at_its_first_call_is_rerun_on_untouched_inputs
     ffn.plan.read._checked_read = True  # as if its rmsnorm had passed: the fused call is first
     x, c = torch.randn(5, 64), torch.randn(5, 64)
     from layer_boundary.residual import batch as residual_batch
-    from layer_boundary.residual.add_norm import REFERENCE_KERNELS
-    from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
+    from layer_boundary.residual._add_norm import REFERENCE_KERNELS
+    from layer_boundary._kernels.reference import fused_add_rmsnorm_ref
 
     fb = ForwardBatch.for_tokens(5)
     residual_batch.start(fb)
@@ -426,7 +426,7 @@ def test_a_defective_kernel_in_strict_mode_or_given_to_the_read_is_an_error():
                                             r"vendor\) are defective at their first call in attn #1: rmsnorm "
                                             r"returned y \(5, 63\) float32 .* \[strict plugin mode"):
         _run_layer(attn, ffn, torch.randn(5, 64), torch.randn(5, 64))
-    from layer_boundary.residual.add_norm import AddNormReadSpec
+    from layer_boundary.residual._add_norm import AddNormReadSpec
 
     given = WrongShapeKernels("dtype").kernels(NormRequest("cpu", torch.float32, 64, 0.0, None))
     attn, ffn = make_stages((declare_attn(read=AddNormReadSpec(kernels=given)), make_norm(64, torch.float32)),
@@ -452,7 +452,7 @@ def test_an_input_the_reference_refuses_too_is_the_callers_error_not_a_defect(ca
 def test_a_quantized_read_is_checked_at_its_first_call_too(caplog):
     """Before, FP8 reads skipped the check: scales of the wrong shape reached the GEMM."""
     from layer_boundary.residual import batch as residual_batch
-    from layer_boundary.residual.add_norm import REFERENCE_FP8_KERNELS
+    from layer_boundary.residual._add_norm import REFERENCE_FP8_KERNELS
 
     _, attn, _ = _broken_layer("shape", quant="fp8_e4m3")
     fb = ForwardBatch.for_tokens(5)
@@ -467,7 +467,7 @@ def test_a_quantized_read_is_checked_at_its_first_call_too(caplog):
 def test_a_defect_found_at_a_later_path_replaces_the_kernels_of_reads_already_past_their_first_call(caplog):
     # A trial: the fused kernel failed at the FFN; the attention's read, whose rmsnorm had passed
     # its check, kept the defective provider's kernels while the warning said "every stage".
-    from layer_boundary.residual.add_norm import REFERENCE_KERNELS
+    from layer_boundary.residual._add_norm import REFERENCE_KERNELS
 
     ctx, attn, ffn = _broken_layer("fused_shape")
     x, c = torch.randn(5, 64), torch.randn(5, 64)

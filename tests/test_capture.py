@@ -28,14 +28,14 @@ from layer_boundary import (
     declare_ffn,
     make_stages,
 )
-from layer_boundary.contracts import Owed, OwedKind
-from layer_boundary.layout import SumGroup
-from layer_boundary.output import OwedOutput
-from layer_boundary.residual.stream import StreamState
-from layer_boundary.errors import SNAPSHOT_PLAIN
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary._contracts import Owed, OwedKind
+from layer_boundary._layout import SumGroup
+from layer_boundary._output import OwedOutput
+from layer_boundary.residual._stream import StreamState
+from layer_boundary._errors import SNAPSHOT_PLAIN
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
 from layer_boundary.residual import batch as rb
-from layer_boundary.residual.add_norm import AddNormReadSpec, NormKernels
+from layer_boundary.residual._add_norm import AddNormReadSpec, NormKernels
 
 H, T = 8, 3
 F64 = torch.float64

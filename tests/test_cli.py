@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from layer_boundary.cli.main import main
-from layer_boundary.forward import ForwardBatch
+from layer_boundary._cli.main import main
+from layer_boundary._forward import ForwardBatch
 from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 
 
@@ -190,7 +190,7 @@ def test_cuda_without_gpu_says_so(capsys):
 
 def test_console_script_is_installed():
     # The installed entry point, as the README runs it.
-    r = subprocess.run([sys.executable, "-m", "layer_boundary.cli.main", "run", "--input-ids", "1,2"],
+    r = subprocess.run([sys.executable, "-m", "layer_boundary._cli.main", "run", "--input-ids", "1,2"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "logits:" in r.stdout
@@ -263,7 +263,7 @@ def test_an_output_file_that_is_a_folder_is_refused_before_the_work(tmp_path, ca
 
 def test_a_reader_that_goes_away_ends_the_listing_quietly():
     # A trial: `layer-boundary plugins | head -3` ended in a BrokenPipeError traceback.
-    proc = subprocess.Popen([sys.executable, "-m", "layer_boundary.cli.main", "plugins"],
+    proc = subprocess.Popen([sys.executable, "-m", "layer_boundary._cli.main", "plugins"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before the listing is written
     _, err = proc.communicate(timeout=120)
@@ -292,7 +292,7 @@ def test_a_residual_scheme_is_any_registered_name_and_an_unknown_one_says_which_
 
 def test_a_plugins_scheme_is_never_described_with_the_plain_formula():
     from layer_boundary_app.cli.run import _describe_residual
-    from layer_boundary.residual.semantics import PLAIN_RESIDUAL
+    from layer_boundary.residual._semantics import PLAIN_RESIDUAL
 
     class Vendor:
         name = "vendor-hc"
@@ -306,7 +306,7 @@ def test_non_finite_logits_name_the_plugin_kernels_the_model_ran_as_suspects():
     from types import SimpleNamespace
 
     from layer_boundary_app.cli.run import _plugin_suspects
-    from layer_boundary.selection import Selection, SelectionReport
+    from layer_boundary._selection import Selection, SelectionReport
 
     norm = SimpleNamespace(name="acme-norm")
     report = SelectionReport([Selection("attn #1", "ORDINARY", "norm kernels", "r", "acme-norm", ()),

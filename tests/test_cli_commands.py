@@ -11,12 +11,12 @@ from importlib import metadata
 
 import pytest
 
-from layer_boundary.cli import ENTRY_POINT_GROUP
+from layer_boundary._cli import ENTRY_POINT_GROUP
 from layer_boundary.plugin_api import Command
-from layer_boundary.cli import commands as commands_module
-from layer_boundary.cli import main as main_module
-from layer_boundary.cli.commands import CommandEntry
-from layer_boundary.cli.main import main
+from layer_boundary._cli import commands as commands_module
+from layer_boundary._cli import main as main_module
+from layer_boundary._cli.commands import CommandEntry
+from layer_boundary._cli.main import main
 
 
 class DemoBench:
@@ -132,7 +132,7 @@ def test_version_prints_the_core_and_the_command_distributions(capsys):
     (["--version"], ["torch", "layer_boundary_app"]),
 ])
 def test_listing_imports_no_torch_and_no_command_module(argv, unwanted):
-    code = (f"import sys\nfrom layer_boundary.cli.main import main\ntry:\n    main({argv!r})\n"
+    code = (f"import sys\nfrom layer_boundary._cli.main import main\ntry:\n    main({argv!r})\n"
             f"except SystemExit:\n    pass\nprint(sorted(m for m in {unwanted!r} if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

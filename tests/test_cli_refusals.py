@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from layer_boundary.cli.main import main
-from layer_boundary.plugins import PluginError, discover
+from layer_boundary._cli.main import main
+from layer_boundary._plugins import PluginError, discover
 from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
 
 
@@ -28,7 +28,7 @@ def test_bench_norm_on_cpu_runs_without_pytest(tmp_path):
         sys.modules["pytest"] = None  # not installed
         import torch
         from layer_boundary_app.bench import norm
-        from layer_boundary.cli.main import main
+        from layer_boundary._cli.main import main
         norm._compiled_method(torch.bfloat16)  # the torch.compile peer's tolerance (compiles lazily)
         sys.exit(main(["bench", "norm", "--device", "cpu", "--tokens", "1", "--hidden", "64",
                        "--no-compile", "--replays", "2", "--out", {str(tmp_path)!r}]))
@@ -83,7 +83,7 @@ def test_torch_that_cannot_import_is_one_clear_error(command):
     r = _run(f"""
         import sys
         sys.modules["numpy"] = None  # torch warns at import without NumPy
-        from layer_boundary.cli.main import main
+        from layer_boundary._cli.main import main
         sys.exit(main({command!r}))
     """, "-W", "error")
     assert r.returncode == 1, (r.returncode, r.stderr[-3000:])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from layer_boundary.cli.main import main
-from layer_boundary.selection import Candidate, Selection, not_on_this_device
+from layer_boundary._cli.main import main
+from layer_boundary._selection import Candidate, Selection, not_on_this_device
 
 
 def _lines(capsys) -> list[str]:
@@ -69,9 +69,9 @@ def test_the_selection_report_lists_device_refusals_apart():
 
 
 def test_the_core_and_vendor_device_refusals_are_marked():
-    from layer_boundary.kernels.providers import TRITON_PROVIDER
+    from layer_boundary._kernels.providers import TRITON_PROVIDER
     from layer_boundary.plugin_api import NormRequest, cuda_half_norm_refusal
-    from layer_boundary.selection import OffDevice
+    from layer_boundary._selection import OffDevice
 
     req = NormRequest("cpu", torch.bfloat16, 64)
     assert isinstance(TRITON_PROVIDER.refuse(req), OffDevice)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layer_boundary.kernels.providers import REFERENCE_PROVIDER
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.residual.add_norm import NormKernels
-from layer_boundary.residual.semantics import PLAIN_RESIDUAL
+from layer_boundary._kernels.providers import REFERENCE_PROVIDER
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary.residual._add_norm import NormKernels
+from layer_boundary.residual._semantics import PLAIN_RESIDUAL
 from layer_boundary.testing import NormKernelConformance, ResidualSemanticsConformance
 
 
@@ -187,8 +187,8 @@ class _ScaledClaimsPlain:
                 residual.dtype)
 
     def stage(self, hidden_size, *, dtype, device=None):
-        from layer_boundary.providers import StageResidual
-        from layer_boundary.residual.add_norm import ADD_NORM
+        from layer_boundary._providers import StageResidual
+        from layer_boundary.residual._add_norm import ADD_NORM
 
         return StageResidual(self.Update(), ADD_NORM, None)
 
@@ -225,8 +225,8 @@ class _Fp32Read(_ScaledClaimsPlain):
             return _Fp32Read.Read(norm)
 
     def stage(self, hidden_size, *, dtype, device=None):
-        from layer_boundary.providers import StageResidual
-        from layer_boundary.residual.add_norm import PLAIN_ADD
+        from layer_boundary._providers import StageResidual
+        from layer_boundary.residual._add_norm import PLAIN_ADD
 
         return StageResidual(PLAIN_ADD, self.Spec(), None)
 
@@ -247,5 +247,5 @@ def test_semantics_kit_says_what_a_defective_scheme_got_wrong():
         def exit(self, hidden_size, *, dtype, device=None):
             return None
 
-    with pytest.raises(TypeError, match=r"exit\(\) returned NoneType, expected layer_boundary.providers.StageResidual"):
+    with pytest.raises(TypeError, match=r"exit\(\) returned NoneType, expected layer_boundary._providers.StageResidual"):
         kit.test_stream_transitions(ExitNone(), 32, torch.float32)

@@ -27,9 +27,9 @@ from layer_boundary import (
     declare_ffn,
     make_stages,
 )
-from layer_boundary.cli.main import main
-from layer_boundary.cp import CpSplit, context_parallel_split
-from layer_boundary.errors import BoundaryError
+from layer_boundary._cli.main import main
+from layer_boundary._cp import CpSplit, context_parallel_split
+from layer_boundary._errors import BoundaryError
 from layer_boundary.residual import batch as rb
 
 import cp_cases
@@ -100,7 +100,7 @@ def test_a_split_must_partition_the_tokens():
 
 
 def test_attention_sums_over_the_head_group():
-    from layer_boundary.layout import SumGroup
+    from layer_boundary._layout import SumGroup
 
     topo = fake_cp_topology(tp=4, cp=2)
     assert topo.attn_heads.ranks == (0, 2) and topo.attn_cp.ranks == (0, 1)
@@ -226,7 +226,7 @@ def test_cp_batch_needs_its_split_for_this_topology():
     a, _ = layer(fake_cp_topology())
     fb = started(context_parallel=True)
     with raises_exact(BoundaryError, "a context-parallel batch has no forward_batch.cp_split; build "
-                      "the token mapping with layer_boundary.cp.CpSplit.zigzag(seq_lens, topology) "
+                      "the token mapping with layer_boundary._cp.CpSplit.zigzag(seq_lens, topology) "
                       "and give this rank its rows"):
         a.prepare(torch.randn(3, H), fb)
     other = fake_cp_topology(tp=4, cp=4)
@@ -254,7 +254,7 @@ def test_whole_sequences_given_as_a_cp_batchs_seq_lens_say_where_they_go():
 
 
 def test_two_batch_overlap_refuses_a_cp_batch():
-    from layer_boundary.adapters.tbo import TboSplit, split_batch
+    from layer_boundary._adapters.tbo import TboSplit, split_batch
 
     fb = ForwardBatch(num_tokens=4, context_parallel=True)
     with pytest.raises(ValueError, match="two-batch overlap with a context-parallel batch is not supported"):

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.providers import NormKernelProvider, NormRequest
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary._providers import NormKernelProvider, NormRequest
 
 from layer_boundary_cutedsl import hooks as cute_hooks
 from layer_boundary_cutedsl.norm import FP8_REFUSAL, CuTeDSLNormProvider, cutedsl_kernels

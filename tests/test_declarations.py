@@ -35,10 +35,10 @@ from layer_boundary import (
     make_ffn_stage,
     make_stages,
 )
-from layer_boundary.output import OwedOutput
-from layer_boundary.residual.stream import StreamState
+from layer_boundary._output import OwedOutput
+from layer_boundary.residual._stream import StreamState
 from layer_boundary.residual import batch as rb
-from layer_boundary.residual.add_norm import ADD_NORM, PLAIN_ADD
+from layer_boundary.residual._add_norm import ADD_NORM, PLAIN_ADD
 
 H, T = 8, 3
 F64 = torch.float64
@@ -383,7 +383,7 @@ def test_update_at_producer_is_applied_at_the_exit():
 def test_terminal_is_a_bool():
     # Found by a new-user trial: terminal="yes" was taken as true.
     from layer_boundary import DeclarationError, declare_attn, make_stages
-    from layer_boundary.norms import RMSNorm
+    from layer_boundary._norms import RMSNorm
 
     with pytest.raises(DeclarationError, match="got str 'yes'"):
         make_stages((declare_attn(), RMSNorm(8)), terminal="yes")
@@ -394,7 +394,7 @@ def test_make_stages_errors_describe_a_wrong_argument_briefly():
     import torch
 
     from layer_boundary import DeclarationError, declare_attn, make_stages
-    from layer_boundary.norms import RMSNorm
+    from layer_boundary._norms import RMSNorm
 
     big = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)])
     with pytest.raises(TypeError, match="make_stages item 0 must be") as err:
@@ -409,7 +409,7 @@ def test_make_stages_errors_describe_a_wrong_argument_briefly():
 
 def test_an_option_typo_gets_the_near_name():
     from layer_boundary import DeclarationError, declare_attn, make_stages
-    from layer_boundary.norms import RMSNorm
+    from layer_boundary._norms import RMSNorm
 
     with pytest.raises(DeclarationError, match=r"an attn stage accepts only \['fusions', 'qkv_latent_func'\] "
                                                r"\('fusion': did you mean 'fusions'\?\)"):

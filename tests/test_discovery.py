@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from layer_boundary import BoundaryContext
-from layer_boundary.plugins import HOOK_API_VERSION, PluginError, PluginStatus, discover
+from layer_boundary._plugins import HOOK_API_VERSION, PluginError, PluginStatus, discover
 from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
 
 ACTIVE, FAILED, UNAVAILABLE = PluginStatus.ACTIVE, PluginStatus.FAILED, PluginStatus.UNAVAILABLE
@@ -118,7 +118,7 @@ def test_the_core_variables_list_names_every_variable_the_sources_read():
     import pathlib
     import re
 
-    from layer_boundary.plugins.discovery import CORE_VARIABLES
+    from layer_boundary._plugins.discovery import CORE_VARIABLES
 
     core = pathlib.Path(__file__).resolve().parents[1] / "core" / "layer_boundary"
     # every variable name the core spells as a whole string literal
@@ -592,7 +592,7 @@ def test_import_layer_boundary_discovers_nothing(plugin_site: PluginSite):
 
 
 def test_an_on_off_variable_with_another_word_warns_that_it_is_off(caplog):
-    from layer_boundary.plugins.discovery import ENV_STRICT, DiscoveryOptions
+    from layer_boundary._plugins.discovery import ENV_STRICT, DiscoveryOptions
 
     with caplog.at_level("WARNING", logger="layer_boundary.plugins"):
         assert not DiscoveryOptions.resolve(env={ENV_STRICT: "maybe"}).strict

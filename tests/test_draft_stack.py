@@ -13,7 +13,7 @@ import torch
 
 from helpers import TOL, raises_exact
 from layer_boundary import BoundaryError, ForwardBatch, Topology
-from layer_boundary.errors import START_FIRST, WRITE_BEFORE_TAKE
+from layer_boundary._errors import START_FIRST, WRITE_BEFORE_TAKE
 from layer_boundary_app.models.config import small_random_config
 from layer_boundary_app.models.nextn import Qwen3NextNForCausalLM, init_random_nextn_weights
 from layer_boundary_app.models.qwen3 import Qwen3ForCausalLM

@@ -32,8 +32,8 @@ from layer_boundary import (
     make_ffn_stage,
     make_stages,
 )
-from layer_boundary import errors
-from layer_boundary.errors import (
+from layer_boundary import _errors as errors
+from layer_boundary._errors import (
     BRANCH_ENTRY,
     FOREIGN_OUTPUT,
     LOCAL_TAIL_ATTN,
@@ -513,7 +513,7 @@ def test_exit_restores_flags_set_before_it():
 def test_forward_batch_token_counts_take_any_integer_and_no_bool():
     # An engine's counts are often numpy integers; True used to pass as 1, np.int64(5) failed; a tensor
     # would make the batch wait for the device.
-    from layer_boundary.forward import ForwardBatch
+    from layer_boundary._forward import ForwardBatch
 
     np = pytest.importorskip("numpy")
 
@@ -526,8 +526,8 @@ def test_forward_batch_token_counts_take_any_integer_and_no_bool():
 
 def test_a_second_final_norm_says_the_stack_already_ended():
     from layer_boundary import ForwardBatch, Topology, declare_attn, make_stages
-    from layer_boundary.errors import BoundaryError
-    from layer_boundary.norms import RMSNorm
+    from layer_boundary._errors import BoundaryError
+    from layer_boundary._norms import RMSNorm
     from layer_boundary.residual import batch as rb
 
     (stage,) = make_stages((declare_attn(), RMSNorm(16)), topology=Topology.single(), terminal=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
 from layer_boundary_app.launch import spawn
-from layer_boundary.providers import NormRequest
+from layer_boundary._providers import NormRequest
 
 import flashinfer_cases
 from layer_boundary_flashinfer import fusion as fi_fusion

@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from layer_boundary import BoundaryContext, ForwardBatch
-from layer_boundary.fusion import FusedSum
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary._fusion import FusedSum
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
 from layer_boundary_app.launch import spawn
-from layer_boundary.layout import SumGroup
-from layer_boundary.plugins import PluginError, PluginRegistry, PluginStatus
-from layer_boundary.plugins.discovery import DiscoveryOptions, find_plugins
-from layer_boundary.providers import NormRequest
+from layer_boundary._layout import SumGroup
+from layer_boundary._plugins import PluginError, PluginRegistry, PluginStatus
+from layer_boundary._plugins.discovery import DiscoveryOptions, find_plugins
+from layer_boundary._providers import NormRequest
 from layer_boundary.testing import FusionProviderConformance, NormKernelConformance
-from layer_boundary.topology import GroupInfo
+from layer_boundary._topology import GroupInfo
 
 import flashinfer_cases
 import flashinfer_double

@@ -16,19 +16,19 @@ import torch
 
 from helpers import EPS, make_norm, rms64
 from layer_boundary import BoundaryContext, ForwardBatch, declare_attn, declare_ffn, make_stages
-from layer_boundary.quant import QuantizedRows
-from layer_boundary.kernels.providers import REFERENCE_PROVIDER
-from layer_boundary.kernels.reference import (
+from layer_boundary._quant import QuantizedRows
+from layer_boundary._kernels.providers import REFERENCE_PROVIDER
+from layer_boundary._kernels.reference import (
     fused_add_rmsnorm_fp8_ref,
     fused_add_rmsnorm_ref,
     rmsnorm_fp8_ref,
     rmsnorm_ref,
 )
-from layer_boundary.providers import NormRequest
-from layer_boundary.quant import FP8_E4M3_MAX, FP8_SCALE_FLOOR
+from layer_boundary._providers import NormRequest
+from layer_boundary._quant import FP8_E4M3_MAX, FP8_SCALE_FLOOR
 from layer_boundary.residual import batch as rb
-from layer_boundary.residual.add_norm import AddNormReadSpec, ModuleRead, RMSNormRead
-from layer_boundary.testing.tolerances import assert_fp8_rows_close
+from layer_boundary.residual._add_norm import AddNormReadSpec, ModuleRead, RMSNormRead
+from layer_boundary.testing._tolerances import assert_fp8_rows_close
 
 BF16, F32 = torch.bfloat16, torch.float32
 H = 96

@@ -1,4 +1,4 @@
-"""Fused all-reduce + add + RMSNorm consumer candidates (``layer_boundary.fusion``).
+"""Fused all-reduce + add + RMSNorm consumer candidates (``layer_boundary._fusion``).
 
 On gloo, a provider built on the core's ``AllReduceNormProvider`` whose run is the all-reduce plus
 the torch reference checks the shared contract through a real model: bitwise equal logits, one
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from layer_boundary import BoundaryContext, ForwardBatch, declare_attn, declare_ffn, make_stages
-from layer_boundary.fusion import AllReduceNormCandidate, FusedSum
+from layer_boundary._fusion import AllReduceNormCandidate, FusedSum
 from layer_boundary_app.launch import spawn
-from layer_boundary.layout import BatchVariant, SumGroup
-from layer_boundary.norms import RMSNorm
-from layer_boundary.topology import GroupInfo
+from layer_boundary._layout import BatchVariant, SumGroup
+from layer_boundary._norms import RMSNorm
+from layer_boundary._topology import GroupInfo
 
 import fused_cases
 
@@ -74,7 +74,7 @@ def test_nothing_is_offered_where_attention_dp_leaves_nothing_owed(gloo2):
 def test_the_core_candidate_refuses_gloo_with_a_reason(gloo2):
     # Through run's selection report (tests/test_plugin_packages.py checks the full line); here
     # the provider's own static check, without spawning.
-    from layer_boundary.fusion.symm_mem import SymmMemAllReduceNorm
+    from layer_boundary._fusion.symm_mem import SymmMemAllReduceNorm
 
     group = GroupInfo(ranks=(0, 1), rank=0, group=object())
     why = SymmMemAllReduceNorm()._common_refusal(FusedSum(SumGroup.ATTN_TP, group, 64, torch.float32, 0.0, None))

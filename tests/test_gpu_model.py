@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layer_boundary.forward import ForwardBatch
+from layer_boundary._forward import ForwardBatch
 from layer_boundary_app.models import Qwen3ForCausalLM
 
 pytestmark = pytest.mark.gpu

@@ -28,11 +28,11 @@ from layer_boundary import (
     make_attn_stage,
     make_ffn_stage,
     make_stages,
-    ops,
+    _ops as ops,
 )
-from layer_boundary.exit import MixerExit
-from layer_boundary.output import OwedOutput
-from layer_boundary.cli.main import main
+from layer_boundary._exit import MixerExit
+from layer_boundary._output import OwedOutput
+from layer_boundary._cli.main import main
 from layer_boundary_app.launch import spawn
 from layer_boundary_app.models.hetero import (
     HeteroConfig,

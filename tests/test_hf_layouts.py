@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 
-from layer_boundary.cli.main import main  # noqa: E402
+from layer_boundary._cli.main import main  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

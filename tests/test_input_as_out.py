@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from layer_boundary import ForwardBatch, declare_attn, declare_ffn, make_stages
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
-from layer_boundary.norms import RMSNorm
-from layer_boundary.residual.add_norm import AddNormReadSpec, NormKernels
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary._norms import RMSNorm
+from layer_boundary.residual._add_norm import AddNormReadSpec, NormKernels
 
 
 def _stack(input_as_out: bool, seen: list):

@@ -11,7 +11,7 @@ import textwrap
 def test_kit_subclass_runs_warning_free_without_opting_in(tmp_path):
     (tmp_path / "test_vendor.py").write_text(textwrap.dedent("""
         import pytest
-        from layer_boundary.kernels.providers import ReferenceNormProvider
+        from layer_boundary._kernels.providers import ReferenceNormProvider
         from layer_boundary.testing import NormKernelConformance
 
         class TestReference(NormKernelConformance):

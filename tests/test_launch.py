@@ -56,7 +56,7 @@ def test_run_under_torchrun(tmp_path):
         port = str(sock.getsockname()[1])
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
-         "-m", "layer_boundary.cli.main", "run", "--tp", "2", "--dp", "2", "--input-ids", "1,2;3",
+         "-m", "layer_boundary._cli.main", "run", "--tp", "2", "--dp", "2", "--input-ids", "1,2;3",
          "--check", "--save-logits", str(out)],
         capture_output=True, text=True, timeout=240, env=env,
     )

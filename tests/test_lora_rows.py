@@ -14,9 +14,9 @@ import torch
 
 from helpers import fake_topology, make_norm, raises_exact
 from layer_boundary import BoundaryError, ForwardBatch, declare_attn, declare_ffn, make_stages
-from layer_boundary.adapters import InputRows, RowKind
-from layer_boundary.errors import NO_PATH
-from layer_boundary.layout import BatchVariant
+from layer_boundary._adapters import InputRows, RowKind
+from layer_boundary._errors import NO_PATH
+from layer_boundary._layout import BatchVariant
 
 import capture_cases
 
@@ -124,7 +124,7 @@ def test_rows_that_are_not_the_groups_count_are_named_before_the_collective():
     # A trial: an attention output (or stage input) with another row count than dp_num_tokens gives
     # this group failed inside the row move as torch's copy error (and as a size mismatch in gloo
     # on the other ranks).
-    from layer_boundary.dp import DpRows
+    from layer_boundary._dp import DpRows
 
     rows = DpRows((3, 5), fake_topology(tp=2, attn_dp=2))  # this process: DP rank 0, 3 rows
     for move, what in ((lambda x: rows.gather(x), "the stage input"),

@@ -30,8 +30,8 @@ from layer_boundary import (  # noqa: E402
     declare_ffn,
     make_stages,
 )
-from layer_boundary.cli.main import main  # noqa: E402
-from layer_boundary.errors import SNAPSHOT_PLAIN  # noqa: E402
+from layer_boundary._cli.main import main  # noqa: E402
+from layer_boundary._errors import SNAPSHOT_PLAIN  # noqa: E402
 from layer_boundary_app.models import (  # noqa: E402
     Qwen3ForCausalLM,
     init_random_weights,
@@ -40,7 +40,7 @@ from layer_boundary_app.models import (  # noqa: E402
     random_state_dict,
     small_random_config,
 )
-from layer_boundary.plugins import PluginError  # noqa: E402
+from layer_boundary._plugins import PluginError  # noqa: E402
 from layer_boundary.residual import batch as residual_batch  # noqa: E402
 from layer_boundary_mhc import MhcCoefficients, MhcSemantics, MhcStageParams, sinkhorn  # noqa: E402
 from layer_boundary_mhc.read import MhcReadSpec  # noqa: E402
@@ -161,8 +161,8 @@ def test_entry_point_manifest_is_light_and_the_plugin_is_active():
     # What the entry point loads (the package's __init__ and the manifest module) imports no torch
     # and none of the plugin's torch modules: the core's lazy-export helper and manifest module only.
     pkg = Path(mhc.__file__).parent
-    assert _module_imports(pkg / "__init__.py") == {"__future__", "layer_boundary.lazy", "._manifest"}
-    assert _module_imports(pkg / "_manifest.py") == {"__future__", "layer_boundary.plugins.manifest"}
+    assert _module_imports(pkg / "__init__.py") == {"__future__", "layer_boundary._lazy", "._manifest"}
+    assert _module_imports(pkg / "_manifest.py") == {"__future__", "layer_boundary._plugins.manifest"}
 
     registry = BoundaryContext.discover(allow=["mhc"]).registry
     sem = registry.semantics("mhc")

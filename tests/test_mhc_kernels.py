@@ -143,7 +143,7 @@ def test_kernels_under_the_triton_interpreter():
 def _bench(argv: list[str]) -> int:
     """``layer-boundary bench mhc ARGV``: the plugin's command on the CLI's arguments (the command
     comes from the plugin; the core's parser still declares its options)."""
-    from layer_boundary.cli.main import build_parser
+    from layer_boundary._cli.main import build_parser
     from layer_boundary_mhc.bench import mhc_command
 
     return mhc_command(build_parser().parse_args(["bench", "mhc", *argv]))

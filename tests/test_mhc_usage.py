@@ -19,7 +19,7 @@ from layer_boundary import (  # noqa: E402
     declare_attn,
     make_stages,
 )
-from layer_boundary.norms import RMSNorm  # noqa: E402
+from layer_boundary._norms import RMSNorm  # noqa: E402
 from layer_boundary.residual import batch as residual_batch  # noqa: E402
 from layer_boundary_mhc import MhcSemantics, mhc_read_ref  # noqa: E402
 from layer_boundary_mhc.selection import KernelSelection  # noqa: E402

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layer_boundary.cli.main import build_parser, main
-from layer_boundary.forward import ForwardBatch
+from layer_boundary._cli.main import build_parser, main
+from layer_boundary._forward import ForwardBatch
 from layer_boundary_app.models.config import small_random_moe_config
 from layer_boundary_app.models.qwen3_moe import Qwen3MoeForCausalLM, init_random_moe_weights
 

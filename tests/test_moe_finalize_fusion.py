@@ -1,4 +1,4 @@
-"""The fused MoE finalize handoff (``layer_boundary.fusion.moe_finalize``), its install/prepare
+"""The fused MoE finalize handoff (``layer_boundary._fusion.moe_finalize``), its install/prepare
 helpers and the CuTe DSL plugin's service names, against the unfused single-rank model.
 
 The embedded Qwen3-MoE has sparse layers 0, 2 and 3 (layer 1 is dense), so one forward fuses
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from layer_boundary import BoundaryContext, Topology
-from layer_boundary.fusion.install import install_finalize_fusion, prepare_finalize_fusion
-from layer_boundary.fusion.moe_finalize import FINALIZE_TOLERANCE, MoeFinalizeFusion, finalize_partial_ref
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref
-from layer_boundary.testing.finalize import make_handoff
+from layer_boundary._fusion.install import install_finalize_fusion, prepare_finalize_fusion
+from layer_boundary._fusion.moe_finalize import FINALIZE_TOLERANCE, MoeFinalizeFusion, finalize_partial_ref
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref
+from layer_boundary.testing._finalize import make_handoff
 from layer_boundary_app.launch import spawn
 from layer_boundary_app.models.config import small_random_moe_config
 from layer_boundary_app.models.qwen3_moe import Qwen3MoeForCausalLM, init_random_moe_weights
@@ -54,7 +54,7 @@ def test_finalize_kernel_under_the_triton_interpreter():
 def test_auto_kernel_takes_the_reference_for_a_model_on_the_cpu_of_a_cuda_machine(monkeypatch):
     # On the H200 the CPU model's candidate chose Triton (CUDA was available) and handed it CPU
     # tensors ("Pointer argument cannot be accessed from Triton"); float64 was declined outright.
-    from layer_boundary.topology import GroupInfo
+    from layer_boundary._topology import GroupInfo
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     auto, triton = MoeFinalizeFusion(kernel="auto"), MoeFinalizeFusion(kernel="triton")

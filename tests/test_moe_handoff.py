@@ -34,10 +34,10 @@ from layer_boundary import (
     get_forward,
     make_stages,
 )
-from layer_boundary.output import OwedOutput
+from layer_boundary._output import OwedOutput
 from layer_boundary_app.models.moe import SparseMoeBlock
 from layer_boundary.residual import batch as rb
-from layer_boundary.topology import GroupInfo
+from layer_boundary._topology import GroupInfo
 
 F64 = torch.float64
 T, H, E, K, I, S = 5, 8, 4, 2, 6, 4  # tokens, hidden, experts, top-k, expert width, shared width

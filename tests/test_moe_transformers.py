@@ -29,12 +29,12 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from helpers import hf_logits, our_logits, save_hf  # noqa: E402
 
-from layer_boundary.cli.main import main  # noqa: E402
+from layer_boundary._cli.main import main  # noqa: E402
 from layer_boundary_app.models.config import Qwen3MoeConfig, load_config  # noqa: E402
 from layer_boundary_app.models.loader import CheckpointMismatch  # noqa: E402
 from layer_boundary_app.models.moe import DeferFinalize  # noqa: E402
 from layer_boundary_app.models.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
-from layer_boundary.output import HandoffOutput  # noqa: E402
+from layer_boundary._output import HandoffOutput  # noqa: E402
 
 FP32_REL = 1e-4
 BF16_REL = 0.03  # tests/test_qwen3_transformers.py: measured 0.015 for the dense model, doubled

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from layer_boundary import BoundaryContext
-from layer_boundary.forward import ForwardBatch, ForwardMode
+from layer_boundary._forward import ForwardBatch, ForwardMode
 from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
-from layer_boundary.plugins import discover
+from layer_boundary._plugins import discover
 from plugin_fixtures import VendorPlugin
 
 SPECS = ["layer_boundary_norm_kernels", "layer_boundary_fusion_providers", "layer_boundary_residual_semantics"]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from layer_boundary import ForwardBatch, Topology, declare_attn, declare_ffn, make_stages
-from layer_boundary.norms import GemmaRMSNorm, RMSNorm, norm_params
+from layer_boundary._norms import GemmaRMSNorm, RMSNorm, norm_params
 from layer_boundary.residual import batch as residual_batch
 
 H = 16
@@ -200,7 +200,7 @@ def test_a_final_norm_of_the_wrong_width_is_named():
 def test_layer_norm_and_other_modules_are_black_boxes_with_a_warning_once(monkeypatch):
     # Found by a new-user trial: nn.LayerNorm (and a module that is no norm) took the black-box path
     # without the warning the docs promise; nn.Identity (no norm at all) stays silent.
-    from layer_boundary import norms
+    from layer_boundary import _norms as norms
 
     monkeypatch.setattr(norms, "_WARNED", set())
     with pytest.warns(UserWarning, match="LayerNorm normalizes by its mean and variance"):
@@ -229,7 +229,7 @@ class Int8ScaledRMSNorm(nn.Module):
 
 def test_a_norm_with_an_integer_weight_is_called_as_a_black_box(monkeypatch):
     # Its int8 codes were once multiplied in as if they were the weight (cast to the input dtype).
-    from layer_boundary import norms
+    from layer_boundary import _norms as norms
 
     monkeypatch.setattr(norms, "_WARNED", set())
     torch.manual_seed(0)
@@ -242,7 +242,7 @@ def test_a_norm_with_an_integer_weight_is_called_as_a_black_box(monkeypatch):
 
 
 def test_the_library_norms_refuse_sizes_and_eps_that_cannot_be():
-    from layer_boundary.norms import GemmaRMSNorm, RMSNorm
+    from layer_boundary._norms import GemmaRMSNorm, RMSNorm
 
     for cls in (RMSNorm, GemmaRMSNorm):
         for bad in (0, -3, 2.5, True):

@@ -277,7 +277,7 @@ def test_pipeline_static_partial_sum_crosses_once(matrix):
 def test_disagreeing_dp_counts_are_named_when_checked(monkeypatch):
     # Ranks that disagree about another group's row count failed inside gloo's gather with a size
     # mismatch; the opt-in check names both ranks' counts on every rank before the collective.
-    from layer_boundary.rows import ENV_CHECK_DP_COUNTS
+    from layer_boundary._rows import ENV_CHECK_DP_COUNTS
 
     monkeypatch.setenv(ENV_CHECK_DP_COUNTS, "1")
     texts = spawn(parallel_cases.disagreeing_dp_counts, 2, timeout_s=120)
@@ -288,7 +288,7 @@ def test_disagreeing_dp_counts_are_named_when_checked(monkeypatch):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["ordinary", "sequence-parallel"])
 def test_tp_ranks_given_different_batches_are_named_when_checked(monkeypatch, sequence_parallel):
-    from layer_boundary.rows import ENV_CHECK_DP_COUNTS
+    from layer_boundary._rows import ENV_CHECK_DP_COUNTS
 
     monkeypatch.setenv(ENV_CHECK_DP_COUNTS, "1")
     texts = spawn(parallel_cases.disagreeing_tp_batches, 2, args=(sequence_parallel,), timeout_s=120)

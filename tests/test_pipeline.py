@@ -20,7 +20,7 @@ from layer_boundary import (
     make_stages,
 )
 from layer_boundary.residual import batch as residual_batch
-from layer_boundary.residual.stream import ResidualStream
+from layer_boundary.residual._stream import ResidualStream
 
 import parallel_cases
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from layer_boundary.plugins import PluginStatus, discover
+from layer_boundary._plugins import PluginStatus, discover
 from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
 
 
@@ -30,7 +30,7 @@ def test_a_name_given_twice_is_said_and_taken_once(plugin_site: PluginSite, capl
 
 
 def test_plugins_check_of_a_name_in_another_case_says_the_installed_name(plugin_site: PluginSite, capsys):
-    from layer_boundary.cli.main import main
+    from layer_boundary._cli.main import main
 
     plugin_site.add("acme")
     assert main(["plugins", "--check", "Acme"]) == 1
@@ -41,7 +41,7 @@ def test_plugins_check_of_a_name_in_another_case_says_the_installed_name(plugin_
 def test_a_slow_manifest_import_is_said(plugin_site: PluginSite, caplog, monkeypatch):
     # A trial: a manifest that imported torch and slept 2 s was listed active without a word, though
     # discovery imports every installed plugin's manifest at every startup.
-    from layer_boundary.plugins import discovery
+    from layer_boundary._plugins import discovery
 
     monkeypatch.setattr(discovery, "MANIFEST_SLOW_S", 0.05)
     mod, hooks = plugin_site.module_names("sloth")

@@ -151,7 +151,7 @@ def _write_third_party_wheels(wheels: Path) -> None:
     """Each third-party plugin as a pure-Python wheel, written directly (what any build backend
     would produce for a package with an entry point), so that pip installs it like any other."""
     for dist, name, module, keywords, hooks in THIRD_PARTY:
-        manifest = ("from layer_boundary.plugins.manifest import PluginManifest\n\n"
+        manifest = ("from layer_boundary._plugins.manifest import PluginManifest\n\n"
                     f"MANIFEST = PluginManifest(name={name!r}, {keywords}, hooks='{module}.hooks')\n")
         _write_wheel(wheels, dist, "1.0", {
             f"{module}/__init__.py": "",
@@ -160,7 +160,7 @@ def _write_third_party_wheels(wheels: Path) -> None:
         }, entry_points=f"[layer_boundary.plugins]\n{name} = {module}.manifest:MANIFEST\n")
     _write_wheel(wheels, FUTURE, "1.0", {
         "acme_future/__init__.py": "",
-        "acme_future/manifest.py": "from layer_boundary.plugins.manifest import PluginManifestV2\n",
+        "acme_future/manifest.py": "from layer_boundary._plugins.manifest import PluginManifestV2\n",
     }, entry_points="[layer_boundary.plugins]\nfuture = acme_future.manifest:MANIFEST\n",
         requires="layer-boundary>=99")
 

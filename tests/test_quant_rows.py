@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from layer_boundary_app.launch import spawn
-from layer_boundary.quant import QuantizedRows
-from layer_boundary.rows import move_input
+from layer_boundary._quant import QuantizedRows
+from layer_boundary._rows import move_input
 
 import quant_rows_cases
 

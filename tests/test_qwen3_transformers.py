@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from helpers import hf_logits, our_logits, save_hf  # noqa: E402
 
-from layer_boundary.forward import ForwardBatch  # noqa: E402
+from layer_boundary._forward import ForwardBatch  # noqa: E402
 from layer_boundary_app.models import (  # noqa: E402
     CheckpointMismatch,
     Qwen3Config,
@@ -50,7 +50,7 @@ from layer_boundary_app.models.layers import (  # noqa: E402
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from layer_boundary.topology import GroupInfo  # noqa: E402
+from layer_boundary._topology import GroupInfo  # noqa: E402
 
 FP32_VS_HF = 1e-4
 PACKED_VS_SEPARATE = 1e-5

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import rms64
-from layer_boundary.kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from layer_boundary._kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
 
 KTOL = {
     torch.float64: dict(rtol=1e-12, atol=1e-12),

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from layer_boundary import BoundaryContext
-from layer_boundary.plugins import PluginError, PluginRegistry, PluginStatus, discover, hookimpl
-from layer_boundary.residual.semantics import PLAIN_RESIDUAL
+from layer_boundary._plugins import PluginError, PluginRegistry, PluginStatus, discover, hookimpl
+from layer_boundary.residual._semantics import PLAIN_RESIDUAL
 from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
 
 TWO_FUSIONS = '''
@@ -249,5 +249,5 @@ def test_residual_semantics_that_return_the_wrong_thing_are_named():
             return (None, None, None)
 
     with pytest.raises(TypeError, match=r"residual semantics 'tuples': stage\(\) returned tuple, expected "
-                                        r"layer_boundary.providers.StageResidual"):
+                                        r"layer_boundary._providers.StageResidual"):
         Qwen3ForCausalLM(small_random_config(), context=BoundaryContext(), residual=TupleScheme())

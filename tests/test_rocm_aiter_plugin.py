@@ -21,15 +21,15 @@ import pytest
 import torch
 
 from layer_boundary import ForwardBatch
-from layer_boundary.fusion import FusedSum
-from layer_boundary.kernels.reference import rmsnorm_ref
+from layer_boundary._fusion import FusedSum
+from layer_boundary._kernels.reference import rmsnorm_ref
 from layer_boundary_app.launch import spawn
-from layer_boundary.layout import SumGroup
-from layer_boundary.plugins import PluginRegistry, PluginStatus
-from layer_boundary.plugins.discovery import DiscoveryOptions, find_plugins
-from layer_boundary.providers import NormRequest
+from layer_boundary._layout import SumGroup
+from layer_boundary._plugins import PluginRegistry, PluginStatus
+from layer_boundary._plugins.discovery import DiscoveryOptions, find_plugins
+from layer_boundary._providers import NormRequest
 from layer_boundary.testing import FusionProviderConformance, NormKernelConformance
-from layer_boundary.topology import GroupInfo
+from layer_boundary._topology import GroupInfo
 from layer_boundary_rocm_aiter import detect, norm
 from layer_boundary_rocm_aiter.api import AiterApi
 from layer_boundary_rocm_aiter.fusion import AiterAllReduceNorm
@@ -301,8 +301,8 @@ def test_custom_allreduce_that_fails_to_import_is_a_local_reason():
 
 def test_ffn_sums_are_deferred_only_where_every_rank_decides_alike():
     from layer_boundary import BoundaryContext, Topology, declare_attn, declare_ffn, make_stages
-    from layer_boundary.norms import RMSNorm
-    from layer_boundary.topology import GroupInfo
+    from layer_boundary._norms import RMSNorm
+    from layer_boundary._topology import GroupInfo
 
     pair, solo = GroupInfo(ranks=(0, 1), rank=0, group=object()), GroupInfo.solo()
     topo = Topology(tp=pair, attn_tp=pair, attn_dp=solo, attn_cp=solo, moe_out=pair, pp=solo)

@@ -13,8 +13,8 @@ import torch
 
 from helpers import fake_topology, install_fake_dist, make_norm
 from layer_boundary import BoundaryContext, declare_attn, declare_ffn, make_stages
-from layer_boundary.forward import ForwardBatch
-from layer_boundary.layout import BatchVariant
+from layer_boundary._forward import ForwardBatch
+from layer_boundary._layout import BatchVariant
 from layer_boundary_app.models import Qwen3ForCausalLM, init_random_weights, small_random_config
 from plugin_fixtures import Candidate, Fusion, vendor_context
 
@@ -296,8 +296,8 @@ def test_ranks_that_chose_differently_are_an_error_naming_the_difference(monkeyp
     rank made (a pipeline stage's own layers) are not compared."""
     import torch.distributed as dist
 
-    from layer_boundary import ops as launch_module
-    from layer_boundary.errors import DeclarationError
+    from layer_boundary import _ops as launch_module
+    from layer_boundary._errors import DeclarationError
 
     ctx = BoundaryContext()
     qwen3(ctx)
@@ -343,7 +343,7 @@ def test_ranks_of_the_tp_group_that_asked_or_built_differently_are_named():
 
 def _disagreeing_job(rank, world, how):
     from layer_boundary import Topology
-    from layer_boundary.errors import DeclarationError
+    from layer_boundary._errors import DeclarationError
 
     import parallel_cases
 
@@ -371,7 +371,7 @@ def test_selections_are_gathered_without_numpy():
 def _gather_job(rank, world):
     import torch.distributed as dist
 
-    from layer_boundary.ops import gather_objects
+    from layer_boundary._ops import gather_objects
 
     def no_numpy(self):
         raise RuntimeError("Numpy is not available")  # as on a CPU torch install without NumPy
@@ -381,7 +381,7 @@ def _gather_job(rank, world):
 
 
 def test_a_chosen_name_two_plugins_share_says_whose():
-    from layer_boundary.selection import Candidate, Selection
+    from layer_boundary._selection import Candidate, Selection
 
     same = Selection("attn #1", "ORDINARY", "norm kernels", "rmsnorm cuda bfloat16 H=64", "fast-norm",
                      (Candidate("fast-norm", "vendor_a", "refuses H=64"), Candidate("fast-norm", "vendor_b"),

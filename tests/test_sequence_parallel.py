@@ -18,7 +18,7 @@ import torch
 
 from layer_boundary import (BatchVariant, ForwardBatch, ProducerReduction, RMSNorm, declare_attn, declare_ffn,
                             make_stages)
-from layer_boundary.errors import BoundaryError
+from layer_boundary._errors import BoundaryError
 from layer_boundary.residual import batch as rb
 
 import cp_cases

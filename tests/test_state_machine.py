@@ -18,9 +18,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from helpers import NORM_OF, make_norm, rms, solo_sum, two_layer
 from layer_boundary import BoundaryError, ForwardBatch, ResidualStream
-from layer_boundary.output import OwedOutput
-from layer_boundary.residual.stream import StreamState
-from layer_boundary.errors import FOREIGN_OUTPUT, START_FIRST, WRITE_BEFORE_TAKE
+from layer_boundary._output import OwedOutput
+from layer_boundary.residual._stream import StreamState
+from layer_boundary._errors import FOREIGN_OUTPUT, START_FIRST, WRITE_BEFORE_TAKE
 from layer_boundary.residual import batch as rb
 
 H, T = 8, 3
@@ -413,7 +413,7 @@ def test_start_over_a_forward_that_never_left_the_stack_warns():
     import warnings
 
     from layer_boundary import ForwardBatch, Topology, declare_attn, make_stages
-    from layer_boundary.norms import RMSNorm
+    from layer_boundary._norms import RMSNorm
     from layer_boundary.residual import batch as residual_batch
 
     (stage,) = make_stages((declare_attn(), RMSNorm(8)), topology=Topology.single(), terminal=True)

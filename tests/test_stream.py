@@ -25,9 +25,9 @@ from helpers import (
     two_layer,
 )
 from layer_boundary import BoundaryError, ForwardBatch, ResidualStream, declare_attn, declare_ffn, make_stages
-from layer_boundary.output import OwedOutput
-from layer_boundary.residual.stream import StreamState
-from layer_boundary.errors import FOREIGN_OUTPUT, START_FIRST
+from layer_boundary._output import OwedOutput
+from layer_boundary.residual._stream import StreamState
+from layer_boundary._errors import FOREIGN_OUTPUT, START_FIRST
 from layer_boundary.residual import batch as rb
 
 H, T = 8, 3

@@ -24,13 +24,13 @@ from layer_boundary import (
     declare_ffn,
     make_stages,
 )
-from layer_boundary.contracts import Owed, OwedKind
-from layer_boundary.output import OwedOutput
-from layer_boundary.residual.stream import StreamState
-from layer_boundary.adapters.tbo import (TboRows, TboSplit, balanced_split, entry_rows, handoff_rows,
+from layer_boundary._contracts import Owed, OwedKind
+from layer_boundary._output import OwedOutput
+from layer_boundary.residual._stream import StreamState
+from layer_boundary._adapters.tbo import (TboRows, TboSplit, balanced_split, entry_rows, handoff_rows,
                                          interleave, merge_streams, plan_overlap, split_batch, split_stream)
-from layer_boundary.cli.main import main
-from layer_boundary.errors import FOREIGN_OUTPUT, START_FIRST
+from layer_boundary._cli.main import main
+from layer_boundary._errors import FOREIGN_OUTPUT, START_FIRST
 from layer_boundary_app.launch import spawn
 from layer_boundary.residual import batch as rb
 

@@ -28,19 +28,19 @@ import torch
 
 from helpers import EPS, make_norm
 from layer_boundary import BoundaryContext, ForwardBatch, declare_attn, declare_ffn, make_stages
-from layer_boundary.providers import NormRequest
-from layer_boundary.quant import QuantizedRows
-from layer_boundary.kernels.providers import REFERENCE_PROVIDER, TRITON_PROVIDER, core_norm_providers
-from layer_boundary.kernels.reference import (
+from layer_boundary._providers import NormRequest
+from layer_boundary._quant import QuantizedRows
+from layer_boundary._kernels.providers import REFERENCE_PROVIDER, TRITON_PROVIDER, core_norm_providers
+from layer_boundary._kernels.reference import (
     fused_add_rmsnorm_fp8_ref,
     fused_add_rmsnorm_ref,
     rmsnorm_fp8_ref,
     rmsnorm_ref,
 )
 from layer_boundary.residual import batch as rb
-from layer_boundary.residual.add_norm import AddNormReadSpec
+from layer_boundary.residual._add_norm import AddNormReadSpec
 from layer_boundary.testing import NormKernelConformance
-from layer_boundary.testing.tolerances import assert_fp8_rows_close, tolerance_of
+from layer_boundary.testing._tolerances import assert_fp8_rows_close, tolerance_of
 
 HERE = Path(__file__).resolve().parent
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -70,7 +70,7 @@ def test_triton_refuses_with_a_reason(request_, reason):
 def test_a_cuda_context_selects_core_triton(quant):
     """Selection only (no kernel runs): a model that will run on CUDA gets the Triton kernels, and
     a CPU one the reference, with the reason in the report."""
-    from layer_boundary.kernels.triton_ops import TRITON_FP8_KERNELS, TRITON_KERNELS
+    from layer_boundary._kernels.triton_ops import TRITON_FP8_KERNELS, TRITON_KERNELS
 
     if quant is not None and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 e4m3 needs compute capability 8.9 or newer")
@@ -93,7 +93,7 @@ def test_a_cuda_context_selects_core_triton(quant):
 
 @needs_triton
 def test_launch_configuration_is_cached_per_width_and_element_size():
-    from layer_boundary.kernels import triton_norm as tn
+    from layer_boundary._kernels import triton_norm as tn
 
     assert tn.launch_config(4096, 2) == (4096, 16)  # 8 bf16 a thread: one 16-byte access
     assert tn.launch_config(2048, 2) == (2048, 8)
@@ -134,7 +134,7 @@ def cuda_rows(t: int, h: int, dtype: torch.dtype, seed: int = 0, stride: int = 0
 
 
 def tri():
-    from layer_boundary.kernels import triton_ops
+    from layer_boundary._kernels import triton_ops
 
     return triton_ops
 

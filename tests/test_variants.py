@@ -15,8 +15,8 @@ from layer_boundary import (
     declare_ffn,
     make_stages,
 )
-from layer_boundary.forward import active_variant
-from layer_boundary.errors import NO_PATH
+from layer_boundary._forward import active_variant
+from layer_boundary._errors import NO_PATH
 from layer_boundary.residual import batch as rb
 
 from helpers import fake_topology, raises_exact

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from layer_boundary.plugins import PluginStatus, discover
-from layer_boundary.plugins.discovery import DiscoveryOptions, find_plugins
+from layer_boundary._plugins import PluginStatus, discover
+from layer_boundary._plugins.discovery import DiscoveryOptions, find_plugins
 from layer_boundary.testing import FusionProviderConformance, NormKernelConformance
 from layer_boundary import ForwardBatch
 

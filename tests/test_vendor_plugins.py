@@ -25,8 +25,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from layer_boundary.plugins import ENTRY_POINT_GROUP, PluginRegistry, PluginStatus
-from layer_boundary.plugins.discovery import DiscoveryOptions, find_plugins
+from layer_boundary._plugins import ENTRY_POINT_GROUP, PluginRegistry, PluginStatus
+from layer_boundary._plugins.discovery import DiscoveryOptions, find_plugins
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def detect():
 
 _LIGHT_PROBE = textwrap.dedent("""
     import importlib.abc, importlib.metadata as md, json, sys
-    import layer_boundary.plugin_api, layer_boundary.plugins.manifest  # the core itself; it may import torch
+    import layer_boundary.plugin_api, layer_boundary._plugins.manifest  # the core itself; it may import torch
 
     BLOCKED = set(sys.argv[1].split(","))   # torch, the vendor modules, each plugin's hooks module
 

@@ -41,7 +41,7 @@ def imported_modules(path: Path, core: Path = CORE) -> Iterator[tuple[int, str, 
             else:
                 target = node.module or ""
             yield node.lineno, target, True
-            # ``from .. import cli`` names a module as much as ``import layer_boundary.cli`` does.
+            # ``from .. import cli`` names a module as much as ``import layer_boundary._cli`` does.
             for alias in node.names:
                 yield node.lineno, f"{target}.{alias.name}", False
 
@@ -62,8 +62,8 @@ def wall_broken(importer: str, target: str, module: bool = False) -> str | None:
         return "the application (layer-boundary-app)"
     if top.startswith("layer_boundary_"):
         return f"a plugin ({top})"
-    in_cli = importer == "layer_boundary.cli" or importer.startswith("layer_boundary.cli.")
-    if (target == "layer_boundary.cli" or target.startswith("layer_boundary.cli.")) and not in_cli:
+    in_cli = importer == "layer_boundary._cli" or importer.startswith("layer_boundary._cli.")
+    if (target == "layer_boundary._cli" or target.startswith("layer_boundary._cli.")) and not in_cli:
         return "the command line (nothing in the library imports a command)"
     return None
 
@@ -94,7 +94,7 @@ def test_the_core_imports_no_application_plugin_or_command():
     ("def f():\n    import layer_boundary_mhc.cluster_ops\n", "a plugin (layer_boundary_mhc)"),
     ("def f():\n    from ..cli import commands\n", "the command line"),
     ("from ..cli.main import main\n", "the command line"),
-    ("import layer_boundary.cli.main\n", "the command line"),
+    ("import layer_boundary._cli.main\n", "the command line"),
     ("def f():\n    from ..launch import spawn\n", "no such core module"),
     ("from layer_boundary.models.runner import RunSpec\n", "no such core module"),
 ])
@@ -110,8 +110,8 @@ def test_a_planted_import_is_found(tmp_path, source, reason):
 
 
 def test_the_core_cli_may_import_itself():
-    assert wall_broken("layer_boundary.cli.main", "layer_boundary.cli.commands") is None
-    assert wall_broken("layer_boundary.cli.main", "layer_boundary_app.cli.commands") is not None
+    assert wall_broken("layer_boundary._cli.main", "layer_boundary._cli.commands") is None
+    assert wall_broken("layer_boundary._cli.main", "layer_boundary_app.cli.commands") is not None
 
 
 APP = Path(__file__).resolve().parents[1] / "plugins" / "app" / "layer_boundary_app"
@@ -119,10 +119,10 @@ APP = Path(__file__).resolve().parents[1] / "plugins" / "app" / "layer_boundary_
 # The faces the application may use: it is written as an engine (and, for its benchmarks of
 # providers, a vendor) would write against the core.
 FACES = {"layer_boundary", "layer_boundary.plugin_api", "layer_boundary.testing", "layer_boundary.residual.batch",
-         "layer_boundary.cli", "layer_boundary.cli.commands"}
+         "layer_boundary._cli", "layer_boundary._cli.commands"}
 # The one exception: the finalize benchmark times the core's symmetric-memory kernel itself, below
 # the provider that serves it (a GPU-only benchmark; going through the provider needs a GPU run).
-APP_EXCEPTIONS = {("bench/finalize.py", "layer_boundary.fusion.symm_mem")}
+APP_EXCEPTIONS = {("bench/finalize.py", "layer_boundary._fusion.symm_mem")}
 
 
 def _face_names(stub: str) -> set[str]:
@@ -165,8 +165,8 @@ def test_a_private_import_planted_in_the_application_is_found(tmp_path):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "planted.py").write_text(
         "from layer_boundary import Topology, StreamState\n"
-        "def f():\n    from layer_boundary.ops import all_reduce\n")
+        "def f():\n    from layer_boundary._ops import all_reduce\n")
     found = app_violations(tmp_path)
     assert any("StreamState from layer_boundary" in v for v in found), found
-    assert any("layer_boundary.ops, not a face" in v for v in found), found
+    assert any("layer_boundary._ops, not a face" in v for v in found), found
     assert not any("Topology" in v for v in found), found

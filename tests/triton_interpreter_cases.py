@@ -21,22 +21,22 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run with TRITON_INTERPRET=1 (tests/test_triton_kernels.py does)", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
-from layer_boundary.kernels import triton_norm  # noqa: E402
-from layer_boundary.kernels.providers import TRITON_PROVIDER  # noqa: E402
-from layer_boundary.kernels.reference import (  # noqa: E402
+from layer_boundary._kernels import triton_norm  # noqa: E402
+from layer_boundary._kernels.providers import TRITON_PROVIDER  # noqa: E402
+from layer_boundary._kernels.reference import (  # noqa: E402
     fused_add_rmsnorm_fp8_ref,
     fused_add_rmsnorm_ref,
     rmsnorm_fp8_ref,
     rmsnorm_ref,
 )
-from layer_boundary.kernels.triton_ops import (  # noqa: E402
+from layer_boundary._kernels.triton_ops import (  # noqa: E402
     fused_add_rmsnorm_fp8_triton,
     fused_add_rmsnorm_triton,
     rmsnorm_fp8_triton,
     rmsnorm_triton,
 )
-from layer_boundary.quant import FP8_SCALE_FLOOR, QuantizedRows  # noqa: E402
-from layer_boundary.testing.tolerances import assert_fp8_rows_close, tolerance_of  # noqa: E402
+from layer_boundary._quant import FP8_SCALE_FLOOR, QuantizedRows  # noqa: E402
+from layer_boundary.testing._tolerances import assert_fp8_rows_close, tolerance_of  # noqa: E402
 
 EPS = 1e-6
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

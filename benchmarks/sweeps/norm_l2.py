@@ -12,7 +12,7 @@ import sys
 import torch
 
 from layer_boundary_app.bench.norm import _inputs, norm_methods, peer_methods, providers_for
-from layer_boundary.providers import NormRequest
+from layer_boundary._providers import NormRequest
 
 SETS = 16
 

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from layer_boundary.kernels import triton_norm, triton_ops
+from layer_boundary._kernels import triton_norm, triton_ops
 
 
 def time_us(fn, calls=20, replays=30):

@@ -22,7 +22,7 @@ heavy: names load on first use (PEP 562), so a plugin's light manifest can impor
 
 from __future__ import annotations
 
-from .lazy import attach_stub
+from ._lazy import attach_stub
 
 __version__ = "0.1.0"
 

@@ -7,6 +7,6 @@ imports ``PluginManifest`` from here without importing torch.
 
 from __future__ import annotations
 
-from .lazy import attach_stub
+from ._lazy import attach_stub
 
 __getattr__, __dir__, __all__ = attach_stub(__name__, __file__, globals())

@@ -5,52 +5,52 @@ Plugins may also use the engine face (``layer_boundary``); nothing else of the c
 """
 
 # Registering a plugin: the manifest (read without torch) and the hook implementation marker
-from .plugins.manifest import HOOK_API_VERSION as HOOK_API_VERSION
-from .plugins.manifest import PluginManifest as PluginManifest
-from .plugins.manifest import Provides as Provides
-from .plugins.hookspecs import hookimpl as hookimpl
-from .lazy import lazy_exports as lazy_exports
+from ._plugins.manifest import HOOK_API_VERSION as HOOK_API_VERSION
+from ._plugins.manifest import PluginManifest as PluginManifest
+from ._plugins.manifest import Provides as Provides
+from ._plugins.hookspecs import hookimpl as hookimpl
+from ._lazy import lazy_exports as lazy_exports
 
 # Norm-read kernels
-from .providers import NormKernelProvider as NormKernelProvider
-from .providers import NormRequest as NormRequest
-from .residual.add_norm import NormKernels as NormKernels
-from .quant import FP8_E4M3_MAX as FP8_E4M3_MAX
-from .quant import FP8_SCALE_FLOOR as FP8_SCALE_FLOOR
-from .quant import QUANT_FORMATS as QUANT_FORMATS
-from .quant import QuantizedRows as QuantizedRows
-from .kernels.refusals import cuda_half_norm_refusal as cuda_half_norm_refusal
-from .selection import not_on_this_device as not_on_this_device
-from .kernels.fallback import FallbackNotice as FallbackNotice
-from .norms import norm_params as norm_params
+from ._providers import NormKernelProvider as NormKernelProvider
+from ._providers import NormRequest as NormRequest
+from .residual._add_norm import NormKernels as NormKernels
+from ._quant import FP8_E4M3_MAX as FP8_E4M3_MAX
+from ._quant import FP8_SCALE_FLOOR as FP8_SCALE_FLOOR
+from ._quant import QUANT_FORMATS as QUANT_FORMATS
+from ._quant import QuantizedRows as QuantizedRows
+from ._kernels.refusals import cuda_half_norm_refusal as cuda_half_norm_refusal
+from ._selection import not_on_this_device as not_on_this_device
+from ._kernels.fallback import FallbackNotice as FallbackNotice
+from ._norms import norm_params as norm_params
 
 # The torch references that define each op, and the tolerances a provider is held to
-from .kernels.reference import check_rows as check_rows
-from .kernels.reference import fused_add_rmsnorm_fp8_ref as fused_add_rmsnorm_fp8_ref
-from .kernels.reference import fused_add_rmsnorm_ref as fused_add_rmsnorm_ref
-from .kernels.reference import rmsnorm_fp8_ref as rmsnorm_fp8_ref
-from .kernels.reference import rmsnorm_ref as rmsnorm_ref
-from .tolerances import DEFAULT_TOLERANCE as DEFAULT_TOLERANCE
-from .tolerances import MAX_TOLERANCE as MAX_TOLERANCE
-from .tolerances import tolerance_of as tolerance_of
+from ._kernels.reference import check_rows as check_rows
+from ._kernels.reference import fused_add_rmsnorm_fp8_ref as fused_add_rmsnorm_fp8_ref
+from ._kernels.reference import fused_add_rmsnorm_ref as fused_add_rmsnorm_ref
+from ._kernels.reference import rmsnorm_fp8_ref as rmsnorm_fp8_ref
+from ._kernels.reference import rmsnorm_ref as rmsnorm_ref
+from ._tolerances import DEFAULT_TOLERANCE as DEFAULT_TOLERANCE
+from ._tolerances import MAX_TOLERANCE as MAX_TOLERANCE
+from ._tolerances import tolerance_of as tolerance_of
 
 # Fusion providers: consumer candidates, fused all-reduce + add + norm, the MoE finalize handoff
-from .providers import ConsumerCandidate as ConsumerCandidate
-from .providers import FusionProvider as FusionProvider
-from .fusion import AllReduceNormProvider as AllReduceNormProvider
-from .fusion import FusedSum as FusedSum
-from .fusion import WorkspaceUnavailable as WorkspaceUnavailable
-from .fusion.moe_finalize import FINALIZE_TOLERANCE as FINALIZE_TOLERANCE
-from .fusion.moe_finalize import MoeFinalizeFusion as MoeFinalizeFusion
-from .fusion.moe_finalize import finalize_partial_ref as finalize_partial_ref
-from .fusion.moe_finalize import moe_finalize as moe_finalize
+from ._providers import ConsumerCandidate as ConsumerCandidate
+from ._providers import FusionProvider as FusionProvider
+from ._fusion import AllReduceNormProvider as AllReduceNormProvider
+from ._fusion import FusedSum as FusedSum
+from ._fusion import WorkspaceUnavailable as WorkspaceUnavailable
+from ._fusion.moe_finalize import FINALIZE_TOLERANCE as FINALIZE_TOLERANCE
+from ._fusion.moe_finalize import MoeFinalizeFusion as MoeFinalizeFusion
+from ._fusion.moe_finalize import finalize_partial_ref as finalize_partial_ref
+from ._fusion.moe_finalize import moe_finalize as moe_finalize
 # A construction-time collective (picklable objects over a group, without NumPy): workspace set-up
-from .ops import gather_objects as gather_objects
+from ._ops import gather_objects as gather_objects
 
 # Residual semantics: update/read pairs registered by name
-from .providers import ResidualSemantics as ResidualSemantics
-from .providers import StageResidual as StageResidual
-from .providers import residual_part as residual_part
+from ._providers import ResidualSemantics as ResidualSemantics
+from ._providers import StageResidual as StageResidual
+from ._providers import residual_part as residual_part
 from .residual import LayerResidual as LayerResidual
 from .residual import ReadSpec as ReadSpec
 from .residual import StageRead as StageRead
@@ -58,4 +58,4 @@ from .residual import StageUpdate as StageUpdate
 
 # Commands: a distribution adds `layer-boundary <name>` through the entry-point group
 # `layer_boundary.commands` with an object of this protocol
-from .cli.commands import Command as Command
+from ._cli.commands import Command as Command

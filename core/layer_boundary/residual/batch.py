@@ -11,17 +11,17 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..adapters.branch import refuse_unmerged
-from ..errors import SNAPSHOT_PLAIN, WRITE_BEFORE_TAKE, BoundaryError
-from ..forward import active_variant
-from ..layout import BatchVariant
-from ..output import UnreducedOutput, fusable_handoff
-from ..pp import PP_META, to_pp
+from .._adapters.branch import refuse_unmerged
+from .._errors import SNAPSHOT_PLAIN, WRITE_BEFORE_TAKE, BoundaryError
+from .._forward import active_variant
+from .._layout import BatchVariant
+from .._output import UnreducedOutput, fusable_handoff
+from .._pp import PP_META, to_pp
 from . import StageRead
-from .access import check_shape
-from .add_norm import ADD_NORM, PLAIN_ADD, ModuleRead, RMSNormRead, explain_width
-from .rows import complete_on_rows, completed_copy_on_rows, to_model_rows, to_stream_rows
-from .stream import Handle, ResidualStream, StreamState, start, started_stream
+from ._access import check_shape
+from ._add_norm import ADD_NORM, PLAIN_ADD, ModuleRead, RMSNormRead, explain_width
+from ._rows import complete_on_rows, completed_copy_on_rows, to_model_rows, to_stream_rows
+from ._stream import Handle, ResidualStream, StreamState, start, started_stream
 
 __all__ = [
     "bind_final_norm",

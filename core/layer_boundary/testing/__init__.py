@@ -22,10 +22,10 @@ from __future__ import annotations
 import pytest
 
 from .._kit_markers import pytest_configure
-from .fusion import FusionProviderConformance
-from .norm_kernels import NormKernelConformance
-from .semantics import ResidualSemanticsConformance
-from .tolerances import DEFAULT_TOLERANCE, tolerance_of
+from ._fusion import FusionProviderConformance
+from ._norm_kernels import NormKernelConformance
+from ._semantics import ResidualSemanticsConformance
+from ._tolerances import DEFAULT_TOLERANCE, tolerance_of
 
 __all__ = [
     "NormKernelConformance",

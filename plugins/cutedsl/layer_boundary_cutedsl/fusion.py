@@ -18,10 +18,10 @@ group's all-reduce, the residual add and the RMSNorm in one kernel:
   check leaves the call to the core's Triton kernel (said once);
 * **several ranks**: on Hopper without NVLink multicast the all-reduce reads the peers' rows
   through symmetric-memory peer pointers, in the core's symmetric-memory kernel with the same
-  finalize prologue (``layer_boundary.fusion.symm_mem_kernel``), whose workspaces
+  finalize prologue (``layer_boundary._fusion.symm_mem_kernel``), whose workspaces
   ``prepare_cutedsl_fusion`` creates.
 
-Arithmetic, tolerance and fallback rules are the core's (``layer_boundary.fusion.moe_finalize``).
+Arithmetic, tolerance and fallback rules are the core's (``layer_boundary._fusion.moe_finalize``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     rmsnorm:            y = x / sqrt(mean(x^2) + eps) * (w + offset)          x, y: [T, H]; w: [H]
     fused_add_rmsnorm:  s = x + r in FP32;  r' = s rounded;  y = rmsnorm(s)  offset 0, or 1 (Gemma)
 
-The wrappers have the torch references' signatures (``layer_boundary.kernels.reference``). The
+The wrappers have the torch references' signatures (``layer_boundary._kernels.reference``). The
 kernel (``layer_boundary_cutedsl.kernel``) is compiled ahead of time once per (H, dtype, offset),
 when ``kernels(request)`` is first asked for it at model construction, never in a forward; on a
 GPU it is also launched once there, so the CUDA module is loaded before any graph capture.

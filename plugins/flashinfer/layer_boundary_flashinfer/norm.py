@@ -3,7 +3,7 @@
     rmsnorm:            y = x / sqrt(mean(x^2) + eps) * (w + offset)          x, y: [T, H]; w: [H]
     fused_add_rmsnorm:  s = x + r in FP32;  r' = s rounded;  y = rmsnorm(s)  offset 0, or 1 (Gemma)
 
-The wrappers have the torch references' signatures (``layer_boundary.kernels.reference``). What
+The wrappers have the torch references' signatures (``layer_boundary._kernels.reference``). What
 they rely on, read in FlashInfer 0.7.2's sources (``flashinfer/norm``, ``csrc/norm.cu``,
 ``include/flashinfer/norm.cuh``):
 

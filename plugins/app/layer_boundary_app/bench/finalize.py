@@ -132,7 +132,7 @@ def whole_call(i: Inputs, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) 
 
 
 def _fused_call(i: Inputs, ws: Any) -> Call:
-    from layer_boundary.fusion.symm_mem import launch
+    from layer_boundary._fusion.symm_mem import launch
 
     r, y = i.residual.clone(), torch.empty_like(i.residual)
 
@@ -255,7 +255,7 @@ def _shape(run: _Rank, t: int, h: int, norms: list[NormMethod], ws: Any) -> list
 def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from layer_boundary.fusion.symm_mem import make_symm_workspace
+    from layer_boundary._fusion.symm_mem import make_symm_workspace
     from layer_boundary import Topology
 
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)

@@ -1,6 +1,6 @@
 """Tensor-parallel layers written the way an inference engine writes them.
 
-Every layer takes the :class:`~layer_boundary.topology.GroupInfo` it is sharded over; a group of
+Every layer takes the :class:`~layer_boundary._topology.GroupInfo` it is sharded over; a group of
 one holds the whole tensor, so the same model code runs on one rank and on many. Each parameter
 that is sharded carries a ``weight_loader(param, full_tensor[, shard_id])`` attribute that takes
 the *full* checkpoint tensor and copies this rank's slice (the convention of vLLM and SGLang).

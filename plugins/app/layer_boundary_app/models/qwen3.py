@@ -297,7 +297,7 @@ class Qwen3DecoderLayer(nn.Module):
 
 class Qwen3Model(nn.Module):
     # Layers that run as two microbatches under two-batch overlap: every layer of a dense stack
-    # (see layer_boundary.adapters.tbo.plan_overlap).
+    # (see layer_boundary._adapters.tbo.plan_overlap).
     tbo_overlap: Optional[str] = "all"
     # The service a backend's install_*_fusion(model, terminal_finalize=True) returned: the final
     # norm then fuses a terminal MoE finalize handoff (residual_batch.norm(handoff_norm=...)).

@@ -48,7 +48,7 @@ class RunSpec:
     # Sparse FFNs return finalize handoffs (a fusion provider that always allows
     # defer_moe_finalize): the next layer's input, or the final norm, completes them unfused.
     defer_moe_finalize: bool = False
-    # The handoffs are fused instead (layer_boundary.fusion.moe_finalize): the next attention input
+    # The handoffs are fused instead (layer_boundary._fusion.moe_finalize): the next attention input
     # and the final norm run combine + all-reduce + add + RMSNorm in one kernel. Builds
     # zero-centered (Gemma) norms, which the fused final norm needs.
     fused_finalize: bool = False
