@@ -159,10 +159,10 @@ def test_entry_point_manifest_is_light_and_the_plugin_is_active():
     assert (manifest.name, manifest.provides, manifest.hooks) == (
         "mhc", ("residual_semantics",), "layer_boundary_mhc.hooks")
     # What the entry point loads (the package's __init__ and the manifest module) imports no torch
-    # and none of the plugin's torch modules: the core's lazy-export helper and manifest module only.
+    # and none of the plugin's torch modules: the vendor SDK's light face only.
     pkg = Path(mhc.__file__).parent
-    assert _module_imports(pkg / "__init__.py") == {"__future__", "layer_boundary._lazy", "._manifest"}
-    assert _module_imports(pkg / "_manifest.py") == {"__future__", "layer_boundary._plugins.manifest"}
+    assert _module_imports(pkg / "__init__.py") == {"__future__", "layer_boundary.plugin_api", "._manifest"}
+    assert _module_imports(pkg / "_manifest.py") == {"__future__", "layer_boundary.plugin_api"}
 
     registry = BoundaryContext.discover(allow=["mhc"]).registry
     sem = registry.semantics("mhc")
