@@ -160,8 +160,12 @@ def compare(op: str, got: Sequence[torch.Tensor], x: torch.Tensor, *, y: Optiona
         raise TypeError(f"no MHC kernel tolerance for {x.dtype} streams")
     out = []
     if op != "read":
+        if y is None or h_post is None or h_res is None:
+            raise TypeError(f"compare({op!r}) needs the update's y, h_post and h_res")
         out.append(_update(got[0], x, y, h_post, h_res))
     if op != "update":
+        if norm_weight is None:
+            raise TypeError(f"compare({op!r}) needs the read's norm_weight")
         streams = got[0] if op == "update+read" else x
         out += _read(got[-3:], streams, params, norm_weight, norm_eps, norm_offset, iters)
     return out

@@ -282,9 +282,11 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
             v.dtype, cutlass.Float32)
         return make_ptr(el, v.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
-    yy = y if update else x
-    xo = streams_out if update else x
-    if shape.persistent and update and n == 4:
+    if y is not None and (h_post is None or h_res is None or streams_out is None):
+        raise ValueError("an update launch takes h_post, h_res and streams_out")
+    yy = x if y is None else y
+    xo = x if streams_out is None or y is None else streams_out
+    if shape.persistent and h_post is not None and h_res is not None and update and n == 4:
         # The persistent variant copies these rows 16 bytes at a time (contiguous rows of 16 and
         # 64 bytes); a view that starts off a 16-byte boundary goes through an aligned copy.
         h_post = h_post if h_post.data_ptr() % 16 == 0 else h_post.clone()

@@ -23,7 +23,7 @@ CUDA graph captures like any other allocation, and never synchronizes with the h
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -98,7 +98,9 @@ def _launch_boundary(
     # launches are traced and functionalized (torch.library.triton_op, which these operators no
     # longer are: _define), an argument aliasing the workspace can stand for its written value.
     unused = torch.empty(1, dtype=torch.float32, device=x.device)
-    if update:
+    if y is not None:
+        if streams_out is None:
+            raise ValueError("an update launch takes streams_out")
         y_strides, so_strides = y.stride(), streams_out.stride()
     else:
         y, h_post, h_res, streams_out = unused, unused, unused, unused
@@ -196,7 +198,7 @@ def _writes_only(*args: object) -> None:
     return None
 
 
-def _define(name: str, body: object, writes: set[str]) -> None:
+def _define(name: str, body: Callable[..., object], writes: set[str]) -> None:
     # Opaque to the compiler: the body runs as in eager mode, its launches and workspaces included.
     # torch.library.triton_op (the body traced into the graph, the launches functionalized) gave
     # wrong inputs on an H200 (torch 2.11, Triton 3.6: the finishes read garbage partial sums at
@@ -292,7 +294,7 @@ def _split_for(phi: torch.Tensor, x: torch.Tensor, config: MhcKernelConfig = DEF
 _DERIVED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
-def derived(t: torch.Tensor, kind: tuple, make: Any) -> torch.Tensor:
+def derived(t: torch.Tensor, kind: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``make()``, computed once per (parameter ``t``, its version, ``kind``)."""
     base = t if t._base is None else t._base
     key = (id(base), t.data_ptr(), kind)
@@ -302,7 +304,10 @@ def derived(t: torch.Tensor, kind: tuple, make: Any) -> torch.Tensor:
     value = make()
     # While a CUDA graph is captured the kernels that make it do not run: keep nothing made then.
     if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _DERIVED[key] = (weakref.ref(base, lambda _, k=key: _DERIVED.pop(k, None)), t._version, value)
+        def forget(_: object, k: tuple = key) -> None:
+            _DERIVED.pop(k, None)
+
+        _DERIVED[key] = (weakref.ref(base, forget), t._version, value)
     return value
 
 
@@ -344,6 +349,8 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
     phi, alpha, b_pre, b_post, b_res = _checked_params(params, x)
     _check_shape(norm_weight, (c,), "the norm weight")
     if y is not None:
+        if h_post is None or h_res is None:
+            raise ValueError("an update takes H_post and H_res with the stage output y")
         _check_update(x, y, h_post, h_res)
         h_post, h_res = h_post.contiguous(), h_res.contiguous()
         streams_out = _dest(streams_out, (t, n, c), x.dtype, x, "streams_out")
