@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from layer_boundary_app.bench import report
     from layer_boundary_app.bench.timing import TimingPlan
 
+    from .params import MhcStageParams
+
 __all__ = ["MHC_HIDDEN", "MHC_TOKENS", "OPS", "bytes_moved", "run_mhc", "mhc_command", "TUNABLE"]
 
 MHC_HIDDEN = (4096, 7168)
@@ -88,7 +90,7 @@ class Inputs:
     w: torch.Tensor
     h_post: torch.Tensor
     h_res: torch.Tensor
-    params: Any
+    params: MhcStageParams
 
 
 @dataclass(frozen=True)

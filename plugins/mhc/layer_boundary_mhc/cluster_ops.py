@@ -15,13 +15,16 @@ version, like the Triton kernels' phi split.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from . import counts
 from .coefficients import SINKHORN_ITERS
 from .config import DEFAULT_CONFIG, MhcKernelConfig
+
+if TYPE_CHECKING:
+    from .params import MhcStageParams
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "Dispatch", "persistent_shape", "split_shape"]
@@ -404,7 +407,7 @@ def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torc
 
 
 def mhc_read_cluster(
-    x: torch.Tensor, params: Any, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
+    x: torch.Tensor, params: MhcStageParams, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
     iters: int = SINKHORN_ITERS, out: Optional[torch.Tensor] = None, h_post: Optional[torch.Tensor] = None,
     h_res: Optional[torch.Tensor] = None, config: MhcKernelConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -418,7 +421,7 @@ def mhc_read_cluster(
 
 
 def mhc_update_read_cluster(
-    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: Any,
+    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: MhcStageParams,
     norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS,
     streams_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
     h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,

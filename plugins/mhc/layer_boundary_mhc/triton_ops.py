@@ -23,7 +23,7 @@ CUDA graph captures like any other allocation, and never synchronizes with the h
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -47,6 +47,9 @@ from .triton_mhc import (
     phi_parts,
     update_config,
 )
+
+if TYPE_CHECKING:
+    from .params import MhcStageParams
 
 __all__ = [
     "mhc_read_triton",
@@ -252,13 +255,13 @@ def _check_update(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res:
     _check_shape(h_res, (t, n, n), "H_res", torch.float32)
 
 
-def _param_tensors(params: Any, x: torch.Tensor, config: MhcKernelConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, ...]:
+def _param_tensors(params: MhcStageParams, x: torch.Tensor, config: MhcKernelConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, ...]:
     """``(phi, phi's split for the launch shape of streams x, alpha, b_pre, b_post, b_res)``."""
     phi, *rest = _checked_params(params, x)
     return (phi, _split_for(phi, x, config), *rest)
 
 
-def _checked_params(params: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _checked_params(params: MhcStageParams, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(phi, alpha, b_pre, b_post, b_res)`` of ``params``, checked against streams ``x``."""
     t, n, c = x.shape
     k, _ = coefficient_columns(n)
@@ -337,7 +340,7 @@ def _coefficient_dest(t: Optional[torch.Tensor], shape: tuple[int, ...], like: t
 
 
 def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor],
-              h_res: Optional[torch.Tensor], params: Any, norm_weight: torch.Tensor, norm_eps: float,
+              h_res: Optional[torch.Tensor], params: MhcStageParams, norm_weight: torch.Tensor, norm_eps: float,
               norm_offset: float, iters: int, cooperative: Optional[bool], streams_out: Optional[torch.Tensor],
               out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor], h_res_out: Optional[torch.Tensor],
               config: MhcKernelConfig, cluster: bool = False,
@@ -376,7 +379,7 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
 # -- public callables: the references' signatures ----------------------------------------------------
 
 def mhc_read_triton(
-    x: torch.Tensor, params: Any, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
+    x: torch.Tensor, params: MhcStageParams, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
     iters: int = SINKHORN_ITERS, out: Optional[torch.Tensor] = None, h_post: Optional[torch.Tensor] = None,
     h_res: Optional[torch.Tensor] = None, cooperative: Optional[bool] = None,
     config: MhcKernelConfig = DEFAULT_CONFIG,
@@ -394,7 +397,7 @@ def mhc_read_triton(
 
 
 def mhc_update_read_triton(
-    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: Any,
+    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: MhcStageParams,
     norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS,
     streams_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
     h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,
