@@ -149,9 +149,9 @@ def _read(got: Sequence[torch.Tensor], streams: torch.Tensor, params: MhcStagePa
 
 @torch.no_grad()
 def compare(op: str, got: Sequence[torch.Tensor], x: torch.Tensor, *, y: Optional[torch.Tensor] = None,
-            h_post: Optional[torch.Tensor] = None, h_res: Optional[torch.Tensor] = None, params: Optional[MhcStageParams] = None,
-            norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0, norm_offset: float = 0.0,
-            iters: int = SINKHORN_ITERS) -> list[Deviation]:
+            h_post: Optional[torch.Tensor] = None, h_res: Optional[torch.Tensor] = None,
+            params: Optional[MhcStageParams] = None, norm_weight: Optional[torch.Tensor] = None,
+            norm_eps: float = 0.0, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS) -> list[Deviation]:
     """One ``Deviation`` per output of ``op`` (``OUTPUTS``): ``got`` is what a kernel returned for
     streams ``x`` (and, for an update, ``y``, ``h_post``, ``h_res``). The read of
     ``update+read`` is compared with the reference read of ``got``'s streams."""

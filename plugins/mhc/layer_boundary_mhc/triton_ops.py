@@ -255,7 +255,8 @@ def _check_update(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res:
     _check_shape(h_res, (t, n, n), "H_res", torch.float32)
 
 
-def _param_tensors(params: MhcStageParams, x: torch.Tensor, config: MhcKernelConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, ...]:
+def _param_tensors(params: MhcStageParams, x: torch.Tensor,
+                   config: MhcKernelConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, ...]:
     """``(phi, phi's split for the launch shape of streams x, alpha, b_pre, b_post, b_res)``."""
     phi, *rest = _checked_params(params, x)
     return (phi, _split_for(phi, x, config), *rest)

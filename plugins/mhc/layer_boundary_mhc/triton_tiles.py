@@ -88,7 +88,7 @@ def _block_coefficients(hp_ptr, hr_ptr, tt, tm, N: tl.constexpr):
     every chunk."""
     coefs = ()
     for i in tl.static_range(N):
-        coefs = coefs + (_stream_coefficients(hp_ptr, hr_ptr, tt, tm, i, N),)  # type: ignore[assignment]  # (as in _stream_coefficients)
+        coefs = coefs + (_stream_coefficients(hp_ptr, hr_ptr, tt, tm, i, N),)  # type: ignore[assignment]  # see _stream_coefficients
     return coefs
 
 
@@ -98,7 +98,7 @@ def _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N: tl.const
     y = _load_rows(y_ptr, tt, c, m2, syt, syc, POLICY)
     xs = ()
     for j in tl.static_range(N):
-        xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc, POLICY),)  # type: ignore[assignment]  # (as in _stream_coefficients)
+        xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc, POLICY),)  # type: ignore[assignment]  # see _stream_coefficients
     return y, xs
 
 
