@@ -38,12 +38,15 @@ FP64 gives for the coefficients of the one set of streams against the other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from .coefficients import SINKHORN_ITERS
 from .reference import mhc_combine_ref, mhc_read_ref, mhc_update_ref
+
+if TYPE_CHECKING:
+    from .params import MhcStageParams
 
 __all__ = ["TOLERANCE", "OUTPUTS", "Deviation", "compare", "assert_matches_reference", "deviation"]
 
@@ -131,7 +134,7 @@ def _update(streams: torch.Tensor, x: torch.Tensor, y: torch.Tensor, h_post: tor
     return deviation("streams", streams, want, _allowed(TOLERANCE[x.dtype]["streams"], magnitude, want))
 
 
-def _read(got: Sequence[torch.Tensor], streams: torch.Tensor, params: Any, norm_weight: torch.Tensor,
+def _read(got: Sequence[torch.Tensor], streams: torch.Tensor, params: MhcStageParams, norm_weight: torch.Tensor,
           norm_eps: float, norm_offset: float, iters: int) -> list[Deviation]:
     tol = TOLERANCE[streams.dtype]
     want = mhc_read_ref(streams, params, norm_weight, norm_eps, norm_offset=norm_offset, iters=iters)
@@ -146,9 +149,9 @@ def _read(got: Sequence[torch.Tensor], streams: torch.Tensor, params: Any, norm_
 
 @torch.no_grad()
 def compare(op: str, got: Sequence[torch.Tensor], x: torch.Tensor, *, y: Optional[torch.Tensor] = None,
-            h_post: Optional[torch.Tensor] = None, h_res: Optional[torch.Tensor] = None, params: Any = None,
-            norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0, norm_offset: float = 0.0,
-            iters: int = SINKHORN_ITERS) -> list[Deviation]:
+            h_post: Optional[torch.Tensor] = None, h_res: Optional[torch.Tensor] = None,
+            params: Optional[MhcStageParams] = None, norm_weight: Optional[torch.Tensor] = None,
+            norm_eps: float = 0.0, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS) -> list[Deviation]:
     """One ``Deviation`` per output of ``op`` (``OUTPUTS``): ``got`` is what a kernel returned for
     streams ``x`` (and, for an update, ``y``, ``h_post``, ``h_res``). The read of
     ``update+read`` is compared with the reference read of ``got``'s streams."""
@@ -160,8 +163,12 @@ def compare(op: str, got: Sequence[torch.Tensor], x: torch.Tensor, *, y: Optiona
         raise TypeError(f"no MHC kernel tolerance for {x.dtype} streams")
     out = []
     if op != "read":
+        if y is None or h_post is None or h_res is None:
+            raise TypeError(f"compare({op!r}) needs the update's y, h_post and h_res")
         out.append(_update(got[0], x, y, h_post, h_res))
     if op != "update":
+        if norm_weight is None or params is None:
+            raise TypeError(f"compare({op!r}) needs the read's params and norm_weight")
         streams = got[0] if op == "update+read" else x
         out += _read(got[-3:], streams, params, norm_weight, norm_eps, norm_offset, iters)
     return out

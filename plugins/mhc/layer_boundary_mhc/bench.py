@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from layer_boundary_app.bench import report
     from layer_boundary_app.bench.timing import TimingPlan
 
+    from .params import MhcStageParams
+
 __all__ = ["MHC_HIDDEN", "MHC_TOKENS", "OPS", "bytes_moved", "run_mhc", "mhc_command", "TUNABLE"]
 
 MHC_HIDDEN = (4096, 7168)
@@ -88,7 +90,7 @@ class Inputs:
     w: torch.Tensor
     h_post: torch.Tensor
     h_res: torch.Tensor
-    params: Any
+    params: MhcStageParams
 
 
 @dataclass(frozen=True)
@@ -391,10 +393,10 @@ def mhc_command(args: argparse.Namespace) -> int:
     plan = TimingPlan.for_run(args.quick, args.replays)
     env = report.environment(device)
     timing = "CUDA-graph replay" if device == "cuda" else "wall clock"
-    e = torch.empty((), dtype=dtype).element_size()
+    esize = torch.empty((), dtype=dtype).element_size()
     print(f"layer-boundary bench mhc: MHC update and read, n={args.streams}, {args.dtype}, "
           f"{env['gpu'] or env['cpu']}, torch {env['torch']}, {env['date']}; median µs by {timing} over "
-          f"{plan.replays} replays; update+read bytes = T(2n+2)C·{e} + coefficients + phi"
+          f"{plan.replays} replays; update+read bytes = T(2n+2)C·{esize} + coefficients + phi"
           + (f"; tuned {tuned}" if tuned else ""))
     copy, rows, refusals = run_mhc(tokens, hidden, dtype, this_device(device), plan, n=args.streams, ops=ops,
                                    compile=args.compile, copy_bytes=COPY_BYTES[device][1 if args.quick else 0],

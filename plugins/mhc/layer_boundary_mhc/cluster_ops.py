@@ -15,13 +15,16 @@ version, like the Triton kernels' phi split.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from . import counts
 from .coefficients import SINKHORN_ITERS
 from .config import DEFAULT_CONFIG, MhcKernelConfig
+
+if TYPE_CHECKING:
+    from .params import MhcStageParams
 
 __all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "Dispatch", "persistent_shape", "split_shape"]
@@ -282,9 +285,11 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
             v.dtype, cutlass.Float32)
         return make_ptr(el, v.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
-    yy = y if update else x
-    xo = streams_out if update else x
-    if shape.persistent and update and n == 4:
+    if y is not None and (h_post is None or h_res is None or streams_out is None):
+        raise ValueError("an update launch takes h_post, h_res and streams_out")
+    yy = x if y is None else y
+    xo = x if streams_out is None or y is None else streams_out
+    if shape.persistent and h_post is not None and h_res is not None and update and n == 4:
         # The persistent variant copies these rows 16 bytes at a time (contiguous rows of 16 and
         # 64 bytes); a view that starts off a 16-byte boundary goes through an aligned copy.
         h_post = h_post if h_post.data_ptr() % 16 == 0 else h_post.clone()
@@ -402,7 +407,7 @@ def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torc
 
 
 def mhc_read_cluster(
-    x: torch.Tensor, params: Any, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
+    x: torch.Tensor, params: MhcStageParams, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
     iters: int = SINKHORN_ITERS, out: Optional[torch.Tensor] = None, h_post: Optional[torch.Tensor] = None,
     h_res: Optional[torch.Tensor] = None, config: MhcKernelConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -416,7 +421,7 @@ def mhc_read_cluster(
 
 
 def mhc_update_read_cluster(
-    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: Any,
+    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: MhcStageParams,
     norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS,
     streams_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
     h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,

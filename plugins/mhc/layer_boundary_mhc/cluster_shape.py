@@ -13,7 +13,26 @@ SMEM_LIMIT = 227 * 1024
 MAX_STAGES = 10
 
 
-def _sizes(shape, n: int, hidden: int, cluster: int, block_tokens: int, warps: int) -> None:
+class _Sized:
+    """The sizes ``_sizes`` sets on both kernels' shapes (declared only: no class attributes, so a
+    shape's ``vars``, its kernel's key, holds what its ``__init__`` set)."""
+
+    warps: int
+    threads: int
+    hs: int
+    nch: int
+    k: int
+    nt: int
+    kpad: int
+    tpc: int
+    units: int
+    phi_chunk: int
+    xr_bytes: int
+    hpre_bytes: int
+    hsq_bytes: int
+
+
+def _sizes(shape: _Sized, n: int, hidden: int, cluster: int, block_tokens: int, warps: int) -> None:
     """The sizes both kernels' shapes derive alike: columns and 16-column chunks a CTA, the
     coefficient count K and its 8-wide n-tiles, tokens a CTA owns, 16-byte units a row, phi's
     fragment bytes a chunk, x' bytes of a block, H_pre and norm-sum exchange bytes."""
@@ -50,14 +69,14 @@ def _streams_problem(n: int) -> str:
     return f"n = {n} streams (2 to 4)"
 
 
-def _frozen_key(shape) -> tuple:
+def _frozen_key(shape: _Sized) -> tuple:
     """Every attribute of a finished shape (all compile-time: sizes, plan, settings), the key of its
     compiled kernel: no two variants share one (a key of chosen fields once missed the persistent
     variant's settings). Computed once, as the calls look it up each time."""
     return (type(shape).__name__,) + tuple(sorted(vars(shape).items()))
 
 
-class ClusterShape:
+class ClusterShape(_Sized):
     """Compile-time shape of one variant: n streams, hidden size C, ``cluster`` CTAs a block of
     ``block_tokens``, ``warps`` a CTA, shared memory sized for ``ctas`` CTAs an SM (two let one CTA's
     cluster exchanges overlap another's stream pass), ``stages`` chunks in flight (0: as many as fit,
@@ -107,7 +126,7 @@ class ClusterShape:
         return ""
 
 
-class PersistentShape:
+class PersistentShape(_Sized):
     """Compile-time shape of the persistent variant (``cute_persistent``): clusters of 16 CTAs, one
     CTA an SM, that stay resident and take blocks of 16 tokens in turn. Each CTA keeps its slice of
     phi's fragments in shared memory for the whole launch (``phi_bytes``: 144 KiB at n = 4,

@@ -59,14 +59,14 @@ def counts(device: torch.device, blocks: int, pool_words: int,
     idx, cap = _index(device), capacity(blocks)
     words = _HEAD + 2 * cap
     if torch.cuda.is_current_stream_capturing():
-        key = (idx, pool_words)
+        pool_key = (idx, pool_words)
         with _LOCK:
-            pool = _POOL.get(key)
+            pool = _POOL.get(pool_key)
             if pool is not None and pool[1] + words <= pool[0].numel():
                 pool[1] += words
                 return pool[0][pool[1] - words:pool[1]], cap
-            first = key not in _WARNED
-            _WARNED.add(key)
+            first = pool_key not in _WARNED
+            _WARNED.add(pool_key)
         if first:
             warnings.warn(f"the MHC split variant's counts set aside for CUDA-graph capture on cuda:{idx} are "
                           f"{'used up' if pool is not None else 'missing'} ({pool_words} words a device); "

@@ -19,8 +19,13 @@ against 218 for ``stream_joined`` (PERFORMANCE-history.md).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    import torch
 
 
 @triton.jit

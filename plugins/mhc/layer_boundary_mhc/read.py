@@ -23,6 +23,7 @@ learned head ``sum_j w_j x_j``, again in FP32 with one rounding.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, Callable, Optional
 
 import torch
@@ -72,10 +73,12 @@ class _Norm:
     def rms(self) -> tuple[torch.Tensor, float]:
         """``(weight, eps)`` of an RMSNorm-like norm, the weight looked up per call: a loader may
         replace the parameter object."""
-        weight = self.norm.weight
+        weight, eps = self.norm.weight, self._eps
+        if not isinstance(weight, torch.Tensor) or eps is None:  # a black box's: never asked for
+            raise TypeError(f"the stage norm {type(self.norm).__name__} has no RMSNorm weight and eps")
         if self._eps_follows:
             return weight, torch.finfo(torch.float64 if weight.dtype == torch.float64 else torch.float32).eps
-        return weight, self._eps
+        return weight, eps
 
     def __call__(self, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self._black_box:
@@ -120,7 +123,8 @@ class MhcRead:
         x, update = self.read(streams)
         return x, streams, update
 
-    def _triton(self, streams: torch.Tensor) -> bool:
+    def _triton(self, streams: torch.Tensor) -> Optional[ModuleType]:
+        """The Triton ops where they serve ``streams`` (``None``: the torch reference does)."""
         k = self.kernels
         if k.serves(streams):
             # The torch path checks the parameters in the reference; the kernels would read a
@@ -133,10 +137,10 @@ class MhcRead:
             if key != self._checked:
                 p.check(streams.dtype)
                 self._checked = key
-            return True
+            return k.ops
         if k.mode == "triton":
             raise ValueError(k.refusal(streams))
-        return False
+        return None
 
     def read(self, residual: torch.Tensor) -> tuple[torch.Tensor, MhcCoefficients]:
         p = self.params
@@ -145,8 +149,8 @@ class MhcRead:
                 f"the MHC read takes streams [tokens, {p.n}, {p.hidden_size}], got shape "
                 f"{tuple(residual.shape)}; an MHC stack starts at a stage whose read enters it"
             )
-        if self._triton(residual):
-            ops = self.kernels.ops
+        ops = self._triton(residual)
+        if ops is not None:
             weight, eps = self._norm.rms()
             x, h_post, h_res = ops.mhc_read_triton(residual, p, weight, eps, norm_offset=self._norm.offset,
                                                    iters=self.iters, config=self.kernels.config)
@@ -159,16 +163,16 @@ class MhcRead:
     ) -> tuple[torch.Tensor, torch.Tensor, MhcCoefficients]:
         """Apply the producer's update, then read: each step rounds once. On Triton both run in
         one launch (the streams the read sees are the rounded ``x'`` it stores)."""
-        if (residual is not None and isinstance(update, MhcCoefficients) and contribution.dtype == residual.dtype
-                and self._triton(residual)):
-            update.check(residual, contribution)
-            p = self.params
-            ops = self.kernels.ops
-            weight, eps = self._norm.rms()
-            streams, x, h_post, h_res = ops.mhc_update_read_triton(
-                residual, contribution, update.h_post, update.h_res, p, weight, eps,
-                norm_offset=self._norm.offset, iters=self.iters, config=self.kernels.config)
-            return x, streams, MhcCoefficients(h_post, h_res, ops.mhc_update_triton)
+        if residual is not None and isinstance(update, MhcCoefficients) and contribution.dtype == residual.dtype:
+            ops = self._triton(residual)
+            if ops is not None:
+                update.check(residual, contribution)
+                p = self.params
+                weight, eps = self._norm.rms()
+                streams, x, h_post, h_res = ops.mhc_update_read_triton(
+                    residual, contribution, update.h_post, update.h_res, p, weight, eps,
+                    norm_offset=self._norm.offset, iters=self.iters, config=self.kernels.config)
+                return x, streams, MhcCoefficients(h_post, h_res, ops.mhc_update_triton)
         streams = update.apply(residual, contribution)
         x, own = self.read(streams)
         return x, streams, own

@@ -13,11 +13,11 @@ and at the stack exit::
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
-from layer_boundary.plugin_api import StageResidual
+from layer_boundary.plugin_api import ReadSpec, StageResidual
 
 from .coefficients import SINKHORN_ITERS
 from .config import DEFAULT_CONFIG, MhcKernelConfig
@@ -93,8 +93,11 @@ class MhcSemantics:
     def stage(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
         """The update kind, the read (bound to this stage's parameters) and the parameters."""
         params = self._init(MhcStageParams(self.n, hidden_size, dtype=dtype, device=device, eps=self.eps))
-        return StageResidual(MHC_UPDATE, MhcReadSpec(params, self.sinkhorn_iters, self.kernels, self.kernel_config),
-                              params)
+        # The core's StageRead protocol spells only a read with makes_update = False (read -> input,
+        # enter and update_and_read -> pairs); MhcRead is the makes_update = True form its docstring
+        # describes (read -> (input, update), triples), which the protocol has no type for yet.
+        spec = cast(ReadSpec, MhcReadSpec(params, self.sinkhorn_iters, self.kernels, self.kernel_config))
+        return StageResidual(MHC_UPDATE, spec, params)
 
     def exit(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
         """The final norm's read: contract the streams, then normalize. A ``head`` owns parameters."""

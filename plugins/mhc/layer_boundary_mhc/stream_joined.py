@@ -79,9 +79,11 @@ def stream_pass_joined(
                 a = tl.load(x_ptr + i * sxn + tt[:, None] * sxt + c[None, :] * sxc, mask=m2, other=0.0)
             f = a.to(tl.float32)
             ssq += f * f
-            ts = ts + (a,)
+            # Triton source, checked as Python: mypy types `()` as an empty tuple, which Triton grows by
+            # `+` (an annotation would not do: Triton's code generator evaluates it, and has no `tuple`).
+            ts = ts + (a,)  # type: ignore[assignment]
         for _ in tl.static_range(NP - N):
-            ts = ts + (tl.zeros([BT, BC], dtype=tl.bfloat16),)
+            ts = ts + (tl.zeros([BT, BC], dtype=tl.bfloat16),)  # type: ignore[assignment]  # (as above)
         a = _interleave(ts, NP, BT, BC)
         # Rows c0 NP .. (c0 + BC) NP of each part; rows past the last column are zeros.
         r = c0 * NP + rows

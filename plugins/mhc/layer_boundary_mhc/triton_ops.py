@@ -23,7 +23,7 @@ CUDA graph captures like any other allocation, and never synchronizes with the h
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -47,6 +47,9 @@ from .triton_mhc import (
     phi_parts,
     update_config,
 )
+
+if TYPE_CHECKING:
+    from .params import MhcStageParams
 
 __all__ = [
     "mhc_read_triton",
@@ -98,7 +101,9 @@ def _launch_boundary(
     # launches are traced and functionalized (torch.library.triton_op, which these operators no
     # longer are: _define), an argument aliasing the workspace can stand for its written value.
     unused = torch.empty(1, dtype=torch.float32, device=x.device)
-    if update:
+    if y is not None:
+        if streams_out is None:
+            raise ValueError("an update launch takes streams_out")
         y_strides, so_strides = y.stride(), streams_out.stride()
     else:
         y, h_post, h_res, streams_out = unused, unused, unused, unused
@@ -196,7 +201,7 @@ def _writes_only(*args: object) -> None:
     return None
 
 
-def _define(name: str, body: object, writes: set[str]) -> None:
+def _define(name: str, body: Callable[..., object], writes: set[str]) -> None:
     # Opaque to the compiler: the body runs as in eager mode, its launches and workspaces included.
     # torch.library.triton_op (the body traced into the graph, the launches functionalized) gave
     # wrong inputs on an H200 (torch 2.11, Triton 3.6: the finishes read garbage partial sums at
@@ -250,13 +255,14 @@ def _check_update(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res:
     _check_shape(h_res, (t, n, n), "H_res", torch.float32)
 
 
-def _param_tensors(params: Any, x: torch.Tensor, config: MhcKernelConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, ...]:
+def _param_tensors(params: MhcStageParams, x: torch.Tensor,
+                   config: MhcKernelConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, ...]:
     """``(phi, phi's split for the launch shape of streams x, alpha, b_pre, b_post, b_res)``."""
     phi, *rest = _checked_params(params, x)
     return (phi, _split_for(phi, x, config), *rest)
 
 
-def _checked_params(params: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _checked_params(params: MhcStageParams, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(phi, alpha, b_pre, b_post, b_res)`` of ``params``, checked against streams ``x``."""
     t, n, c = x.shape
     k, _ = coefficient_columns(n)
@@ -292,7 +298,7 @@ def _split_for(phi: torch.Tensor, x: torch.Tensor, config: MhcKernelConfig = DEF
 _DERIVED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
-def derived(t: torch.Tensor, kind: tuple, make: Any) -> torch.Tensor:
+def derived(t: torch.Tensor, kind: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``make()``, computed once per (parameter ``t``, its version, ``kind``)."""
     base = t if t._base is None else t._base
     key = (id(base), t.data_ptr(), kind)
@@ -302,7 +308,10 @@ def derived(t: torch.Tensor, kind: tuple, make: Any) -> torch.Tensor:
     value = make()
     # While a CUDA graph is captured the kernels that make it do not run: keep nothing made then.
     if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _DERIVED[key] = (weakref.ref(base, lambda _, k=key: _DERIVED.pop(k, None)), t._version, value)
+        def forget(_: object, k: tuple = key) -> None:
+            _DERIVED.pop(k, None)
+
+        _DERIVED[key] = (weakref.ref(base, forget), t._version, value)
     return value
 
 
@@ -332,7 +341,7 @@ def _coefficient_dest(t: Optional[torch.Tensor], shape: tuple[int, ...], like: t
 
 
 def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Tensor],
-              h_res: Optional[torch.Tensor], params: Any, norm_weight: torch.Tensor, norm_eps: float,
+              h_res: Optional[torch.Tensor], params: MhcStageParams, norm_weight: torch.Tensor, norm_eps: float,
               norm_offset: float, iters: int, cooperative: Optional[bool], streams_out: Optional[torch.Tensor],
               out: Optional[torch.Tensor], h_post_out: Optional[torch.Tensor], h_res_out: Optional[torch.Tensor],
               config: MhcKernelConfig, cluster: bool = False,
@@ -344,6 +353,8 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
     phi, alpha, b_pre, b_post, b_res = _checked_params(params, x)
     _check_shape(norm_weight, (c,), "the norm weight")
     if y is not None:
+        if h_post is None or h_res is None:
+            raise ValueError("an update takes H_post and H_res with the stage output y")
         _check_update(x, y, h_post, h_res)
         h_post, h_res = h_post.contiguous(), h_res.contiguous()
         streams_out = _dest(streams_out, (t, n, c), x.dtype, x, "streams_out")
@@ -369,7 +380,7 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
 # -- public callables: the references' signatures ----------------------------------------------------
 
 def mhc_read_triton(
-    x: torch.Tensor, params: Any, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
+    x: torch.Tensor, params: MhcStageParams, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
     iters: int = SINKHORN_ITERS, out: Optional[torch.Tensor] = None, h_post: Optional[torch.Tensor] = None,
     h_res: Optional[torch.Tensor] = None, cooperative: Optional[bool] = None,
     config: MhcKernelConfig = DEFAULT_CONFIG,
@@ -387,7 +398,7 @@ def mhc_read_triton(
 
 
 def mhc_update_read_triton(
-    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: Any,
+    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: MhcStageParams,
     norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS,
     streams_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
     h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,

@@ -65,7 +65,9 @@ def _stream_coefficients(hp_ptr, hr_ptr, tt, tm, i: tl.constexpr, N: tl.constexp
     coefficients."""
     hr = ()
     for j in tl.static_range(N):
-        hr = hr + (tl.load(hr_ptr + tt * (N * N) + i * N + j, mask=tm, other=0.0),)
+        # Triton source, checked as Python: mypy types `()` as an empty tuple, which Triton grows by `+`;
+        # annotating it would not do, as Triton's code generator evaluates the annotation (no `tuple` there).
+        hr = hr + (tl.load(hr_ptr + tt * (N * N) + i * N + j, mask=tm, other=0.0),)  # type: ignore[assignment]
     return tl.load(hp_ptr + tt * N + i, mask=tm, other=0.0), hr
 
 
@@ -86,7 +88,7 @@ def _block_coefficients(hp_ptr, hr_ptr, tt, tm, N: tl.constexpr):
     every chunk."""
     coefs = ()
     for i in tl.static_range(N):
-        coefs = coefs + (_stream_coefficients(hp_ptr, hr_ptr, tt, tm, i, N),)
+        coefs = coefs + (_stream_coefficients(hp_ptr, hr_ptr, tt, tm, i, N),)  # type: ignore[assignment]  # see _stream_coefficients
     return coefs
 
 
@@ -96,7 +98,7 @@ def _stream_inputs(y_ptr, x_ptr, tt, c, m2, syt, syc, sxt, sxn, sxc, N: tl.const
     y = _load_rows(y_ptr, tt, c, m2, syt, syc, POLICY)
     xs = ()
     for j in tl.static_range(N):
-        xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc, POLICY),)
+        xs = xs + (_load_rows(x_ptr + j * sxn, tt, c, m2, sxt, sxc, POLICY),)  # type: ignore[assignment]  # see _stream_coefficients
     return y, xs
 
 
