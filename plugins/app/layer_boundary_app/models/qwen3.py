@@ -325,12 +325,11 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 @runtime_checkable
-class StagedLayer(Protocol):
-    """A decoder layer of the stack: its two stages' boundaries (what ``plan_overlap`` and the
-    pipeline handoff read)."""
+class PipelineEntryLayer(Protocol):
+    """A decoder layer whose first stage is ``attn_boundary``: a non-first pipeline stage
+    rebuilds the batch through its first layer's ``attn_boundary.from_pp()``."""
 
     attn_boundary: StageBoundary
-    ffn_boundary: StageBoundary
 
 
 class Qwen3Model(nn.Module):
@@ -409,7 +408,7 @@ class Qwen3Model(nn.Module):
             hidden_states = self.embed_tokens(input_ids)
         else:
             first = self.layers[0]
-            if not isinstance(first, StagedLayer):
+            if not isinstance(first, PipelineEntryLayer):
                 raise TypeError(f"{type(first).__name__} has no stage boundaries to receive the "
                                 "previous pipeline stage's tensors")
             if pp_proxy_tensors is None:
