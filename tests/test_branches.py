@@ -66,6 +66,22 @@ def test_longcat_reference_is_its_written_out_layer():
     assert torch.equal(got, want)
 
 
+
+def test_longcat_refuses_a_two_batch_split_by_name():
+    # LongcatModel has no two-batch-overlap schedule (tbo_overlap = None, no plan): a batch with a
+    # tbo_split is refused naming that, not an AttributeError on the missing plan.
+    from layer_boundary import TboSplit
+    from layer_boundary_app.models.longcat import (LongcatForCausalLM, init_random_longcat_weights,
+                                               small_random_longcat_config)
+
+    model = LongcatForCausalLM(small_random_longcat_config())
+    init_random_longcat_weights(model)
+    pos = torch.arange(3)
+    fb = ForwardBatch(num_tokens=3, positions=pos, tbo_split=TboSplit.balanced([[2, 1]], 0))
+    with torch.inference_mode(), pytest.raises(ValueError, match="no two-batch-overlap schedule"):
+        model.eval()(torch.tensor([7, 300, 12]), pos, fb)
+
+
 # -- construction -------------------------------------------------------------------------------
 
 

@@ -107,8 +107,8 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             notes.append(note)
             say(note)
             methods, refused = norm_methods(ctx.norm_candidates(), NormRequest(torch.device(device).type, dtype, h))
-            for r in refused:
-                say(f"  separate kernel {r['method']} ({r['origin']}) refuses: {r['refused']}")
+            for refusal in refused:
+                say(f"  separate kernel {refusal['method']} ({refusal['origin']}) refuses: {refusal['refused']}")
             read = ffn.plan.read
             table.header()
             for t in spec["tokens"]:

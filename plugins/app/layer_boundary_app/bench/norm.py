@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypedDict
 
 import torch
 
@@ -40,6 +40,14 @@ COPY_BYTES = {"cuda": (1 << 30, 1 << 28), "cpu": (1 << 26, 1 << 24)}  # (full, q
 Call = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+
+class NormTolerance(TypedDict):
+    """``atol`` and ``rtol`` of ``torch.allclose``, as ``plugin_api.tolerance_of`` returns them."""
+
+    atol: float
+    rtol: float
+
+
 @dataclass(frozen=True)
 class NormMethod:
     """One way to run add+RMSNorm: ``call(x, r, w, y) -> (y, r')`` updates ``r`` in place.
@@ -51,7 +59,7 @@ class NormMethod:
     name: str
     origin: str
     call: Call
-    tolerance: Optional[dict[str, float]]
+    tolerance: Optional[NormTolerance]
 
 
 def _provider_method(origin: str, provider: Any, request: NormRequest) -> NormMethod:

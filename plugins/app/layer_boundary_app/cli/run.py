@@ -15,6 +15,7 @@ from layer_boundary import PluginError, Topology
 from layer_boundary.plugin_api import gather_objects
 
 from ..launch import RankError, spawn, under_torchrun
+from ..models.layers import head_group
 from ..models.runner import RunSpec, build_model, describe_model, rank_forward, single_rank_logits
 
 __all__ = ["run_command", "describe_stages"]
@@ -47,7 +48,7 @@ def _merge(rows: list[tuple[int, str]]) -> list[str]:
 
 def _ranges(xs: list[int]) -> str:
     parts, start, prev = [], xs[0], xs[0]
-    for x in xs[1:] + [None]:  # type: ignore[list-item]
+    for x in xs[1:] + [None]:
         if x is not None and x == prev + 1:
             prev = x
             continue
@@ -134,7 +135,7 @@ def _rank_job(rank: int, world: int, spec: RunSpec, repeats: int) -> dict[str, A
     out: dict[str, Any] = {"rank": rank, "tokens": idx, "logits": logits, "first": first,
                            "median": times[len(times) // 2] if times else first,
                            # Ranks of one head group hold the same rows: the first reports them.
-                           "attn_tp_rank": topo.attn_heads.rank}
+                           "attn_tp_rank": head_group(topo).rank}
     if rank == 0:
         registry = model.context.registry
         out["header"] = {

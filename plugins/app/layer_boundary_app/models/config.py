@@ -6,7 +6,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, ClassVar, Mapping, TypeVar, Union
 
 from .layers import rope_type_of
 
@@ -20,6 +20,10 @@ __all__ = [
 ]
 
 _DEFAULT_ROPE_THETA = 10_000.0  # transformers' default_theta when a config names none
+
+
+_Config = TypeVar("_Config", bound="Qwen3Config")  # the class a classmethod constructor builds
+_MoeConfig = TypeVar("_MoeConfig", bound="Qwen3MoeConfig")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +94,7 @@ class Qwen3Config:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Qwen3Config":
+    def from_dict(cls: type[_Config], d: Mapping[str, Any]) -> _Config:
         """Build from a parsed HF ``config.json`` (transformers 4 or 5 layout).
 
         ``rope_theta`` is read from ``rope_parameters`` (transformers 5) or the top level
@@ -100,7 +104,7 @@ class Qwen3Config:
         return cls(**_common_fields(d, cls.MODEL_TYPE))
 
     @classmethod
-    def from_folder(cls, folder: str | os.PathLike[str]) -> "Qwen3Config":
+    def from_folder(cls: type[_Config], folder: str | os.PathLike[str]) -> _Config:
         path = os.path.join(os.fspath(folder), "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(
@@ -109,7 +113,7 @@ class Qwen3Config:
         return cls._from_file(path, _read_config(path))
 
     @classmethod
-    def _from_file(cls, path: str, d: Mapping[str, Any]) -> "Qwen3Config":
+    def _from_file(cls: type[_Config], path: str, d: Mapping[str, Any]) -> _Config:
         config = cls.from_dict(d)
         _check_architectures(path, d, cls)
         return config
@@ -236,7 +240,7 @@ class Qwen3MoeConfig(Qwen3Config):
         )
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Qwen3MoeConfig":
+    def from_dict(cls: type[_MoeConfig], d: Mapping[str, Any]) -> _MoeConfig:
         """Build from a parsed HF ``config.json``; the expert count is ``num_experts``
         (transformers 4, hub checkpoints) or ``num_local_experts`` (transformers 5 saves)."""
         kw = _common_fields(d, cls.MODEL_TYPE)

@@ -52,6 +52,8 @@ from .layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    head_group,
+    set_weight_loader,
 )
 from .loader import load_tensors
 from .qwen3 import Qwen3Attention, Qwen3MLP
@@ -193,8 +195,8 @@ class ShortConv(nn.Module):
         self.local = channels // group.size
         self.weight = nn.Parameter(torch.empty(self.local, kernel, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self.local, dtype=dtype))
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        set_weight_loader(self.weight, self.weight_loader)
+        set_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(self, param: torch.Tensor, full: torch.Tensor) -> None:
         if full.shape[0] != self.channels or tuple(full.shape[1:]) != tuple(param.shape[1:]):
@@ -260,7 +262,7 @@ class MixerLayer(_Layer):
                  following: Optional[LayerKind], *, options: dict[str, Any],
                  dtype: Optional[torch.dtype] = None, **_: Any) -> None:
         super().__init__(layer_declaration(self.kind), previous, following, config, context, options, dtype)
-        self.mixer = ShortConvMixer(config, context.topology.attn_heads, dtype=dtype)
+        self.mixer = ShortConvMixer(config, head_group(context.topology), dtype=dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
         hidden_states = self.boundary.prepare(hidden_states, forward_batch)
@@ -276,7 +278,7 @@ class AttentionLayer(_Layer):
                  following: Optional[LayerKind], *, options: dict[str, Any],
                  rotary_emb: RotaryEmbedding, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(layer_declaration(self.kind), previous, following, config, context, options, dtype)
-        self.self_attn = Qwen3Attention(config, context.topology.attn_heads, rotary_emb, dtype=dtype)  # type: ignore[arg-type]
+        self.self_attn = Qwen3Attention(config, head_group(context.topology), rotary_emb, dtype=dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
         hidden_states = self.boundary.prepare(hidden_states, forward_batch)
@@ -295,7 +297,7 @@ class FfnLayer(_Layer):
                  following: Optional[LayerKind], *, options: dict[str, Any],
                  dtype: Optional[torch.dtype] = None, **_: Any) -> None:
         super().__init__(layer_declaration(self.kind), previous, following, config, context, options, dtype)
-        self.mlp = Qwen3MLP(config, context.topology.tp, dtype=dtype)  # type: ignore[arg-type]
+        self.mlp = Qwen3MLP(config, context.topology.tp, dtype=dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: Any, forward_batch: Any) -> Any:
         hidden_states = self.boundary.prepare(hidden_states, forward_batch)
@@ -316,7 +318,7 @@ class HeteroModel(nn.Module):
         kinds = parse_pattern(pattern)
         topology = self.topology = context.topology
         options = {"fusions": fusions} if fusions is not None else {}
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, head_group(topology), dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
             _LAYERS[kind](
@@ -376,7 +378,7 @@ class HeteroForCausalLM(nn.Module):
         self.topology = context.topology
         self.residual = context.semantics("plain")
         self.model = HeteroModel(config, pattern, context, dtype=dtype, fusions=fusions)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.topology.attn_heads, dtype=dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, head_group(self.topology), dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -385,6 +387,7 @@ class HeteroForCausalLM(nn.Module):
 
     def boundaries(self) -> Iterator[Any]:
         for layer in self.model.layers:
+            assert isinstance(layer, _Layer)  # HeteroModel builds its layers from _LAYERS
             yield from layer.boundaries
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:

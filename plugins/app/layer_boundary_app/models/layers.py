@@ -18,14 +18,14 @@ the *full* checkpoint tensor and copies this rank's slice (the convention of vLL
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from layer_boundary import get_forward, GroupInfo
+from layer_boundary import get_forward, GroupInfo, Topology
 
 from .comm import all_reduce
 
@@ -40,7 +40,20 @@ __all__ = [
     "RotaryEmbedding",
     "default_weight_loader",
     "rope_type_of",
+    "WeightLoader",
+    "set_weight_loader",
+    "head_group",
 ]
+
+# ``weight_loader(param, full)`` or, for a fused parameter, ``weight_loader(param, full, shard_id)``
+# (the shard id is a merged output's index or a QKV letter): the two conventions of vLLM and SGLang.
+WeightLoader = Callable[..., None]
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    """Attach ``loader`` as ``param.weight_loader``, the attribute the checkpoint loader looks up.
+    A dynamic attribute that ``nn.Parameter`` does not declare, hence ``setattr``."""
+    setattr(param, "weight_loader", loader)
 
 
 def all_gather_last_dim(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
@@ -50,6 +63,17 @@ def all_gather_last_dim(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(group.size)]
     dist.all_gather(parts, x.contiguous(), group=group.group)
     return torch.cat(parts, dim=-1)
+
+
+def head_group(topology: Topology) -> GroupInfo:
+    """``topology.attn_heads``, the group attention heads and the vocabulary are sharded over
+    (attention TP without CP). ``Topology.__post_init__`` always sets it: ``None`` is only the
+    constructor's default, meaning "attn_tp"."""
+    heads = topology.attn_heads
+    if heads is None:
+        raise ValueError("Topology.attn_heads is unset; build the topology with Topology(...) or "
+                         "Topology.from_sizes(), which set it")
+    return heads
 
 
 def local_head_counts(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
@@ -95,14 +119,16 @@ def _copy(param: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _make_params(
-    module: nn.Module, rows: int, cols: int, bias: bool, dtype: Optional[torch.dtype], loader: Any
+    module: nn.Module, rows: int, cols: int, bias: bool, dtype: Optional[torch.dtype], loader: WeightLoader
 ) -> None:
     """Register ``weight [rows, cols]`` and optional ``bias [rows]``, both loaded by ``loader``."""
-    module.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype))
-    module.weight.weight_loader = loader  # type: ignore[attr-defined]
+    weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype))
+    set_weight_loader(weight, loader)
+    module.weight = weight
     if bias:
-        module.bias = nn.Parameter(torch.empty(rows, dtype=dtype))
-        module.bias.weight_loader = loader  # type: ignore[attr-defined]
+        b = nn.Parameter(torch.empty(rows, dtype=dtype))
+        set_weight_loader(b, loader)
+        module.bias = b
     else:
         module.register_parameter("bias", None)
 
@@ -115,6 +141,9 @@ def default_weight_loader(param: torch.Tensor, full: torch.Tensor) -> None:
 
 class ColumnParallelLinear(nn.Module):
     """``y = x W_r^T + b_r``: this rank's slice of the output features; no communication."""
+
+    weight: nn.Parameter
+    bias: Optional[nn.Parameter]  # registered as None without a bias
 
     def __init__(
         self,
@@ -232,7 +261,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, q + 2 kv] -> q [T, q], k [T, kv], v [T, kv]`` (views)."""
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # type: ignore[return-value]
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def extra_repr(self) -> str:
         return (
@@ -251,6 +280,9 @@ class RowParallelLinear(nn.Module):
     (possibly deferred) sum includes it exactly once.
     """
 
+    weight: nn.Parameter
+    bias: Optional[nn.Parameter]  # registered as None without a bias
+
     def __init__(
         self,
         input_size: int,
@@ -268,8 +300,8 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.input_size_per_partition = _divide(input_size, group.size, "input_size")
         _make_params(self, output_size, self.input_size_per_partition, bias, dtype, self.weight_loader)
-        if bias:
-            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        if self.bias is not None:  # the bias is replicated (added on rank 0 only), not sharded
+            set_weight_loader(self.bias, default_weight_loader)
 
     def weight_loader(self, param: torch.Tensor, full: torch.Tensor) -> None:
         _check_full(param, full, (self.output_size, self.input_size), type(self).__name__)
@@ -304,6 +336,8 @@ class VocabParallelEmbedding(nn.Module):
     padded with zero rows to ``V'`` so every rank's weight has the same shape.
     """
 
+    weight: nn.Parameter
+
     def __init__(
         self,
         num_embeddings: int,
@@ -320,7 +354,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group.rank * self.num_embeddings_per_partition
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype))
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: torch.Tensor, full: torch.Tensor) -> None:
         _check_full(param, full, (self.num_embeddings, self.embedding_dim), type(self).__name__)
@@ -350,7 +384,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     Shares the embedding's shard layout so tied weights are the same parameter.
     """
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden_states, self.weight)
         if self.group.size == 1:
             return logits
@@ -377,6 +411,9 @@ class RotaryEmbedding(nn.Module):
 
     Only the unscaled (``default``) rope is implemented; any other ``rope_type`` is rejected.
     """
+
+    cos_cache: torch.Tensor  # buffers [max_position_embeddings, head_dim]
+    sin_cache: torch.Tensor
 
     def __init__(
         self,

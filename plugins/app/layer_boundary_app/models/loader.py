@@ -16,13 +16,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Callable, Iterable, Iterator
+from types import TracebackType
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from .layers import default_weight_loader
+from .layers import WeightLoader, default_weight_loader
 
 __all__ = ["safetensors_files", "iter_safetensors", "check_safetensors", "load_tensors", "load_checkpoint",
            "CheckpointMismatch"]
@@ -91,7 +92,8 @@ class _unreadable:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
+    def __exit__(self, kind: Optional[type[BaseException]], err: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> Literal[False]:
         if err is None or not (type(err).__name__ == "SafetensorError" or isinstance(err, OSError)):
             return False
         what = f"tensor {self.name!r} of " if self.name else ""
@@ -158,7 +160,7 @@ def load_tensors(
         if key in loaded:
             duplicated.append(name)
             continue
-        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
         try:
             if shard is None:
                 loader(param, full)

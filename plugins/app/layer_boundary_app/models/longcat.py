@@ -41,7 +41,7 @@ from layer_boundary import (
 )
 
 from .config import Qwen3Config, small_random_config
-from .layers import RotaryEmbedding
+from .layers import RotaryEmbedding, head_group
 from .moe import SparseMoeBlock
 from .qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 
@@ -109,7 +109,7 @@ class LongcatDecoderLayer(nn.Module):
         self.layer_id = layer_id
         topo = context.topology
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = nn.ModuleList(Qwen3Attention(config, topo.attn_heads, rotary_emb, dtype=dtype)
+        self.self_attn = nn.ModuleList(Qwen3Attention(config, head_group(topo), rotary_emb, dtype=dtype)
                                        for _ in range(2))
         self.mlps = nn.ModuleList(Qwen3MLP(config, topo.tp, dtype=dtype) for _ in range(2))
         self.mlp = SparseMoeBlock(h, config.num_experts, config.num_experts_per_tok,
@@ -188,6 +188,8 @@ class LongcatForCausalLM(Qwen3ForCausalLM):
     :func:`init_random_longcat_weights`; there is no checkpoint format.
     """
 
+    config: LongcatConfig
+
     stacked_params_mapping: tuple[tuple[str, str, Any], ...] = (
         (".q_proj.", ".qkv_proj.", "q"),
         (".k_proj.", ".qkv_proj.", "k"),
@@ -216,7 +218,7 @@ class LongcatForCausalLM(Qwen3ForCausalLM):
                     make_model=lambda context, _: LongcatModel(config, context, dtype=dtype, fusions=fusions))
 
     @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "LongcatForCausalLM":  # type: ignore[override]
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "LongcatForCausalLM":
         raise NotImplementedError("the LongCat-style reference has random weights only "
                                   "(init_random_longcat_weights); it reads no checkpoint")
 
@@ -283,14 +285,18 @@ def plain_forward(model: LongcatForCausalLM, input_ids: torch.Tensor, positions:
         raise ValueError("plain_forward moves no rows between ranks: use a topology without "
                          "attention DP or pipeline stages (model.forward runs those)")
     m = model.model
+    # one pipeline stage (checked above) holds the embedding, the final norm and the LM head
+    assert m.embed_tokens is not None and m.norm is not None and model.lm_head is not None
     hidden_states = m.embed_tokens(input_ids)
     residual = None
     for layer in m.layers:
+        assert isinstance(layer, LongcatDecoderLayer)  # LongcatModel builds only these
         shortcut = None
         for j in range(2):
-            x, residual = attention_half(layer.self_attn[j], layer.input_layernorm[j],
-                                         layer.post_attention_layernorm[j], hidden_states, residual,
-                                         positions, forward_batch, topo.attn_heads)
+            input_norm, post_norm = layer.input_layernorm[j], layer.post_attention_layernorm[j]
+            assert isinstance(input_norm, RMSNorm) and isinstance(post_norm, RMSNorm)
+            x, residual = attention_half(layer.self_attn[j], input_norm, post_norm, hidden_states, residual,
+                                         positions, forward_batch, head_group(topo))
             if j == 0:
                 shortcut = layer.mlp(x)  # no exit scope: the block sums its own output
             hidden_states = layer.mlps[j](x)

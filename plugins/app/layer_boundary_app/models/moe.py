@@ -45,7 +45,7 @@ from layer_boundary import get_forward, GroupInfo, HandoffOutput
 from layer_boundary.plugin_api import moe_finalize
 
 from .comm import all_reduce
-from .layers import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
+from .layers import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader, set_weight_loader
 
 __all__ = [
     "silu_and_mul",
@@ -111,7 +111,7 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)

@@ -96,7 +96,9 @@ class Qwen3NextNForCausalLM(nn.Module):
         self.config = target.config
         self.model = Qwen3NextN(target.config, context, num_layers=num_layers, dtype=dtype)
         # Shared with the target, which owns (and loads) them: kept out of this module's parameters.
-        self._shared = (target.model.embed_tokens, target.lm_head)
+        embed, head = target.model.embed_tokens, target.lm_head
+        assert embed is not None and head is not None  # pp=1 (checked above): one stage holds both
+        self._shared = (embed, head)
         if owns_context:
             context.freeze()
 

@@ -20,7 +20,7 @@ without them still load, and the scheme's own init fills them.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ from torch import nn
 
 from layer_boundary import (
     BoundaryContext, context_parallel_split, declare_attn, declare_ffn, GemmaRMSNorm, GroupInfo, make_stages,
-    model_forward_stages, plan_overlap, recv_tensors, RMSNorm, send_tensors, Topology,
+    model_forward_stages, plan_overlap, recv_tensors, RMSNorm, send_tensors, StageBoundary, Topology,
 )
 from layer_boundary.plugin_api import ResidualSemantics, residual_part
 from layer_boundary.residual import batch as residual_batch
@@ -41,6 +41,7 @@ from .layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    head_group,
 )
 from .loader import load_checkpoint
 
@@ -119,6 +120,34 @@ def stack_norm(config: Qwen3Config, dtype: Optional[torch.dtype]) -> RMSNorm:
     return cls(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
 
+class AttentionConfig(Protocol):
+    """What :class:`Qwen3Attention` reads from a config (``Qwen3Config``, ``HeteroConfig``, ...)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def attention_bias(self) -> bool: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def q_size(self) -> int: ...
+
+
+class MlpConfig(Protocol):
+    """What :class:`Qwen3MLP` reads from a config."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+
+
 class Qwen3Attention(nn.Module):
     """``o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))``, a partial sum over the head group.
 
@@ -129,7 +158,7 @@ class Qwen3Attention(nn.Module):
 
     def __init__(
         self,
-        config: Qwen3Config,
+        config: AttentionConfig,
         group: GroupInfo,
         rotary_emb: RotaryEmbedding,
         *,
@@ -178,7 +207,7 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))``; ``down_proj`` honours the exit scope's flags."""
 
-    def __init__(self, config: Qwen3Config, group: GroupInfo, *, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, config: MlpConfig, group: GroupInfo, *, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         n = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [n, n], False, group, dtype=dtype)
@@ -225,7 +254,7 @@ class Qwen3DecoderLayer(nn.Module):
             rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         options = options or {}
         topology = context.topology
-        self.self_attn = Qwen3Attention(config, topology.attn_heads, rotary_emb, dtype=dtype)
+        self.self_attn = Qwen3Attention(config, head_group(topology), rotary_emb, dtype=dtype)
         self.mlp = self._make_ffn(config, layer_id, topology, dtype)
         self.input_layernorm = stack_norm(config, dtype)
         self.post_attention_layernorm = stack_norm(config, dtype)
@@ -295,6 +324,14 @@ class Qwen3DecoderLayer(nn.Module):
         return hidden_states
 
 
+@runtime_checkable
+class PipelineEntryLayer(Protocol):
+    """A decoder layer whose first stage is ``attn_boundary``: a non-first pipeline stage
+    rebuilds the batch through its first layer's ``attn_boundary.from_pp()``."""
+
+    attn_boundary: StageBoundary
+
+
 class Qwen3Model(nn.Module):
     # Layers that run as two microbatches under two-batch overlap: every layer of a dense stack
     # (see layer_boundary._adapters.tbo.plan_overlap).
@@ -302,6 +339,9 @@ class Qwen3Model(nn.Module):
     # The service a backend's install_*_fusion(model, terminal_finalize=True) returned: the final
     # norm then fuses a terminal MoE finalize handoff (residual_batch.norm(handoff_norm=...)).
     handoff_norm: Any = None
+    embed_tokens: Optional[VocabParallelEmbedding]  # on the first pipeline stage only
+    norm: Optional[RMSNorm]  # on the last pipeline stage only
+    layers: nn.ModuleList
 
     def __init__(
         self,
@@ -336,7 +376,7 @@ class Qwen3Model(nn.Module):
         self.pp_first, self.pp_last = pp.rank == 0, pp.rank == pp.size - 1
         self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.size)
         self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, head_group(topology), dtype=dtype)
             if self.pp_first else None
         )
         # One cos/sin table shared by every layer.
@@ -363,12 +403,23 @@ class Qwen3Model(nn.Module):
         """The final-normed hidden states on the last pipeline stage; elsewhere the tensors
         ``to_pp()`` hands to the next stage. A non-first stage takes the previous stage's tensors."""
         if self.pp_first:
+            assert self.embed_tokens is not None  # built on the first pipeline stage
             residual_batch.start(forward_batch)
             hidden_states = self.embed_tokens(input_ids)
         else:
-            hidden_states = self.layers[0].attn_boundary.from_pp(pp_proxy_tensors, forward_batch)
+            first = self.layers[0]
+            if not isinstance(first, PipelineEntryLayer):
+                raise TypeError(f"{type(first).__name__} has no stage boundaries to receive the "
+                                "previous pipeline stage's tensors")
+            if pp_proxy_tensors is None:
+                raise ValueError("a non-first pipeline stage needs pp_proxy_tensors, the tensors "
+                                 "the previous stage sent")
+            hidden_states = first.attn_boundary.from_pp(pp_proxy_tensors, forward_batch)
         split = getattr(forward_batch, "tbo_split", None)
         if split is not None:
+            if self.tbo_plan is None:
+                raise ValueError(f"{type(self).__name__} has no two-batch-overlap schedule "
+                                 "(tbo_overlap = None); run it without forward_batch.tbo_split")
             hidden_states = model_forward_stages(self.layers, positions, hidden_states, forward_batch,
                                                  split=split, plan=self.tbo_plan)
         else:
@@ -376,6 +427,7 @@ class Qwen3Model(nn.Module):
                 hidden_states = layer(positions, hidden_states, forward_batch)
         if not self.pp_last:
             return residual_batch.to_pp(hidden_states, forward_batch)
+        assert self.norm is not None  # built on the last pipeline stage
         hidden_states = residual_batch.norm(hidden_states, forward_batch, self.norm, skip_empty=True,
                                             handoff_norm=self.handoff_norm)
         return hidden_states
@@ -446,9 +498,11 @@ class Qwen3ForCausalLM(nn.Module):
             )
         self.model = make_model(context, self.residual)
         # The LM head lives on the last pipeline stage only.
-        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, topology.attn_heads, dtype=dtype)
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, head_group(topology), dtype=dtype)
                         if self.model.pp_last else None)
         if config.tie_word_embeddings and self.model.pp_first and self.model.pp_last:
+            # one stage holds both the embedding and the LM head
+            assert self.lm_head is not None and self.model.embed_tokens is not None
             self.lm_head.weight = self.model.embed_tokens.weight
         self._residual_prefixes = tuple(name + "." for name, _ in self.residual_modules())
         if owns_context:
@@ -503,6 +557,7 @@ class Qwen3ForCausalLM(nn.Module):
         if pp.rank < pp.size - 1:
             send_tensors(hidden_states, pp)
             return None
+        assert self.lm_head is not None  # built on the last pipeline stage
         return self.lm_head(hidden_states).float()
 
     def load_weights(self, folder: str | os.PathLike[str]) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 from layer_boundary import BoundaryContext, declare_ffn, Topology
 from layer_boundary.plugin_api import ResidualSemantics
 
-from .config import Qwen3MoeConfig
+from .config import Qwen3Config, Qwen3MoeConfig
 from .layers import RotaryEmbedding
 from .moe import SparseMoeBlock
 from .qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
@@ -67,8 +67,9 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         self._build(config, layer_id, context, rotary_emb=rotary_emb, dtype=dtype, residual=residual,
                     options={"fusions": fusions} if fusions is not None else {})
 
-    def _make_ffn(self, config: Qwen3MoeConfig, layer_id: int, topology: Topology,  # type: ignore[override]
+    def _make_ffn(self, config: Qwen3Config, layer_id: int, topology: Topology,
                   dtype: Optional[torch.dtype]) -> nn.Module:
+        config = _moe_config(config)
         if not self.is_sparse:
             return Qwen3MLP(config, topology.tp, dtype=dtype)
         return SparseMoeBlock(
@@ -77,7 +78,17 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
             dtype=dtype,
         )
 
-    _ffn_declaration = staticmethod(ffn_declaration)
+    @staticmethod
+    def _ffn_declaration(config: Qwen3Config, layer_id: int, update: Any = None, read: Any = None) -> Any:
+        return ffn_declaration(_moe_config(config), layer_id, update, read)
+
+
+def _moe_config(config: Qwen3Config) -> Qwen3MoeConfig:
+    """``config``, which the MoE layer is built with, checked to be a ``Qwen3MoeConfig`` (the base
+    layer's hooks take the dense config)."""
+    if not isinstance(config, Qwen3MoeConfig):
+        raise TypeError(f"a Qwen3-MoE layer needs a Qwen3MoeConfig, got {type(config).__name__}")
+    return config
 
 
 class Qwen3MoeModel(Qwen3Model):
@@ -111,6 +122,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     layout ``save_pretrained`` writes and hub checkpoints use) and the router ``mlp.gate.weight``.
     """
 
+    config: Qwen3MoeConfig
+
     # The dense merge, applied wherever an MLP sits (dense layers and every expert).
     stacked_params_mapping: tuple[tuple[str, str, Any], ...] = (
         (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
@@ -139,7 +152,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                                                                        residual=residual, fusions=fusions))
 
     @classmethod
-    def from_pretrained(  # type: ignore[override]
+    def from_pretrained(
         cls,
         folder: str | os.PathLike[str],
         topology: Optional[Topology] = None,

@@ -12,17 +12,19 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from layer_boundary import GroupInfo, RMSNorm
 from layer_boundary.plugin_api import fused_add_rmsnorm_ref, rmsnorm_ref
 
 from .comm import all_reduce
-from .qwen3 import Qwen3ForCausalLM
+from .layers import head_group
+from .qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
 
 __all__ = ["plain_forward", "attention_half"]
 
 
 def attention_half(
-    attn: nn.Module, input_norm: nn.Module, post_norm: nn.Module, hidden_states: torch.Tensor,
-    residual: Optional[torch.Tensor], positions: torch.Tensor, forward_batch: Any, group: Any,
+    attn: nn.Module, input_norm: RMSNorm, post_norm: RMSNorm, hidden_states: torch.Tensor,
+    residual: Optional[torch.Tensor], positions: torch.Tensor, forward_batch: Any, group: GroupInfo,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(post_norm(r'), r')`` with ``r = residual + hidden_states`` (``hidden_states`` at the
     stack's entry) and ``r' = r + sum_group(attn(input_norm(r)))``: the input of the FFN after
@@ -53,10 +55,17 @@ def plain_forward(
             f"{model.topology.attn_dp.size}; use model.forward (the boundary path) for attention DP"
         )
     m = model.model
-    attn_tp = model.topology.attn_heads  # the ranks o_proj shards heads over (attention TP without CP)
+    if m.embed_tokens is None or m.norm is None or model.lm_head is None:
+        raise ValueError(
+            f"plain_forward runs the whole stack on one pipeline stage, but the topology has "
+            f"pp={model.topology.pp.size}; use model.forward (the boundary path) for pipeline stages"
+        )
+    attn_tp = head_group(model.topology)  # the ranks o_proj shards heads over (attention TP without CP)
     hidden_states = m.embed_tokens(input_ids)
     residual = None
     for layer in m.layers:
+        if not isinstance(layer, Qwen3DecoderLayer):
+            raise TypeError(f"plain_forward writes out the Qwen3 decoder layer, not {type(layer).__name__}")
         x, residual = attention_half(layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm,
                                      hidden_states, residual, positions, forward_batch, attn_tp)
         hidden_states = layer.mlp(x)  # down_proj reduces: no exit scope publishes a skip

@@ -63,7 +63,7 @@ def init_random_weights(model: nn.Module, *, seed: int = 0) -> None:
     """Fill a Qwen3 model (any topology) with this rank's slice of ``random_state_dict(seed)``."""
     config = getattr(model, "config")
     load_tensors(model, random_state_dict(config, seed=seed).items(), source=f"random weights (seed {seed})")
-    residual_modules = getattr(model, "residual_modules", lambda: [])()
+    residual_modules: list[tuple[str, nn.Module]] = getattr(model, "residual_modules", lambda: [])()
     if residual_modules:
         g = torch.Generator().manual_seed(seed + _RESIDUAL_STREAM)
         for _, module in residual_modules:

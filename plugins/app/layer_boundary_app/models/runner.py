@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
+from torch import nn
 
 from layer_boundary import BoundaryContext, ForwardBatch, Topology
+
+if TYPE_CHECKING:  # imported where used: building a model loads the model modules
+    from .qwen3 import Qwen3ForCausalLM
 
 __all__ = ["RunSpec", "assign_sequences", "build_model", "model_class", "describe_model", "rank_forward",
            "single_rank_logits", "tbo_split", "DTYPES"]
@@ -164,9 +168,10 @@ def _check_longcat(spec: RunSpec) -> None:
 def _config(spec: RunSpec) -> Any:
     import dataclasses
 
-    from .config import load_config, small_random_config, small_random_moe_config
+    from .config import Qwen3Config, load_config, small_random_config, small_random_moe_config
     from .hetero import HeteroConfig
 
+    cfg: Union[HeteroConfig, Qwen3Config]
     if spec.pattern is not None:
         cfg = HeteroConfig()
     elif spec.model:
@@ -183,7 +188,7 @@ def _config(spec: RunSpec) -> Any:
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
-def model_class(config: Any) -> type:
+def model_class(config: Any) -> type[Qwen3ForCausalLM]:
     """The reference decoder class for a config (dense Qwen3, Qwen3-MoE or LongCat-style)."""
     from .config import Qwen3MoeConfig
     from .longcat import LongcatConfig, LongcatForCausalLM
@@ -251,6 +256,7 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
         from layer_boundary.plugin_api import MoeFinalizeFusion
 
         kw["fusions"] = MoeFinalizeFusion()
+    model: nn.Module
     if spec.pattern is not None:
         from .hetero import HeteroForCausalLM, init_hetero_weights
 
@@ -260,18 +266,20 @@ def build_model(spec: RunSpec, topology: Topology, device: str) -> Any:
     elif spec.model:
         model = cls.from_pretrained(spec.model, device=device, **kw)
     else:
-        model = cls(cfg, **kw)
+        built = cls(cfg, **kw)
         if cfg.model_type == "qwen3_moe":
-            from .qwen3_moe import init_random_moe_weights
+            from .qwen3_moe import Qwen3MoeForCausalLM, init_random_moe_weights
 
-            init_random_moe_weights(model, seed=spec.seed)
+            assert isinstance(built, Qwen3MoeForCausalLM)  # model_class() of a Qwen3-MoE config
+            init_random_moe_weights(built, seed=spec.seed)
         elif cfg.model_type == "longcat":
-            from .longcat import init_random_longcat_weights
+            from .longcat import LongcatForCausalLM, init_random_longcat_weights
 
-            init_random_longcat_weights(model, seed=spec.seed)
+            assert isinstance(built, LongcatForCausalLM)  # model_class() of a LongCat config
+            init_random_longcat_weights(built, seed=spec.seed)
         else:
-            init_random_weights(model, seed=spec.seed)
-        model = model.to(device).eval().requires_grad_(False)
+            init_random_weights(built, seed=spec.seed)
+        model = built.to(device).eval().requires_grad_(False)
     if spec.fused_finalize:
         from layer_boundary import install_finalize_fusion, prepare_finalize_fusion
 
