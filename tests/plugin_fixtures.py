@@ -40,7 +40,7 @@ _MARK = "from pathlib import Path as _P\n_P(__file__).with_name(__name__ + '.imp
 
 # Hook module body used when a test gives none: one provider of each kind, named after the plugin.
 DEFAULT_HOOKS = '''
-from layer_boundary.plugins import hookimpl
+from layer_boundary.plugin_api import hookimpl
 
 
 class Fusion:
@@ -141,7 +141,7 @@ class PluginSite:
         manifest_mod, hooks_mod = self.module_names(name)
         if manifest_source is None:
             manifest_source = f"""
-                from layer_boundary.plugins import PluginManifest
+                from layer_boundary.plugin_api import PluginManifest
                 MANIFEST = PluginManifest(
                     name={manifest_name or name!r},
                     api_version={api_version!r},

@@ -158,7 +158,7 @@ def test_a_hook_that_calls_sys_exit_fails_its_plugin_not_the_process(plugin_site
     plugin_site.add("alpha")
     plugin_site.add("quitter", hooks_source='''
         import sys
-        from layer_boundary.plugins import hookimpl
+        from layer_boundary.plugin_api import hookimpl
 
         @hookimpl
         def layer_boundary_fusion_providers():
@@ -172,7 +172,7 @@ def test_a_hook_that_calls_sys_exit_fails_its_plugin_not_the_process(plugin_site
 
 def test_a_hook_must_return_a_list(plugin_site: PluginSite):
     plugin_site.add("single", hooks_source='''
-        from layer_boundary.plugins import hookimpl
+        from layer_boundary.plugin_api import hookimpl
 
         class Fusion:
             name = "lonely"
@@ -188,7 +188,7 @@ def test_a_hook_must_return_a_list(plugin_site: PluginSite):
 def test_hooks_of_unknown_names_or_none_at_all_fail_the_plugin(plugin_site: PluginSite):
     # A misspelt hook once left its plugin listed active while it provided nothing (a trial).
     plugin_site.add("typo", hooks_source='''
-        from layer_boundary.plugins import hookimpl
+        from layer_boundary.plugin_api import hookimpl
 
         @hookimpl
         def layer_boundary_norm_kernel():
@@ -223,7 +223,7 @@ def test_the_plugins_listing_in_strict_mode_still_calls_the_hooks(plugin_site: P
 
     plugin_site.add("alpha")
     plugin_site.add("single", hooks_source='''
-        from layer_boundary.plugins import hookimpl
+        from layer_boundary.plugin_api import hookimpl
 
         @hookimpl
         def layer_boundary_fusion_providers():
@@ -262,7 +262,7 @@ def test_a_reason_of_several_lines_stays_on_its_row_of_the_listing(plugin_site: 
 
     plugin_site.add("alpha")
     plugin_site.add("wordy", hooks_source='''
-        from layer_boundary.plugins import hookimpl
+        from layer_boundary.plugin_api import hookimpl
 
         @hookimpl
         def layer_boundary_fusion_providers():

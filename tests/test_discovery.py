@@ -130,7 +130,7 @@ def test_a_declared_hook_that_returns_nothing_warns(plugin_site: PluginSite, cap
     # A trial: a norm_kernels hook that returned None left the plugin active, offering nothing,
     # without a word.
     plugin_site.add("hollow", provides=("norm_kernels",), hooks_source="""
-        from layer_boundary.plugins import hookimpl
+        from layer_boundary.plugin_api import hookimpl
 
         @hookimpl
         def layer_boundary_norm_kernels():
@@ -215,7 +215,7 @@ def test_hook_module_raising_on_import_fails_and_others_load(plugin_site: Plugin
 def test_hook_raising_fails_that_plugin_only(plugin_site: PluginSite):
     plugin_site.add("alpha")
     plugin_site.add("raiser", hooks_source='''
-        from layer_boundary.plugins import hookimpl
+        from layer_boundary.plugin_api import hookimpl
 
         class Norm:
             name = "raiser-norm"
@@ -250,7 +250,7 @@ def test_hook_raising_fails_that_plugin_only(plugin_site: PluginSite):
 
 def test_provider_without_a_name_fails_the_plugin(plugin_site: PluginSite):
     plugin_site.add("nameless", hooks_source='''
-        from layer_boundary.plugins import hookimpl
+        from layer_boundary.plugin_api import hookimpl
 
         @hookimpl
         def layer_boundary_fusion_providers():
@@ -570,7 +570,7 @@ def test_import_layer_boundary_discovers_nothing(plugin_site: PluginSite):
             "spy": sorted(m for m in sys.modules if m.startswith("lbt_")),
         }
         # The control: discovery itself does find and load the plugin from this path.
-        from layer_boundary.plugins import discover
+        from layer_boundary._plugins import discover
         reg = discover(allow=["spy"])
         out["after"] = sorted(m for m in sys.modules if m.startswith("lbt_"))
         out["after_calls"] = [c[0] for c in calls]

@@ -48,7 +48,7 @@ def test_a_slow_manifest_import_is_said(plugin_site: PluginSite, caplog, monkeyp
     plugin_site.add("sloth", manifest_source=f"""
         import time
         time.sleep(0.1)
-        from layer_boundary.plugins import PluginManifest
+        from layer_boundary.plugin_api import PluginManifest
         MANIFEST = PluginManifest(name="sloth", api_version=1, provides=("norm_kernels",), hooks={hooks!r})
         """)
     with caplog.at_level(logging.WARNING, logger="layer_boundary.plugins"):

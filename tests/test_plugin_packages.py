@@ -53,7 +53,7 @@ CANDIDATE = "acme-allreduce-add-rmsnorm"
 _FUSION_HOOKS = f'''
 """A vendor's fusion provider: one consumer candidate for the attention input."""
 
-from layer_boundary.plugins import hookimpl
+from layer_boundary.plugin_api import hookimpl
 
 
 class AllReduceAddNorm:
@@ -80,7 +80,7 @@ def layer_boundary_fusion_providers():
 '''
 _BROKEN_HOOKS = 'raise RuntimeError("acme-broken: simulated defect at import")\n'
 _EMPTY_HOOKS = '''
-from layer_boundary.plugins import hookimpl
+from layer_boundary.plugin_api import hookimpl
 
 
 @hookimpl

@@ -14,7 +14,7 @@ from layer_boundary.residual._semantics import PLAIN_RESIDUAL
 from plugin_fixtures import PluginSite, plugin_site  # noqa: F401  (fixture)
 
 TWO_FUSIONS = '''
-from layer_boundary.plugins import hookimpl
+from layer_boundary.plugin_api import hookimpl
 
 
 class P:

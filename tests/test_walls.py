@@ -92,8 +92,8 @@ def test_the_core_imports_no_application_plugin_or_command():
 @pytest.mark.parametrize("source, reason", [
     ("from layer_boundary_app.launch import spawn\n", "the application"),
     ("def f():\n    import layer_boundary_mhc.cluster_ops\n", "a plugin (layer_boundary_mhc)"),
-    ("def f():\n    from ..cli import commands\n", "the command line"),
-    ("from ..cli.main import main\n", "the command line"),
+    ("def f():\n    from .._cli import commands\n", "the command line"),
+    ("from .._cli.main import main\n", "the command line"),
     ("import layer_boundary._cli.main\n", "the command line"),
     ("def f():\n    from ..launch import spawn\n", "no such core module"),
     ("from layer_boundary.models.runner import RunSpec\n", "no such core module"),
