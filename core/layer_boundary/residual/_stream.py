@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .._contracts import Owed
-from .._errors import START_FIRST, BoundaryError, foreign_output
+from .._errors import START_FIRST, BoundaryError, add_note, foreign_output, notes_of
 from .._output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
 from . import StageUpdate
 from ._add_norm import PLAIN_ADD
@@ -176,7 +176,8 @@ class ResidualStream:
             self._refuse(hidden)
         except BoundaryError as e:
             if stage:
-                e.__notes__[-1] = f"{stage} prepare(): {e.__notes__[-1]}"
+                notes = notes_of(e)
+                notes[-1] = f"{stage} prepare(): {notes[-1]}"
             raise
 
     def _refuse(self, hidden: Any) -> None:
@@ -243,8 +244,8 @@ def started_stream(forward_batch: Any) -> ResidualStream:
     if stream is None or stream.released:
         err = BoundaryError(START_FIRST)
         if stream is not None:
-            err.add_note("this batch's layer stack already ended (its final norm ran); a new forward starts "
-                         "with residual_batch.start(forward_batch)")
+            add_note(err, "this batch's layer stack already ended (its final norm ran); a new forward "
+                     "starts with residual_batch.start(forward_batch)")
         raise err
     return stream
 
