@@ -259,7 +259,7 @@ def build_stage(
         declaration=decl,
         following=following,
         topology=topology,
-        read=read,  # type: ignore[arg-type]
+        read=read,
         update=decl.update,
         fusions=fusions,
         options=dict(options),

@@ -294,7 +294,7 @@ def _sliceable(stream: ResidualStream, c: Contribution) -> tuple[torch.Tensor, t
         value = value.complete()
         owed = tuple(o for o in owed if o.kind is not OwedKind.FINALIZE)
         c.value, c.owed = value, owed
-    return value, owed  # type: ignore[return-value]
+    return value, owed
 
 
 def _not_plain(what: str, update: Any) -> BoundaryError:
@@ -496,7 +496,7 @@ def _layer_run(layers: Iterable[tuple[int, Any]], positions: Any, hidden: Any, f
         stages = layer.forward_stages(positions, hidden, fb)
         try:
             while True:
-                yield (i, next(stages))  # type: ignore[misc]
+                yield (i, next(stages))
         except StopIteration as stop:
             hidden = stop.value
     return hidden

@@ -12,7 +12,7 @@ A quantized read (``AddNormReadSpec(quant="fp8_e4m3")``) returns the normalized 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -79,6 +79,11 @@ class NormRequest:
         return f"{kind} {self.device_type} {str(self.dtype).replace('torch.', '')} H={self.hidden_size}{q}"
 
 
+# A norm kernel's normalized output: a tensor in the activation dtype, or ``QuantizedRows`` for a
+# quantized request.
+NormOutput = Union[torch.Tensor, QuantizedRows]
+
+
 @dataclass(frozen=True, slots=True)
 class NormKernels:
     """Norm-read kernels with the reference's signatures (see ``kernels.reference``).
@@ -88,8 +93,10 @@ class NormKernels:
     """
 
     name: str
-    rmsnorm: Callable[..., torch.Tensor]
-    fused_add_rmsnorm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # (x, weight, eps, *, weight_offset, out=None) -> y
+    rmsnorm: Callable[..., NormOutput]
+    # (x, residual, weight, eps, *, weight_offset, out=None, residual_out=None) -> (y, residual)
+    fused_add_rmsnorm: Callable[..., tuple[NormOutput, torch.Tensor]]
     # True when fused_add_rmsnorm overwrites the residual it is given; a capture of that residual
     # is then borrowed rather than owned.
     residual_in_place: bool = False
@@ -192,10 +199,10 @@ class RMSNormRead:
     def _eps_of(self, x: torch.Tensor) -> float:
         return self._eps64 if self._eps64 is not None and x.dtype == torch.float64 else self._eps
 
-    def enter(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def enter(self, hidden: torch.Tensor) -> tuple[NormOutput, torch.Tensor]:
         return self.read(hidden), hidden
 
-    def read(self, residual: torch.Tensor) -> torch.Tensor:
+    def read(self, residual: torch.Tensor) -> NormOutput:
         if not self._checked_read:
             return self._first_call("rmsnorm", residual)
         eps = self._eps if self._eps64 is None else self._eps_of(residual)
@@ -203,7 +210,7 @@ class RMSNormRead:
 
     def update_and_read(
         self, update: StageUpdate, contribution: torch.Tensor, residual: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[NormOutput, torch.Tensor]:
         if residual is not None and update.name in self.fuses_with:
             if not self._checked_fused:
                 return self._first_call("fused_add_rmsnorm", contribution, residual)

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .._contracts import Owed
+from .._forward import ForwardBatchLike
 from .._errors import START_FIRST, BoundaryError, add_note, foreign_output, notes_of
 from .._output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
 from . import StageUpdate
@@ -95,7 +96,7 @@ class ResidualStream:
         if owed or isinstance(value, HandoffOutput):
             handle: Handle = OwedOutput(self, owed)
         else:
-            handle = value  # type: ignore[assignment]
+            handle = value
         self.handle = handle
         return handle
 
@@ -119,7 +120,7 @@ class ResidualStream:
             owed = contribution.owed
             handle: Handle = OwedOutput(self, owed)
         else:
-            handle = contribution.value  # type: ignore[assignment]
+            handle = contribution.value
         self.handle = handle
         return handle
 
@@ -238,7 +239,7 @@ class ResidualStream:
         return f"ResidualStream({self.state.value}, pending={self.pending!r})"
 
 
-def started_stream(forward_batch: Any) -> ResidualStream:
+def started_stream(forward_batch: ForwardBatchLike) -> ResidualStream:
     """The batch's live stream, or the spec's error when the stack was not started."""
     stream = getattr(forward_batch, "residual_stream", None)
     if stream is None or stream.released:
@@ -250,7 +251,7 @@ def started_stream(forward_batch: Any) -> ResidualStream:
     return stream
 
 
-def start(forward_batch: Any) -> ResidualStream:
+def start(forward_batch: ForwardBatchLike) -> ResidualStream:
     """Give the batch a fresh (initial) stream; any earlier stream of the batch is released."""
     old = getattr(forward_batch, "residual_stream", None)
     if old is not None:
