@@ -195,8 +195,8 @@ def build_stage(
     accepts = _accepts(decl.previous, topology)
     expected = decl.previous.update.name if decl.previous is not None else None
     static_owed = (out_sum,) if (out_sum is not None and not scoped) else ()
-    entries = {}
-    exits = {}
+    entries: dict[BatchVariant, EntryPath] = {}
+    exits: dict[BatchVariant, ExitPath] = {}
     for variant in variants:
         rows: BatchRows
         if variant in (BatchVariant.INPUT_SCATTERED, BatchVariant.SEQUENCE_PARALLEL):

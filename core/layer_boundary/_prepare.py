@@ -137,11 +137,7 @@ def run_entry(
         value = complete(c)
         if was_handoff and stream.residual is not None and c.update.plain_add:
             check_shape("the finalized layer output", value, stream.residual)
-    out = read.update_and_read(c.update, value, residual)
-    if getattr(read, "makes_update", False):
-        x, residual, upd = out
-    else:
-        x, residual, upd = out[0], out[1], None
+    x, residual, upd = update_read(read, c.update, value, residual)
     if capture is not None:
         capture(residual, owned=entry.capture_owned)
     stream.residual = residual  # written

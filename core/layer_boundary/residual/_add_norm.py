@@ -161,7 +161,13 @@ class RMSNormRead:
         # eps is configuration, fixed at construction; the weight is looked up at each call in
         # the module's parameter table (a loader may replace the Parameter object), which skips
         # nn.Module.__getattr__ on the hot path.
-        self._eps = norm_params(norm)[1] if eps is None else eps  # as norm_params read it
+        if eps is None:
+            params = norm_params(norm)
+            if params is None:
+                raise TypeError(f"{type(norm).__name__} exposes no RMSNorm weight and eps: give eps, or "
+                                "read it through ModuleRead")
+            eps = params[1]  # as norm_params read it
+        self._eps = eps
         # torch.nn.RMSNorm(eps=None) uses the epsilon of the dtype it computes in, at each call:
         # FP64's for FP64 inputs, FP32's for the rest. A model cast after construction
         # (.double(), .float()) changes it, so such a norm keeps both.
@@ -189,7 +195,10 @@ class RMSNormRead:
     @property
     def weight(self) -> torch.Tensor:
         p = self._params
-        return p["weight"] if p is not None else self.norm.weight
+        w = p["weight"] if p is not None else self.norm.weight
+        if not isinstance(w, torch.Tensor):  # an RMSNorm-like module's weight is a tensor
+            raise TypeError(f"{type(self.norm).__name__}.weight is {type(w).__name__}, not a tensor")
+        return w
 
     @property
     def eps(self) -> float:
@@ -246,6 +255,7 @@ class RMSNormRead:
         # A kernel may write its inputs (declared or not) before it fails: it works on copies
         # this once, so that its replacement reruns on what the stream holds.
         given = tuple(a.clone() for a in args)
+        problem: Optional[str]
         try:
             got = self._run(k, kernel, given)
         except Exception as e:
