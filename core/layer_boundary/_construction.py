@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from torch import nn
 
@@ -31,6 +31,9 @@ from ._reduction import refusals, return_paths
 from ._scatter import ScatteredRows
 from ._selection import Candidate, Selection
 from ._variants import report_cp_return, stage_variants
+
+if TYPE_CHECKING:
+    from ._factories import StageDeclaration
 
 __all__ = ["EntryPath", "ExitPath", "StagePlan", "build_stage", "output_sum"]
 
@@ -77,8 +80,8 @@ class ExitPath:
 @dataclass(frozen=True, eq=False)
 class StagePlan:
     name: str
-    declaration: Any  # StageDeclaration with its source fields resolved
-    following: Any
+    declaration: StageDeclaration  # with its source fields resolved
+    following: Optional[StageDeclaration]
     topology: Topology
     read: StageRead
     update: StageUpdate
