@@ -6,7 +6,7 @@ keeps next; the stream refuses any other object.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -17,11 +17,14 @@ from .._forward import ForwardBatchLike, active_variant
 from .._layout import BatchVariant
 from .._output import UnreducedOutput, fusable_handoff
 from .._pp import PP_META, to_pp
-from . import ReadInput, StageRead
+from . import ReadInput, ReadSpec, StageRead, StageUpdate
 from ._access import check_shape
 from ._add_norm import ADD_NORM, PLAIN_ADD, ModuleRead, RMSNormRead, explain_width
 from ._rows import complete_on_rows, completed_copy_on_rows, to_model_rows, to_stream_rows
 from ._stream import Handle, ResidualStream, StreamState, start, started_stream
+
+if TYPE_CHECKING:
+    from .._context import BoundaryContext
 
 __all__ = [
     "bind_final_norm",
@@ -50,7 +53,7 @@ def _read_for(module: nn.Module) -> StageRead:
     return read
 
 
-def _check_exit_read(read: StageRead, update: Any, value: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+def _check_exit_read(read: StageRead, update: StageUpdate, value: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
     """A scheme whose residual is wider than the layer output (MHC's [T, n, C] streams) needs its
     own exit read to contract it; the plain read would normalize every stream and return the
     residual's shape instead of the hidden rows, without any error."""
@@ -66,7 +69,8 @@ def _check_exit_read(read: StageRead, update: Any, value: torch.Tensor, residual
     )
 
 
-def bind_final_norm(layernorm: nn.Module, *, context: Any = None, read: Any = None) -> StageRead:
+def bind_final_norm(layernorm: nn.Module, *, context: Optional[BoundaryContext] = None,
+                    read: Optional[ReadSpec] = None) -> StageRead:
     """Bind the final norm's read at model construction.
 
     ``context`` selects its kernels (and records the choice in the selection report); ``read``
@@ -329,5 +333,5 @@ def _refuse_scattered_start(what: str, forward_batch: ForwardBatchLike) -> None:
         )
 
 
-def _plain(value: torch.Tensor) -> Any:
+def _plain(value: torch.Tensor) -> UnreducedOutput:
     return UnreducedOutput(value, PLAIN_ADD)
