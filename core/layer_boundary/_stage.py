@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -21,6 +21,7 @@ from .residual._stream import Handle, ResidualStream, StreamState, started_strea
 
 if TYPE_CHECKING:
     from ._construction import EntryPath, ExitPath, StagePlan
+    from ._capture import CaptureCallback, CaptureCollector
     from ._factories import StageDeclaration
     from ._layout import BatchVariant
 
@@ -77,8 +78,8 @@ class StageBoundary:
         hidden_states: Handle,
         forward_batch: ForwardBatchLike,
         *,
-        capture_output: Optional[Callable[..., Any]] = None,
-        captured_last_layer_outputs: Any = None,
+        capture_output: Optional[CaptureCallback] = None,
+        captured_last_layer_outputs: Optional[CaptureCollector] = None,
     ) -> torch.Tensor:
         """Complete owed work, apply the producer's update and read this stage's input.
 

@@ -6,7 +6,7 @@ keeps next; the stream refuses any other object.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from ._rows import complete_on_rows, completed_copy_on_rows, to_model_rows, to_s
 from ._stream import Handle, ResidualStream, StreamState, start, started_stream
 
 if TYPE_CHECKING:
+    from .._capture import CaptureCallback
     from .._context import BoundaryContext
 
 __all__ = [
@@ -90,7 +91,7 @@ def norm(
     layernorm: nn.Module,
     *,
     skip_empty: bool = False,
-    capture_output: Optional[Callable[..., Any]] = None,
+    capture_output: Optional[CaptureCallback] = None,
     handoff_norm: Any = None,
 ) -> torch.Tensor:
     """Final norm: complete owed work, apply the update, normalize; then release the stream.
