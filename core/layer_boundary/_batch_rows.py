@@ -93,7 +93,7 @@ class OrdinaryRows(BatchRows):
     __slots__ = ("agree_counts",)
 
     # Nothing moves: the entry is the read on this rank's rows, called without a wrapper.
-    enter = staticmethod(run_entry)  # type: ignore[assignment]
+    enter = staticmethod(run_entry)
 
     def __init__(self, agree_counts: bool = False) -> None:
         self.agree_counts = agree_counts

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 
-__all__ = ["AuxHiddenStateList"]
+__all__ = ["AuxHiddenStateList", "CaptureCallback", "CaptureCollector"]
+
+
+class CaptureCallback(Protocol):
+    """A ``capture_output=`` callback: receives a value, ``owned`` or borrowed."""
+
+    def __call__(self, value: torch.Tensor, *, owned: bool) -> None: ...
+
+
+class CaptureCollector(Protocol):
+    """A ``captured_last_layer_outputs=`` collector (``AuxHiddenStateList`` is one)."""
+
+    def capture(self, value: torch.Tensor, *, owned: bool = False) -> None: ...
 
 
 class AuxHiddenStateList:

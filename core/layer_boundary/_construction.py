@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from torch import nn
 
@@ -31,6 +31,9 @@ from ._reduction import refusals, return_paths
 from ._scatter import ScatteredRows
 from ._selection import Candidate, Selection
 from ._variants import report_cp_return, stage_variants
+
+if TYPE_CHECKING:
+    from ._factories import StageDeclaration
 
 __all__ = ["EntryPath", "ExitPath", "StagePlan", "build_stage", "output_sum"]
 
@@ -77,8 +80,8 @@ class ExitPath:
 @dataclass(frozen=True, eq=False)
 class StagePlan:
     name: str
-    declaration: Any  # StageDeclaration with its source fields resolved
-    following: Any
+    declaration: StageDeclaration  # with its source fields resolved
+    following: Optional[StageDeclaration]
     topology: Topology
     read: StageRead
     update: StageUpdate
@@ -195,8 +198,8 @@ def build_stage(
     accepts = _accepts(decl.previous, topology)
     expected = decl.previous.update.name if decl.previous is not None else None
     static_owed = (out_sum,) if (out_sum is not None and not scoped) else ()
-    entries = {}
-    exits = {}
+    entries: dict[BatchVariant, EntryPath] = {}
+    exits: dict[BatchVariant, ExitPath] = {}
     for variant in variants:
         rows: BatchRows
         if variant in (BatchVariant.INPUT_SCATTERED, BatchVariant.SEQUENCE_PARALLEL):
@@ -259,7 +262,7 @@ def build_stage(
         declaration=decl,
         following=following,
         topology=topology,
-        read=read,  # type: ignore[arg-type]
+        read=read,
         update=decl.update,
         fusions=fusions,
         options=dict(options),

@@ -10,16 +10,22 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from ._kernels.providers import core_norm_providers
 from ._errors import BoundaryError
-from ._providers import NormRequest, bound_kernels, refusal
-from .residual._add_norm import NormKernels
+from ._providers import NormKernelProvider, NormRequest, ResidualSemantics, bound_kernels, refusal
+from .residual._add_norm import NormKernels, NormOutput
 from ._selection import Candidate, Selection, SelectionReport
 from ._topology import Topology
+
+if TYPE_CHECKING:
+    import torch.distributed
+
+    from ._factories import StageDeclaration
+    from ._plugins.registry import PluginRegistry
 
 __all__ = ["BoundaryContext", "BuiltStage"]
 
@@ -29,7 +35,8 @@ def _out_of_place(kernels: NormKernels) -> NormKernels:
     the boundary promised not to overwrite (a capture kept without a copy), so they get a copy."""
     fused = kernels.fused_add_rmsnorm
 
-    def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, *args: Any,
+                          **kwargs: Any) -> tuple[NormOutput, torch.Tensor]:
         return fused(x, residual.clone(), *args, **kwargs)
 
     from dataclasses import replace
@@ -46,8 +53,8 @@ class BuiltStage:
     ``following`` (``None``: it did not say which consumer comes next)."""
 
     name: str
-    declaration: Any
-    following: Any
+    declaration: StageDeclaration
+    following: Optional[StageDeclaration]
 
 
 class BoundaryContext:
@@ -65,7 +72,7 @@ class BoundaryContext:
         self,
         topology: Optional[Topology] = None,
         *,
-        registry: Any = None,
+        registry: Optional[PluginRegistry] = None,
         device: Optional[torch.device | str] = None,
         reduction: str = "auto",
         architecture: Optional[str] = None,
@@ -103,7 +110,7 @@ class BoundaryContext:
         cls,
         topology: Optional[Topology] = None,
         *,
-        device: Any = None,
+        device: Optional[torch.device | str] = None,
         reduction: str = "auto",
         architecture: Optional[str] = None,
         core_fusion: bool = True,
@@ -128,7 +135,7 @@ class BoundaryContext:
                 "context for another model"
             )
 
-    def norm_candidates(self) -> list[tuple[str, Any]]:
+    def norm_candidates(self) -> list[tuple[str, NormKernelProvider]]:
         plugin = list(self.registry.norm_kernels) if self.registry is not None else []
         return plugin + [("core", p) for p in core_norm_providers()]
 
@@ -263,7 +270,7 @@ class BoundaryContext:
             return "core"
         return "model option"
 
-    def semantics(self, name: str) -> Any:
+    def semantics(self, name: str) -> ResidualSemantics:
         if self.registry is None:
             if name == "plain":
                 from .residual._semantics import PLAIN_RESIDUAL
@@ -291,7 +298,7 @@ class BoundaryContext:
     def frozen(self) -> bool:
         return self._frozen
 
-    def verify_agreement(self, group: Any = None) -> None:
+    def verify_agreement(self, group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         """Check that the ranks of ``group`` chose alike. A collective: every rank of the group
         calls it once, after construction. Ranks that chose differently (a plugin installed, or
         available, on one host only; another reduction policy in one host's config) would compute

@@ -223,6 +223,7 @@ class AttentionDpRows(BatchRows):
             assert c is not None
             check_edge(plan, entry, c)
             if _joinable(c):
+                assert isinstance(c.value, torch.Tensor)  # _joinable checked it
                 stream.consume()
                 residual_all = rows.joined_sum(c.value, stream.residual, partial=bool(c.owed))
                 x_all = plan.read.read(residual_all)

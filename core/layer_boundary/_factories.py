@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import reprlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from torch import nn
 
@@ -20,6 +20,10 @@ from ._output import OutputTransform
 from .residual import ReadSpec, StageUpdate
 from .residual._add_norm import ADD_NORM, PLAIN_ADD
 from ._topology import Topology
+
+if TYPE_CHECKING:
+    from ._context import BoundaryContext
+    from ._stage import StageBoundary
 
 __all__ = [
     "StageDeclaration",
@@ -250,8 +254,8 @@ def make_stages(
     terminal: bool = False,
     prepared_from: Optional[StageDeclaration] = None,
     topology: Optional[Topology] = None,
-    context: Any = None,
-) -> tuple[Any, ...]:
+    context: Optional[BoundaryContext] = None,
+) -> tuple[StageBoundary, ...]:
     """Connect local stages and return one independent ``StageBoundary`` per item.
 
     ``previous`` describes the real producer before the first stage (``None`` at stack entry),
@@ -317,7 +321,7 @@ def make_stages(
     return tuple(boundaries)
 
 
-def _check_neighbours(ctx: Any, first: StageDeclaration) -> None:
+def _check_neighbours(ctx: BoundaryContext, first: StageDeclaration) -> None:
     """Both neighbours of an edge between separately built stages must describe each other.
 
     Stages are built in forward order on one context, so the last stage built is the real
@@ -347,7 +351,8 @@ def _check_neighbours(ctx: Any, first: StageDeclaration) -> None:
         )
 
 
-def _remember(ctx: Any, boundary: Any, following: Optional[StageDeclaration], *, branch: bool) -> None:
+def _remember(ctx: BoundaryContext, boundary: StageBoundary, following: Optional[StageDeclaration], *,
+              branch: bool) -> None:
     """Record the last stage built for the next stage's neighbour check (a stack end or a
     branch output ends the chain: what comes next names its own producer)."""
     from ._context import BuiltStage
@@ -363,8 +368,8 @@ def _make_single(
     options: Optional[Mapping[str, Any]],
     following: Optional[StageDeclaration],
     topology: Optional[Topology],
-    context: Any,
-) -> Any:
+    context: Optional[BoundaryContext],
+) -> StageBoundary:
     from ._construction import build_stage
     from ._stage import StageBoundary
 
@@ -400,8 +405,8 @@ def make_attn_stage(
     *,
     following: Optional[StageDeclaration] = None,
     topology: Optional[Topology] = None,
-    context: Any = None,
-) -> Any:
+    context: Optional[BoundaryContext] = None,
+) -> StageBoundary:
     """Build one attention stage whose declaration carries its own source fields."""
     return _make_single(StageKind.ATTN, declaration, norm, options, following, topology, context)
 
@@ -413,13 +418,13 @@ def make_ffn_stage(
     *,
     following: Optional[StageDeclaration] = None,
     topology: Optional[Topology] = None,
-    context: Any = None,
-) -> Any:
+    context: Optional[BoundaryContext] = None,
+) -> StageBoundary:
     """Build one FFN stage whose declaration carries its own source fields."""
     return _make_single(StageKind.FFN, declaration, norm, options, following, topology, context)
 
 
-def _resolve_context(context: Any, topology: Optional[Topology]) -> Any:
+def _resolve_context(context: Optional[BoundaryContext], topology: Optional[Topology]) -> BoundaryContext:
     from ._context import BoundaryContext, as_context
 
     if context is not None:

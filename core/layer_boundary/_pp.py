@@ -165,8 +165,10 @@ def from_pp(plan: StagePlan, entry_of: Callable[[Any, Any], EntryPath],
         static.append(Owed(OwedKind.SUM, name, group, static=True))
     if state == PP_PENDING:
         declared = output_sum(prev, topo)
-        want = (declared.group_name,) if declared is not None and declared.static else ()
-        got = tuple(o.group_name for o in static)
+        # A SUM always names its group (Owed checks it at construction).
+        want = ((declared.group_name,) if declared is not None and declared.static
+                and declared.group_name is not None else ())
+        got = tuple(o.group_name for o in static if o.group_name is not None)
         if got != want:
             said = (f"a partial sum over {', '.join(g.name for g in got)}" if got
                     else "a complete output (no partial sum owed)")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from ._edges import check_edge
-from ._errors import BoundaryError
+from ._errors import BoundaryError, add_note
 from ._output import Contribution, HandoffOutput, fusable_handoff
 from ._contracts import OwedKind
 from .residual._access import check_shape, complete
@@ -65,9 +65,9 @@ def _call_candidate(cand: Any, *args: Any) -> Any:
     try:
         return cand(*args)
     except Exception as e:
-        e.add_note(f"raised by the consumer fusion candidate {getattr(cand, 'name', cand)!r} "
-                   f"({type(cand).__module__}.{type(cand).__qualname__}); if its plugin is at fault, "
-                   "LAYER_BOUNDARY_DISABLE=<plugin> leaves it out (layer-boundary plugins lists them)")
+        add_note(e, f"raised by the consumer fusion candidate {getattr(cand, 'name', cand)!r} "
+                    f"({type(cand).__module__}.{type(cand).__qualname__}); if its plugin is at fault, "
+                    "LAYER_BOUNDARY_DISABLE=<plugin> leaves it out (layer-boundary plugins lists them)")
         raise
 
 
@@ -137,11 +137,7 @@ def run_entry(
         value = complete(c)
         if was_handoff and stream.residual is not None and c.update.plain_add:
             check_shape("the finalized layer output", value, stream.residual)
-    out = read.update_and_read(c.update, value, residual)
-    if getattr(read, "makes_update", False):
-        x, residual, upd = out
-    else:
-        x, residual, upd = out[0], out[1], None
+    x, residual, upd = update_read(read, c.update, value, residual)
     if capture is not None:
         capture(residual, owned=entry.capture_owned)
     stream.residual = residual  # written

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
-from .residual import ReadSpec, StageUpdate
+from ._forward import ForwardBatchLike
+from ._layout import SumGroup
+from .residual import ReadSpec, StageRead, StageUpdate
 from ._quant import QuantizedRows
 from .residual._add_norm import NormKernels, NormRequest
 
@@ -34,6 +36,9 @@ __all__ = [
     "bound_kernels",
     "offered_candidates",
 ]
+
+if TYPE_CHECKING:
+    from ._construction import StagePlan
 
 log = logging.getLogger("layer_boundary")
 
@@ -65,12 +70,13 @@ class ConsumerCandidate(Protocol):
     """
 
     name: str
-    sum_group: Any
+    sum_group: Optional[SumGroup]
 
-    def refuse(self, plan: Any) -> Optional[str]: ...
+    def refuse(self, plan: StagePlan) -> Optional[str]: ...
 
     def __call__(
-        self, contribution: torch.Tensor, residual: Optional[torch.Tensor], read: Any, forward_batch: Any
+        self, contribution: torch.Tensor, residual: Optional[torch.Tensor], read: StageRead,
+        forward_batch: ForwardBatchLike,
     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
@@ -83,13 +89,13 @@ class FusionProvider(Protocol):
 
     name: str
 
-    def attention_input(self, plan: Any) -> Sequence[ConsumerCandidate]: ...
+    def attention_input(self, plan: StagePlan) -> Sequence[ConsumerCandidate]: ...
 
-    def ffn_input(self, plan: Any) -> Sequence[ConsumerCandidate]: ...
+    def ffn_input(self, plan: StagePlan) -> Sequence[ConsumerCandidate]: ...
 
-    def can_defer_finalize(self, plan: Any, forward_batch: Any) -> bool: ...
+    def can_defer_finalize(self, plan: StagePlan, forward_batch: ForwardBatchLike) -> bool: ...
 
-    def can_defer_all_reduce(self, plan: Any, forward_batch: Any) -> bool: ...
+    def can_defer_all_reduce(self, plan: StagePlan, forward_batch: ForwardBatchLike) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +108,7 @@ class StageResidual:
     params: Optional[nn.Module] = None
 
 
-def residual_part(semantics: Any, which: str, hidden_size: int, *, dtype: torch.dtype) -> StageResidual:
+def residual_part(semantics: ResidualSemantics, which: str, hidden_size: int, *, dtype: torch.dtype) -> StageResidual:
     """``semantics.stage(...)`` or ``semantics.exit(...)`` (``which``), checked: a scheme that returns
     anything but a ``StageResidual`` is named, rather than failing later on a missing attribute."""
     got = getattr(semantics, which)(hidden_size, dtype=dtype)

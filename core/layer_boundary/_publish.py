@@ -45,8 +45,8 @@ def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple, *,
             # next matmul fails on it far from here (an integer output is added silently).
             raise TypeError(
                 f"the {plan.name} output is {str(value.dtype).replace('torch.', '')} but the residual is "
-                f"{str(stream.residual.dtype).replace('torch.', '')} (the stack input's dtype): return the layer "
-                f"output in the model's compute dtype, e.g. out.to({stream.residual.dtype})")
+                f"{str(residual.dtype).replace('torch.', '')} (the stack input's dtype): return the layer "
+                f"output in the model's compute dtype, e.g. out.to({residual.dtype})")
     if update.at_producer:
         stream.check_free()
         c = Contribution(value, update, owed, transform)

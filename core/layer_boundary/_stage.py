@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -11,16 +11,19 @@ from ._adapters.lora import InputRows, input_rows
 from ._contracts import ProducerReduction, StageKind
 from ._errors import BRANCH_ENTRY, SNAPSHOT_PLAIN, BoundaryError, no_path
 from ._exit import FfnExit, MixerExit
-from ._forward import active_variant
+from ._forward import ForwardBatchLike, active_variant
 from ._ops import all_reduce
 from ._pp import from_pp
 from ._publish import publish
 from .residual._add_norm import explain_width
 from .residual._rows import complete_on_rows, completed_copy_on_rows, to_model_rows
-from .residual._stream import Handle, StreamState, started_stream
+from .residual._stream import Handle, ResidualStream, StreamState, started_stream
 
 if TYPE_CHECKING:
     from ._construction import EntryPath, ExitPath, StagePlan
+    from ._capture import CaptureCallback, CaptureCollector
+    from ._factories import StageDeclaration
+    from ._layout import BatchVariant
 
 __all__ = ["StageBoundary"]
 
@@ -53,17 +56,17 @@ class StageBoundary:
         self._exit_cls = MixerExit if self._is_attn else FfnExit
 
     @property
-    def declaration(self) -> Any:
+    def declaration(self) -> StageDeclaration:
         return self.plan.declaration
 
-    def _entry(self, forward_batch: Any, stream: Any = None) -> EntryPath:
+    def _entry(self, forward_batch: ForwardBatchLike, stream: Optional[ResidualStream] = None) -> EntryPath:
         variant = _variant(forward_batch, stream)
         path = self._entries.get(variant)
         if path is None:
             raise no_path(variant.name, self.plan.name, self.plan.refusals.get(variant))
         return path
 
-    def _exit_path(self, forward_batch: Any, stream: Any = None) -> ExitPath:
+    def _exit_path(self, forward_batch: ForwardBatchLike, stream: Optional[ResidualStream] = None) -> ExitPath:
         variant = _variant(forward_batch, stream)
         path = self._exits.get(variant)
         if path is None:
@@ -72,11 +75,11 @@ class StageBoundary:
 
     def prepare(
         self,
-        hidden_states: Any,
-        forward_batch: Any,
+        hidden_states: Handle,
+        forward_batch: ForwardBatchLike,
         *,
-        capture_output: Optional[Callable[..., Any]] = None,
-        captured_last_layer_outputs: Any = None,
+        capture_output: Optional[CaptureCallback] = None,
+        captured_last_layer_outputs: Optional[CaptureCollector] = None,
     ) -> torch.Tensor:
         """Complete owed work, apply the producer's update and read this stage's input.
 
@@ -108,13 +111,14 @@ class StageBoundary:
                 explain_width(self.plan.name, self.plan.read, hidden_states, e)
             raise
 
-    def branch_input(self, source: Any, hidden_states: Any, forward_batch: Any) -> Any:
+    def branch_input(self, source: StageBoundary, hidden_states: torch.Tensor,
+                     forward_batch: ForwardBatchLike) -> torch.Tensor:
         """Enter a ``prepared_from`` stage: ``source``'s prepared input (what its ``prepare()``
         returned) on this stage's compute rows, without reading the residual again; the residual
         passes to this branch. See ``layer_boundary._adapters.branch``."""
         return branch_input(self, source, hidden_states, forward_batch)
 
-    def finish(self, hidden_states: torch.Tensor, forward_batch: Any) -> Handle:
+    def finish(self, hidden_states: torch.Tensor, forward_batch: ForwardBatchLike) -> Handle:
         """Register a PARTIAL attention's contribution; return the handle the model keeps."""
         stream = getattr(forward_batch, "residual_stream", None)
         if stream is None or stream.released:
@@ -134,7 +138,7 @@ class StageBoundary:
             path = self._exit_path(forward_batch, stream)
         return publish(self.plan, stream, hidden_states, path.static_owed)
 
-    def exit(self, forward_batch: Any) -> FfnExit | MixerExit:
+    def exit(self, forward_batch: ForwardBatchLike) -> FfnExit | MixerExit:
         """Decide this batch's output completion; use as a context manager around compute."""
         stream = getattr(forward_batch, "residual_stream", None)
         if stream is None or stream.released:
@@ -149,7 +153,7 @@ class StageBoundary:
             path = self._exit_path(forward_batch, stream)
         return self._exit_cls(self.plan, path, stream, forward_batch)
 
-    def postprocess(self, hidden_states: torch.Tensor, forward_batch: Any) -> Handle:
+    def postprocess(self, hidden_states: torch.Tensor, forward_batch: ForwardBatchLike) -> Handle:
         """Publish a fully reduced output computed without an exit scope (operation-scheduled
         two-batch overlap): apply the output transform, return rows to the handoff layout and
         leave nothing owed."""
@@ -162,7 +166,7 @@ class StageBoundary:
         value = path.rows.postprocess(self.plan, stream, forward_batch, value)
         return publish(self.plan, stream, value, (), transformed=True)
 
-    def from_pp(self, tensors: dict[str, torch.Tensor], forward_batch: Any) -> Handle:
+    def from_pp(self, tensors: dict[str, torch.Tensor], forward_batch: ForwardBatchLike) -> Handle:
         """Rebuild the batch's stream from what the previous pipeline stage's ``to_pp()`` sent.
 
         Call on the first local boundary of a non-first pipeline stage; pass the returned handle
@@ -174,7 +178,7 @@ class StageBoundary:
             raise BoundaryError(BRANCH_ENTRY)
         return from_pp(self.plan, self._entry, tensors, forward_batch)
 
-    def capture_output(self, hidden_states: Any, forward_batch: Any) -> tuple[Handle, torch.Tensor]:
+    def capture_output(self, hidden_states: Handle, forward_batch: ForwardBatchLike) -> tuple[Handle, torch.Tensor]:
         """``(handle, snapshot)``: dynamic owed work is completed on the main output (a fresh
         handle); a statically declared sum is computed on a copy for the snapshot only."""
         stream = started_stream(forward_batch)
@@ -214,7 +218,7 @@ class StageBoundary:
             snap = snap.clone()
         return handle, snap
 
-    def input_rows(self, forward_batch: Any) -> InputRows:
+    def input_rows(self, forward_batch: ForwardBatchLike) -> InputRows:
         """The rows this stage's compute input lives on for this batch (the LoRA adapter hook:
         see ``layer_boundary._adapters.lora``). Host-side only; no collective runs."""
         return input_rows(self, forward_batch)
@@ -223,7 +227,7 @@ class StageBoundary:
         return f"StageBoundary({self.plan.describe()})"
 
 
-def _variant(forward_batch: Any, stream: Any) -> Any:
+def _variant(forward_batch: ForwardBatchLike, stream: Optional[ResidualStream]) -> BatchVariant:
     # Read on every call, not cached per stream: an output made in one variant must not be
     # consumed in another (a flag flipped mid-forward raises instead of moving the wrong rows).
     return active_variant(forward_batch)

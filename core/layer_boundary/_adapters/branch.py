@@ -117,7 +117,7 @@ def bind_branch(boundaries: Sequence[Any], source: Any, context: Any) -> None:
         for variant in [v for v in plan.entries if v is not BatchVariant.ORDINARY]:
             del plan.entries[variant]
             plan.exits.pop(variant, None)
-            plan.refusals[variant] = _BRANCH_ROWS  # type: ignore[index]  # no_path's note
+            plan.refusals[variant] = _BRANCH_ROWS  # no_path's note
             context.report.add(Selection(plan.name, variant.name, "branch transport",
                                          "prepared_from", None,
                                          (Candidate("branch rows", "core", _BRANCH_ROWS),)))

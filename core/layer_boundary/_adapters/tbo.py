@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Generator, Iterable, Optional, Sequence
+from typing import Any, Generator, Iterable, Optional, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -223,10 +223,22 @@ class TboSplit:
         return cls(ks[dp_rank], dp, trace)
 
 
-def split_batch(forward_batch: Any, split: TboSplit, positions: Optional[torch.Tensor] = None) -> tuple[Any, Any]:
+class SplittableBatch(Protocol):
+    """What ``split_batch`` reads from a dataclass batch (``ForwardBatch`` has it)."""
+
+    num_tokens: int
+    seq_lens: Optional[tuple[int, ...]]
+    positions: Any  # ForwardBatch.positions: a row-indexable positions tensor or None
+
+
+_Batch = TypeVar("_Batch", bound=SplittableBatch)
+
+
+def split_batch(forward_batch: _Batch, split: TboSplit,
+                positions: Optional[torch.Tensor] = None) -> tuple[_Batch, _Batch]:
     """Two microbatch copies of ``forward_batch`` (a dataclass such as ``ForwardBatch``):
     rows, positions, sequence lengths and DP row counts of each part; no residual stream yet."""
-    if not dataclasses.is_dataclass(forward_batch):
+    if not dataclasses.is_dataclass(forward_batch) or isinstance(forward_batch, type):
         raise TypeError(
             f"split_batch() builds microbatches by copying a dataclass batch (ForwardBatch); got "
             f"{type(forward_batch).__name__}. Build your engine's two microbatch objects yourself "
@@ -269,7 +281,7 @@ def split_batch(forward_batch: Any, split: TboSplit, positions: Optional[torch.T
             kw["mode"] = ForwardMode.IDLE
         if counts is not None:
             # The first row move checks this group's entry against num_tokens.
-            kw["dp_num_tokens"] = split.dp_num_tokens[m]  # type: ignore[index]
+            kw["dp_num_tokens"] = split.dp_num_tokens[m]
         if any(f.name == "tbo_split" for f in dataclasses.fields(forward_batch)):
             kw["tbo_split"] = None  # a microbatch never splits again
         parts.append(dataclasses.replace(forward_batch, **kw))
@@ -294,7 +306,7 @@ def _sliceable(stream: ResidualStream, c: Contribution) -> tuple[torch.Tensor, t
         value = value.complete()
         owed = tuple(o for o in owed if o.kind is not OwedKind.FINALIZE)
         c.value, c.owed = value, owed
-    return value, owed  # type: ignore[return-value]
+    return value, owed
 
 
 def _not_plain(what: str, update: Any) -> BoundaryError:
@@ -350,7 +362,7 @@ def split_stream(hidden_states: Any, forward_batch: Any, children: Sequence[Any]
             if hidden_states.shape[0] != forward_batch.num_tokens:
                 raise ValueError(f"the stack input has {hidden_states.shape[0]} rows but the batch "
                                  f"has num_tokens={forward_batch.num_tokens}")
-            handles = []
+            handles: list[Handle] = []
             for child, lo, hi in zip(children, offsets, offsets[1:]):
                 _install(child, ResidualStream())
                 handles.append(hidden_states[lo:hi])
@@ -381,6 +393,7 @@ def split_stream(hidden_states: Any, forward_batch: Any, children: Sequence[Any]
                 r = child_rows.my_slice(r) if r is not None else None
                 v = child_rows.my_slice(v) if v is not None else None
             s, h = ResidualStream.arrive(residual=r, output=v, update=update, owed=owed)
+            assert h is not None  # a written or pending stream's microbatch arrives with a handle
             s.scatter_rows = child_rows
             s.borrowed = stream.borrowed and rows is None  # views of the model's input still
             _install(child, s)
@@ -496,7 +509,7 @@ def _layer_run(layers: Iterable[tuple[int, Any]], positions: Any, hidden: Any, f
         stages = layer.forward_stages(positions, hidden, fb)
         try:
             while True:
-                yield (i, next(stages))  # type: ignore[misc]
+                yield (i, next(stages))
         except StopIteration as stop:
             hidden = stop.value
     return hidden
@@ -526,7 +539,7 @@ def model_forward_stages(layers: Sequence[Any], positions: torch.Tensor, hidden_
         parts = split_stream(hidden_states, forward_batch, children)
         runs = [_layer_run([(k, layers[k]) for k in range(i, j)], child.positions, part, child)
                 for child, part in zip(children, parts)]
-        trace = None if split.trace is None else []
+        trace: Optional[list] = None if split.trace is None else []
         outs = interleave(runs, trace)
         if trace is not None:
             split.trace.extend((m, layer, label) for m, (layer, label) in trace)  # type: ignore[union-attr]

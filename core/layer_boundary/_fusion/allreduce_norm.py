@@ -248,7 +248,7 @@ class AllReduceNormProvider:
 
         owed = output_sum(plan.declaration, plan.topology)
         weight = getattr(plan.read, "weight", None)
-        if owed is None or weight is None:
+        if owed is None or owed.group is None or weight is None:
             return 0
         key = (owed.group.ranks, int(weight.shape[0]), weight.dtype)
         if key not in self._workspaces:
@@ -318,9 +318,9 @@ class AllReduceNormProvider:
             why = f"needs a {'/'.join(sorted(self.backends))} group; {fused.sum_group.value} uses {backend}"
             # gloo is the CPU's backend: a GPU fusion declining it is the normal case there.
             return not_on_this_device(why) if backend == "gloo" else why
-        why = limits_refusal(self, fused.group.size, fused.dtype, fused.hidden_size)
-        if why is not None:
-            return why
+        limit = limits_refusal(self, fused.group.size, fused.dtype, fused.hidden_size)
+        if limit is not None:
+            return limit
         if fused.weight_offset not in self.weight_offsets:
             return "Gemma RMSNorm (weight + 1) is not offered" if fused.weight_offset == 1.0 else \
                 f"weight offset {fused.weight_offset} is not offered"

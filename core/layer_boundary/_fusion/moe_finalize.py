@@ -67,10 +67,11 @@ def moe_finalize(
     Summed expert by expert in slot order, each product rounded to the model dtype first, as the
     reference (transformers) accumulates; a sum over ranks still follows when the output is partial.
     """
-    out = expert_out[:, 0] * topk_weights[:, :1] if expert_out.shape[1] else None
-    for j in range(1, expert_out.shape[1]):
-        out = out + expert_out[:, j] * topk_weights[:, j : j + 1]
-    if out is None:
+    if expert_out.shape[1]:
+        out = expert_out[:, 0] * topk_weights[:, :1]
+        for j in range(1, expert_out.shape[1]):
+            out = out + expert_out[:, j] * topk_weights[:, j : j + 1]
+    else:
         out = expert_out.new_zeros(expert_out.shape[0], expert_out.shape[2])
     if shared_out is not None:
         out = out + shared_out

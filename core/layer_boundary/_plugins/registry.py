@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import pluggy
 
 from .discovery import DiscoveryOptions, PluginError, PluginRecord, find_plugins, warn_unknown_variables
 from .hookspecs import PROJECT, LayerBoundarySpecs
 from .manifest import ENTRY_POINT_GROUP, PluginStatus, Provides
+
+if TYPE_CHECKING:
+    from .._providers import NormKernelProvider, ResidualSemantics
 
 __all__ = ["PluginRegistry", "discover"]
 
@@ -59,9 +62,10 @@ class PluginRegistry:
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(LayerBoundarySpecs)
         self._frozen = False
-        self.norm_kernels: list[tuple[str, Any]] = []
+        self.norm_kernels: list[tuple[str, NormKernelProvider]] = []
+        # Any: a fusion provider implements only the FusionProvider methods it offers (all optional).
         self.fusion_providers: list[tuple[str, Any]] = []
-        self.residual_semantics: dict[str, tuple[str, Any]] = {}
+        self.residual_semantics: dict[str, tuple[str, ResidualSemantics]] = {}
         self._clashes: dict[str, list[str]] = {}
         for rec in self.records:
             if rec.status is PluginStatus.ACTIVE:
@@ -212,7 +216,7 @@ class PluginRegistry:
         if rec.status is not PluginStatus.ACTIVE:
             raise PluginError(f"plugin {name!r} could not be registered: {rec.reason}")
 
-    def semantics(self, name: str) -> Any:
+    def semantics(self, name: str) -> ResidualSemantics:
         """The residual scheme called ``name``; ``plain`` is always there."""
         if name == "plain":
             from ..residual._semantics import PLAIN_RESIDUAL

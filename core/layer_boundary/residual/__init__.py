@@ -19,9 +19,12 @@ Capabilities are declared, not inferred, and boundary paths are chosen from them
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from .._quant import QuantizedRows
 
 __all__ = ["StageUpdate", "StageRead", "ReadSpec", "LayerResidual"]
 
@@ -36,6 +39,11 @@ class StageUpdate(Protocol):
     outlives_producer: bool
 
     def apply(self, residual: Optional[torch.Tensor], contribution: torch.Tensor) -> torch.Tensor: ...
+
+
+# What a read hands the consumer as its input: a tensor, or ``QuantizedRows`` for a quantized
+# read (``AddNormReadSpec(quant=...)``).
+ReadInput = Union[torch.Tensor, "QuantizedRows"]
 
 
 @runtime_checkable
@@ -58,13 +66,13 @@ class StageRead(Protocol):
     fuses_with: frozenset[str]
     makes_update: bool
 
-    def enter(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def enter(self, hidden: torch.Tensor) -> tuple[ReadInput, torch.Tensor]: ...
 
-    def read(self, residual: torch.Tensor) -> torch.Tensor: ...
+    def read(self, residual: torch.Tensor) -> ReadInput: ...
 
     def update_and_read(
         self, update: StageUpdate, contribution: torch.Tensor, residual: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[ReadInput, torch.Tensor]: ...
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ A quantized read (``AddNormReadSpec(quant="fp8_e4m3")``) returns the normalized 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -79,6 +79,11 @@ class NormRequest:
         return f"{kind} {self.device_type} {str(self.dtype).replace('torch.', '')} H={self.hidden_size}{q}"
 
 
+# A norm kernel's normalized output: a tensor in the activation dtype, or ``QuantizedRows`` for a
+# quantized request.
+NormOutput = Union[torch.Tensor, QuantizedRows]
+
+
 @dataclass(frozen=True, slots=True)
 class NormKernels:
     """Norm-read kernels with the reference's signatures (see ``kernels.reference``).
@@ -88,8 +93,10 @@ class NormKernels:
     """
 
     name: str
-    rmsnorm: Callable[..., torch.Tensor]
-    fused_add_rmsnorm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # (x, weight, eps, *, weight_offset, out=None) -> y
+    rmsnorm: Callable[..., NormOutput]
+    # (x, residual, weight, eps, *, weight_offset, out=None, residual_out=None) -> (y, residual)
+    fused_add_rmsnorm: Callable[..., tuple[NormOutput, torch.Tensor]]
     # True when fused_add_rmsnorm overwrites the residual it is given; a capture of that residual
     # is then borrowed rather than owned.
     residual_in_place: bool = False
@@ -154,7 +161,13 @@ class RMSNormRead:
         # eps is configuration, fixed at construction; the weight is looked up at each call in
         # the module's parameter table (a loader may replace the Parameter object), which skips
         # nn.Module.__getattr__ on the hot path.
-        self._eps = norm_params(norm)[1] if eps is None else eps  # as norm_params read it
+        if eps is None:
+            params = norm_params(norm)
+            if params is None:
+                raise TypeError(f"{type(norm).__name__} exposes no RMSNorm weight and eps: give eps, or "
+                                "read it through ModuleRead")
+            eps = params[1]  # as norm_params read it
+        self._eps = eps
         # torch.nn.RMSNorm(eps=None) uses the epsilon of the dtype it computes in, at each call:
         # FP64's for FP64 inputs, FP32's for the rest. A model cast after construction
         # (.double(), .float()) changes it, so such a norm keeps both.
@@ -182,7 +195,10 @@ class RMSNormRead:
     @property
     def weight(self) -> torch.Tensor:
         p = self._params
-        return p["weight"] if p is not None else self.norm.weight
+        w = p["weight"] if p is not None else self.norm.weight
+        if not isinstance(w, torch.Tensor):  # an RMSNorm-like module's weight is a tensor
+            raise TypeError(f"{type(self.norm).__name__}.weight is {type(w).__name__}, not a tensor")
+        return w
 
     @property
     def eps(self) -> float:
@@ -192,10 +208,10 @@ class RMSNormRead:
     def _eps_of(self, x: torch.Tensor) -> float:
         return self._eps64 if self._eps64 is not None and x.dtype == torch.float64 else self._eps
 
-    def enter(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def enter(self, hidden: torch.Tensor) -> tuple[NormOutput, torch.Tensor]:
         return self.read(hidden), hidden
 
-    def read(self, residual: torch.Tensor) -> torch.Tensor:
+    def read(self, residual: torch.Tensor) -> NormOutput:
         if not self._checked_read:
             return self._first_call("rmsnorm", residual)
         eps = self._eps if self._eps64 is None else self._eps_of(residual)
@@ -203,7 +219,7 @@ class RMSNormRead:
 
     def update_and_read(
         self, update: StageUpdate, contribution: torch.Tensor, residual: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[NormOutput, torch.Tensor]:
         if residual is not None and update.name in self.fuses_with:
             if not self._checked_fused:
                 return self._first_call("fused_add_rmsnorm", contribution, residual)
@@ -239,6 +255,7 @@ class RMSNormRead:
         # A kernel may write its inputs (declared or not) before it fails: it works on copies
         # this once, so that its replacement reruns on what the stream holds.
         given = tuple(a.clone() for a in args)
+        problem: Optional[str]
         try:
             got = self._run(k, kernel, given)
         except Exception as e:

@@ -23,7 +23,8 @@ from typing import Any, Optional, Union
 import torch
 
 from .._contracts import Owed
-from .._errors import START_FIRST, BoundaryError, foreign_output
+from .._forward import ForwardBatchLike
+from .._errors import START_FIRST, BoundaryError, add_note, foreign_output, notes_of
 from .._output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
 from . import StageUpdate
 from ._add_norm import PLAIN_ADD
@@ -95,7 +96,7 @@ class ResidualStream:
         if owed or isinstance(value, HandoffOutput):
             handle: Handle = OwedOutput(self, owed)
         else:
-            handle = value  # type: ignore[assignment]
+            handle = value
         self.handle = handle
         return handle
 
@@ -119,7 +120,7 @@ class ResidualStream:
             owed = contribution.owed
             handle: Handle = OwedOutput(self, owed)
         else:
-            handle = contribution.value  # type: ignore[assignment]
+            handle = contribution.value
         self.handle = handle
         return handle
 
@@ -176,7 +177,8 @@ class ResidualStream:
             self._refuse(hidden)
         except BoundaryError as e:
             if stage:
-                e.__notes__[-1] = f"{stage} prepare(): {e.__notes__[-1]}"
+                notes = notes_of(e)
+                notes[-1] = f"{stage} prepare(): {notes[-1]}"
             raise
 
     def _refuse(self, hidden: Any) -> None:
@@ -237,19 +239,19 @@ class ResidualStream:
         return f"ResidualStream({self.state.value}, pending={self.pending!r})"
 
 
-def started_stream(forward_batch: Any) -> ResidualStream:
+def started_stream(forward_batch: ForwardBatchLike) -> ResidualStream:
     """The batch's live stream, or the spec's error when the stack was not started."""
     stream = getattr(forward_batch, "residual_stream", None)
     if stream is None or stream.released:
         err = BoundaryError(START_FIRST)
         if stream is not None:
-            err.add_note("this batch's layer stack already ended (its final norm ran); a new forward starts "
-                         "with residual_batch.start(forward_batch)")
+            add_note(err, "this batch's layer stack already ended (its final norm ran); a new forward "
+                     "starts with residual_batch.start(forward_batch)")
         raise err
     return stream
 
 
-def start(forward_batch: Any) -> ResidualStream:
+def start(forward_batch: ForwardBatchLike) -> ResidualStream:
     """Give the batch a fresh (initial) stream; any earlier stream of the batch is released."""
     old = getattr(forward_batch, "residual_stream", None)
     if old is not None:

@@ -6,22 +6,26 @@ keeps next; the stream refuses any other object.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
 from .._adapters.branch import refuse_unmerged
 from .._errors import SNAPSHOT_PLAIN, WRITE_BEFORE_TAKE, BoundaryError
-from .._forward import active_variant
+from .._forward import ForwardBatchLike, active_variant
 from .._layout import BatchVariant
 from .._output import UnreducedOutput, fusable_handoff
 from .._pp import PP_META, to_pp
-from . import StageRead
+from . import ReadInput, ReadSpec, StageRead, StageUpdate
 from ._access import check_shape
 from ._add_norm import ADD_NORM, PLAIN_ADD, ModuleRead, RMSNormRead, explain_width
 from ._rows import complete_on_rows, completed_copy_on_rows, to_model_rows, to_stream_rows
 from ._stream import Handle, ResidualStream, StreamState, start, started_stream
+
+if TYPE_CHECKING:
+    from .._capture import CaptureCallback
+    from .._context import BoundaryContext
 
 __all__ = [
     "bind_final_norm",
@@ -50,7 +54,7 @@ def _read_for(module: nn.Module) -> StageRead:
     return read
 
 
-def _check_exit_read(read: StageRead, update: Any, value: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+def _check_exit_read(read: StageRead, update: StageUpdate, value: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
     """A scheme whose residual is wider than the layer output (MHC's [T, n, C] streams) needs its
     own exit read to contract it; the plain read would normalize every stream and return the
     residual's shape instead of the hidden rows, without any error."""
@@ -66,7 +70,8 @@ def _check_exit_read(read: StageRead, update: Any, value: torch.Tensor, residual
     )
 
 
-def bind_final_norm(layernorm: nn.Module, *, context: Any = None, read: Any = None) -> StageRead:
+def bind_final_norm(layernorm: nn.Module, *, context: Optional[BoundaryContext] = None,
+                    read: Optional[ReadSpec] = None) -> StageRead:
     """Bind the final norm's read at model construction.
 
     ``context`` selects its kernels (and records the choice in the selection report); ``read``
@@ -81,12 +86,12 @@ def bind_final_norm(layernorm: nn.Module, *, context: Any = None, read: Any = No
 
 
 def norm(
-    hidden_states: Any,
-    forward_batch: Any,
+    hidden_states: Handle,
+    forward_batch: ForwardBatchLike,
     layernorm: nn.Module,
     *,
     skip_empty: bool = False,
-    capture_output: Optional[Callable[..., Any]] = None,
+    capture_output: Optional[CaptureCallback] = None,
     handoff_norm: Any = None,
 ) -> torch.Tensor:
     """Final norm: complete owed work, apply the update, normalize; then release the stream.
@@ -108,8 +113,8 @@ def norm(
         if state is StreamState.INITIAL:
             if not isinstance(hidden_states, torch.Tensor):
                 raise TypeError(f"norm() expects a tensor, got {type(hidden_states).__name__}")
-            residual = hidden_states
-            out = None
+            residual: Optional[torch.Tensor] = hidden_states
+            out: Optional[ReadInput] = None
         else:
             stream.expect(hidden_states)
             if state is StreamState.WRITTEN:
@@ -136,10 +141,11 @@ def norm(
                             "or drop handoff_norm"
                         )
                     stream.consume()
-                    out = handoff_norm.finalize(handoff, stream.writable_residual(fused=True), gamma)
+                    finalized: torch.Tensor = handoff_norm.finalize(
+                        handoff, stream.writable_residual(fused=True), gamma)
                     if not handoff.completed:
                         handoff.mark_consumed()  # the service ran the finalize: never again
-                    return out
+                    return finalized
                 stream.consume()
                 value = complete_on_rows(stream, c)
                 if stream.residual is not None and c.update.plain_add:
@@ -164,9 +170,13 @@ def norm(
                 out = read.read(residual)
                 if getattr(read, "makes_update", False):
                     out = out[0]
-        if scattered is not None:
-            out = scattered.gather_group(out)
-        return out
+        if not isinstance(out, torch.Tensor):
+            # A quantized read (QuantizedRows) feeds a quantized matmul; the final norm feeds the
+            # model's head, in the activation dtype.
+            raise BoundaryError(
+                f"the final norm's read {read!r} returned {type(out).__name__}, not a tensor: bind the "
+                "final norm with an unquantized read")
+        return out if scattered is None else scattered.gather_group(out)
     except RuntimeError as e:
         if not isinstance(e, BoundaryError):
             width_of = stream.residual if isinstance(stream.residual, torch.Tensor) else hidden_states
@@ -176,7 +186,7 @@ def norm(
         stream.release()
 
 
-def fold(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
+def fold(hidden_states: Handle, forward_batch: ForwardBatchLike) -> torch.Tensor:
     """Complete a pending contribution and fold it into the residual (stream becomes written).
 
     Returns the residual, which is the value to pass on.
@@ -191,6 +201,7 @@ def fold(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
         return hidden_states
     stream.expect(hidden_states)
     if state is StreamState.WRITTEN:
+        assert isinstance(hidden_states, torch.Tensor)  # a written stream hands out its tensor
         return hidden_states
     c = stream.consume()
     value = complete_on_rows(stream, c)
@@ -204,7 +215,7 @@ def fold(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
     return residual
 
 
-def written(hidden_states: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+def written(hidden_states: torch.Tensor, forward_batch: ForwardBatchLike) -> torch.Tensor:
     """Replace the stream with a written one whose residual is ``hidden_states``.
 
     Any pending contribution is discarded: call ``fold()`` first when one may be pending.
@@ -223,7 +234,7 @@ def written(hidden_states: torch.Tensor, forward_batch: Any) -> torch.Tensor:
     return hidden_states
 
 
-def take_output(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
+def take_output(hidden_states: Handle, forward_batch: ForwardBatchLike) -> torch.Tensor:
     """Release the stream at a terminal exit whose output is already written; return it."""
     stream = started_stream(forward_batch)
     try:
@@ -241,7 +252,7 @@ def take_output(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
         stream.release()
 
 
-def complete_output(hidden_states: Any, forward_batch: Any) -> Handle:
+def complete_output(hidden_states: Handle, forward_batch: ForwardBatchLike) -> Handle:
     """Finish outstanding communication/finalize work; the residual update stays pending.
 
     Returns the complete contribution tensor (a new handle; the old one is stale).
@@ -256,7 +267,7 @@ def complete_output(hidden_states: Any, forward_batch: Any) -> Handle:
     return stream.rehand()
 
 
-def snapshot(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
+def snapshot(hidden_states: Handle, forward_batch: ForwardBatchLike) -> torch.Tensor:
     """An owned copy of the updated residual; owed sums run on a copy, the stream is unchanged."""
     stream = started_stream(forward_batch)
     stream.expect(hidden_states)
@@ -280,7 +291,7 @@ def snapshot(hidden_states: Any, forward_batch: Any) -> torch.Tensor:
     return snap.clone() if snap is c.value else snap
 
 
-def add_to_output(hidden_states: Any, forward_batch: Any, extra: torch.Tensor) -> Handle:
+def add_to_output(hidden_states: Handle, forward_batch: ForwardBatchLike, extra: torch.Tensor) -> Handle:
     """Complete the contribution, then add ``extra`` to it once; the update stays pending.
 
     On a written stream ``extra`` becomes the pending contribution (added by a plain add).
@@ -311,7 +322,7 @@ def _refuse_open_branches(stream: ResidualStream, what: str) -> None:
         refuse_unmerged(stream, what)
 
 
-def _refuse_scattered_start(what: str, forward_batch: Any) -> None:
+def _refuse_scattered_start(what: str, forward_batch: ForwardBatchLike) -> None:
     """An input-scattered residual is a row slice that only a stage's prepare() can cut."""
     variant = active_variant(forward_batch)
     if variant in (BatchVariant.INPUT_SCATTERED, BatchVariant.SEQUENCE_PARALLEL):
@@ -323,5 +334,5 @@ def _refuse_scattered_start(what: str, forward_batch: Any) -> None:
         )
 
 
-def _plain(value: torch.Tensor) -> Any:
+def _plain(value: torch.Tensor) -> UnreducedOutput:
     return UnreducedOutput(value, PLAIN_ADD)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -11,8 +11,12 @@ from .._factories import declare_attn, declare_ffn, make_stages
 from .._forward import ForwardBatch
 from .._kernels.reference import fused_add_rmsnorm_ref
 from .._norms import RMSNorm
+from ..residual._add_norm import RMSNormRead
 from ._collectives import no_collectives
 from ._finalize import HandoffConformance
+
+if TYPE_CHECKING:
+    from .._stage import StageBoundary
 from ._tolerances import tolerance_of
 
 __all__ = ["FusionProviderConformance"]
@@ -42,7 +46,7 @@ class FusionProviderConformance(HandoffConformance):
     def accepted_batch(self) -> Any:
         return None
 
-    def _stages(self, provider: Any, hidden: int, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
+    def _stages(self, provider: Any, hidden: int, dtype: torch.dtype, device: str) -> tuple[StageBoundary, ...]:
         n1 = RMSNorm(hidden, dtype=dtype).to(device)
         n2 = RMSNorm(hidden, dtype=dtype).to(device)
         return make_stages((declare_attn(), n1, {"fusions": provider}),
@@ -105,6 +109,8 @@ class FusionProviderConformance(HandoffConformance):
                 y = torch.randn(accepted_batch.num_tokens, hidden_size, generator=g).to(dtype).to(device)
                 r = torch.randn(accepted_batch.num_tokens, hidden_size, generator=g).to(dtype).to(device)
                 read = stage.plan.read
+                # RMSNorm with the default read binds an RMSNormRead (weight, eps, offset)
+                assert isinstance(read, RMSNormRead), f"{stage.plan.name} read is {read!r}"
                 want_x, want_r = fused_add_rmsnorm_ref(y, r, read.weight, read.eps, weight_offset=read.offset)
                 out = cand(y.clone(), r.clone(), read, accepted_batch)
                 assert out is not None, f"{cand.name} declined the accepted batch"

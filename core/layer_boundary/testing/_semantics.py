@@ -14,7 +14,7 @@ from .._forward import ForwardBatch
 from .._norms import RMSNorm
 from .._providers import residual_part
 from ..residual import batch as residual_batch
-from ..residual._stream import StreamState
+from ..residual._stream import Handle, StreamState
 from ._tolerances import tolerance_of
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class _Stack(nn.Module):
 
     def run(self, x: torch.Tensor, fb: Any, states: list | None = None) -> torch.Tensor:
         residual_batch.start(fb)
-        h = x
+        h: Handle = x
         for i in range(0, len(self.stages), 2):
             attn, ffn = self.stages[i], self.stages[i + 1]
             h = _input_like(attn.prepare(h, fb), x, f"{attn.plan.name}'s read")
@@ -146,6 +146,8 @@ class ResidualSemanticsConformance:
         residual_batch.start(fa)
         residual_batch.start(fbb)
         attn, ffn = stack.stages
+        ha: Handle
+        hb: Handle
         ha, hb = attn.prepare(xa, fa), attn.prepare(xb, fbb)
         ha, hb = attn.finish(ha @ stack.weights[0], fa), attn.finish(hb @ stack.weights[0], fbb)
         ha, hb = ffn.prepare(ha, fa), ffn.prepare(hb, fbb)
@@ -166,7 +168,7 @@ class ResidualSemanticsConformance:
         attn = stack.stages[0]
         fb = ForwardBatch(num_tokens=2)
         residual_batch.start(fb)
-        h = attn.prepare(torch.randn(2, hidden_size).to(dtype), fb)
+        h: Handle = attn.prepare(torch.randn(2, hidden_size).to(dtype), fb)
         h = attn.finish(h @ stack.weights[0], fb)
         if attn.plan.update.plain_add:
             residual_batch.snapshot(h, fb)

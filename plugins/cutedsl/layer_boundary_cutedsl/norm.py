@@ -259,6 +259,8 @@ def _self_check(table: NormKernels, hidden: int, dtype: torch.dtype, offset: flo
     got_p = table.rmsnorm(x, w, 1e-6, weight_offset=offset)
     torch.cuda.synchronize()
     for what, got, want in (("add+rmsnorm", got_y, want_y), ("residual", got_r, want_r), ("rmsnorm", got_p, want_p)):
+        if not isinstance(got, torch.Tensor):  # an unquantized table returns tensors
+            raise RuntimeError(f"{what} returned {type(got).__name__}, not a tensor (H={hidden})")
         if not torch.allclose(got.float(), want.float(), atol=tol[0], rtol=tol[1]):
             diff = (got.float() - want.float()).abs().max().item()
             raise RuntimeError(f"{what} disagrees with the torch reference (H={hidden}, "
