@@ -247,5 +247,5 @@ def test_semantics_kit_says_what_a_defective_scheme_got_wrong():
         def exit(self, hidden_size, *, dtype, device=None):
             return None
 
-    with pytest.raises(TypeError, match=r"exit\(\) returned NoneType, expected layer_boundary._providers.StageResidual"):
+    with pytest.raises(TypeError, match=r"exit\(\) returned NoneType, expected layer_boundary.plugin_api.StageResidual"):
         kit.test_stream_transitions(ExitNone(), 32, torch.float32)

@@ -23,7 +23,8 @@ A block is taken by its language, and by one optional marker on the line just be
                                         not run, every distribution and path it names must exist in
                                         this repository; ``python3 -m venv``, ``.``/``source``: not
                                         run; ``python -m pytest`` without a test path (the whole
-                                        suite, which is this test's own run): not run
+                                        suite, which is this test's own run) and a bare ``mypy``
+                                        (the repository's type check, run by ``.ci/run``): not run
 ``toml``                                parsed
 ``mermaid``                             exempt (a diagram)
 ======================================  ==========================================================
@@ -250,6 +251,8 @@ def run_shell(block: Block, cwd: Path) -> None:
                        else words[1:] if head == "pytest" else None)
         if pytest_args is not None and not any(a.endswith(".py") or "/" in a for a in pytest_args):
             continue  # the whole suite: this test is part of that run
+        if words == ["mypy"]:
+            continue  # the repository's type check (its settings in pyproject.toml), which .ci/run runs
         if pytest_args is not None:
             argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *pytest_args]
         elif head == "layer-boundary":

@@ -249,5 +249,5 @@ def test_residual_semantics_that_return_the_wrong_thing_are_named():
             return (None, None, None)
 
     with pytest.raises(TypeError, match=r"residual semantics 'tuples': stage\(\) returned tuple, expected "
-                                        r"layer_boundary._providers.StageResidual"):
+                                        r"layer_boundary.plugin_api.StageResidual"):
         Qwen3ForCausalLM(small_random_config(), context=BoundaryContext(), residual=TupleScheme())

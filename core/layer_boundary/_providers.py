@@ -108,13 +108,14 @@ class StageResidual:
     params: Optional[nn.Module] = None
 
 
-def residual_part(semantics: ResidualSemantics, which: str, hidden_size: int, *, dtype: torch.dtype) -> StageResidual:
+def residual_part(semantics: ResidualSemantics, which: str, hidden_size: int, *,
+                  dtype: Optional[torch.dtype]) -> StageResidual:
     """``semantics.stage(...)`` or ``semantics.exit(...)`` (``which``), checked: a scheme that returns
     anything but a ``StageResidual`` is named, rather than failing later on a missing attribute."""
     got = getattr(semantics, which)(hidden_size, dtype=dtype)
     if not isinstance(got, StageResidual):
         raise TypeError(f"residual semantics {getattr(semantics, 'name', type(semantics).__name__)!r}: {which}() "
-                        f"returned {type(got).__name__}, expected layer_boundary._providers.StageResidual "
+                        f"returned {type(got).__name__}, expected layer_boundary.plugin_api.StageResidual "
                         "(update, read, params)")
     return got
 
@@ -124,14 +125,15 @@ class ResidualSemantics(Protocol):
     """A named residual scheme for a whole stack (plain add, MHC, ...).
 
     ``stage(hidden_size, ...)`` gives each stage its update, read and parameters; ``exit(...)``
-    gives the read the final norm uses (it may contract an expanded residual).
+    gives the read the final norm uses (it may contract an expanded residual). ``dtype=None``
+    means torch's default dtype, as for a module built without one.
     """
 
     name: str
 
-    def stage(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual: ...
+    def stage(self, hidden_size: int, *, dtype: Optional[torch.dtype], device: Any = None) -> StageResidual: ...
 
-    def exit(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual: ...
+    def exit(self, hidden_size: int, *, dtype: Optional[torch.dtype], device: Any = None) -> StageResidual: ...
 
 
 def guarded(provider: Any, method: str, *args: Any) -> tuple[Any, Optional[str]]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Generator, Iterable, Optional, Protocol, Sequence, TypeVar
+from typing import Any, Generator, Iterator, Iterable, Optional, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -51,6 +51,17 @@ from .._output import Contribution, HandoffOutput
 from ..residual._rows import complete_on_rows
 from .._scatter import ScatterRows
 from ..residual._stream import Handle, ResidualStream, StreamState, started_stream
+
+
+class LayerStack(Protocol):
+    """The decoder layers in stack order: a list, or an ``nn.ModuleList`` (which torch's stubs do
+    not make a ``Sequence``); only length, indexing and iteration are used."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
 
 __all__ = [
     "TboRows",
@@ -132,7 +143,7 @@ class TboPlan:
             e.value for e in self.edges)
 
 
-def plan_overlap(layers: Sequence[Any], *, overlap: str = "sparse") -> TboPlan:
+def plan_overlap(layers: LayerStack, *, overlap: str = "sparse") -> TboPlan:
     """The plan of decoder layers that each have ``attn_boundary`` and ``ffn_boundary``.
 
     Each layer's ``previous`` must describe the FFN before it with the same ``sparse`` and a
@@ -515,7 +526,7 @@ def _layer_run(layers: Iterable[tuple[int, Any]], positions: Any, hidden: Any, f
     return hidden
 
 
-def model_forward_stages(layers: Sequence[Any], positions: torch.Tensor, hidden_states: Any,
+def model_forward_stages(layers: LayerStack, positions: torch.Tensor, hidden_states: Any,
                          forward_batch: Any, *, split: TboSplit, plan: TboPlan) -> Handle:
     """Run ``layers`` with two-batch overlap where ``plan`` says, one stream per microbatch;
     return the handle to pass on, on ``forward_batch``'s own stream.

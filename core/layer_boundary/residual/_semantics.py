@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -20,10 +20,10 @@ class PlainResidual:
     def describe(self) -> str:
         return "plain: r' = r + y, add+RMSNorm reads"
 
-    def stage(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
+    def stage(self, hidden_size: int, *, dtype: Optional[torch.dtype], device: Any = None) -> StageResidual:
         return StageResidual(PLAIN_ADD, ADD_NORM, None)
 
-    def exit(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
+    def exit(self, hidden_size: int, *, dtype: Optional[torch.dtype], device: Any = None) -> StageResidual:
         return StageResidual(PLAIN_ADD, ADD_NORM, None)
 
 

@@ -90,7 +90,7 @@ class MhcSemantics:
             module.init_random(self._generator)
         return module
 
-    def stage(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
+    def stage(self, hidden_size: int, *, dtype: Optional[torch.dtype], device: Any = None) -> StageResidual:
         """The update kind, the read (bound to this stage's parameters) and the parameters."""
         params = self._init(MhcStageParams(self.n, hidden_size, dtype=dtype, device=device, eps=self.eps))
         # The core's StageRead protocol spells only a read with makes_update = False (read -> input,
@@ -99,7 +99,7 @@ class MhcSemantics:
         spec = cast(ReadSpec, MhcReadSpec(params, self.sinkhorn_iters, self.kernels, self.kernel_config))
         return StageResidual(MHC_UPDATE, spec, params)
 
-    def exit(self, hidden_size: int, *, dtype: torch.dtype, device: Any = None) -> StageResidual:
+    def exit(self, hidden_size: int, *, dtype: Optional[torch.dtype], device: Any = None) -> StageResidual:
         """The final norm's read: contract the streams, then normalize. A ``head`` owns parameters."""
         head = self._init(MhcHead(self.n, dtype=dtype, device=device)) if self.contraction == "head" else None
         return StageResidual(MHC_UPDATE, MhcExitReadSpec(self.n, head), head)
