@@ -81,7 +81,7 @@ a)
   mkdir -p /tmp/site
   ( xz -T8 -dc .cute1/cu13.tar.xz | tar -xf - -C /tmp/site && touch /tmp/cute1_done ) > "$OUT/unpack.log" 2>&1 &
   versions | tee "$OUT/versions-a.txt"
-  pt 260 -m gpu tests/test_fused_allreduce.py tests/test_moe_finalize_fusion.py tests/test_gpu_parallel.py \
+  pt 260 -m gpu tests/gpu/test_fused_allreduce.py tests/gpu/test_moe_finalize_fusion.py tests/gpu/test_gpu_parallel.py \
     > "$OUT/a-core.log" 2>&1
   tail -4 "$OUT/a-core.log"
   # The feature matrix on NCCL (issue: MoE, TBO, branches, CP, SP, capture): a dated record.
@@ -100,10 +100,10 @@ b)
   ( CUDA_VISIBLE_DEVICES=1 timeout 220 layer-boundary bench norm --out "$OUT" > "$OUT/bench-norm.log" 2>&1
     CUDA_VISIBLE_DEVICES=1 timeout 100 layer-boundary bench mhc --tokens 1 128 1024 8192 --hidden 4096 \
       --ops update+read --out "$OUT" > "$OUT/bench-mhc.log" 2>&1 ) &
-  CUDA_VISIBLE_DEVICES=0 pt 200 -m gpu tests/test_cutedsl_plugin.py tests/test_vendor_conformance.py \
-    tests/test_moe_finalize_fusion.py -k "cutedsl or Vendor" > "$OUT/b-cutedsl.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 pt 200 -m gpu tests/plugins/test_cutedsl_plugin.py tests/kit/test_vendor_conformance.py \
+    tests/gpu/test_moe_finalize_fusion.py -k "cutedsl or Vendor" > "$OUT/b-cutedsl.log" 2>&1
   tail -6 "$OUT/b-cutedsl.log"
-  CUDA_VISIBLE_DEVICES=0 pt 120 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py > "$OUT/b-mhc.log" 2>&1; tail -4 "$OUT/b-mhc.log"
+  CUDA_VISIBLE_DEVICES=0 pt 120 -m gpu tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py > "$OUT/b-mhc.log" 2>&1; tail -4 "$OUT/b-mhc.log"
   CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/sweeps/mhc_check.py --time > "$OUT/mhc-check.log" 2>&1
   tail -25 "$OUT/mhc-check.log"
   wait; tail -40 "$OUT/bench-norm.log"; tail -12 "$OUT/bench-mhc.log"
@@ -127,7 +127,7 @@ from flashinfer.jit.comm import gen_trtllm_comm_module; gen_trtllm_comm_module()
   for _ in $(seq 60); do [ -f /tmp/fi_comm_done ] && break; sleep 2; done
   tail -3 "$OUT/fi_jit.log"
   export LAYER_BOUNDARY_FLASHINFER_FUSION=1 LAYER_BOUNDARY_HANG_DUMP_S=60
-  pt 120 -m gpu tests/test_flashinfer_gpu.py > "$OUT/c-flashinfer.log" 2>&1; tail -5 "$OUT/c-flashinfer.log"
+  pt 120 -m gpu tests/plugins/test_flashinfer_gpu.py > "$OUT/c-flashinfer.log" 2>&1; tail -5 "$OUT/c-flashinfer.log"
   timeout 120 layer-boundary bench allreduce --quick --out "$OUT" > "$OUT/bench-allreduce.log" 2>&1
   tail -30 "$OUT/bench-allreduce.log"
   ;;
@@ -136,7 +136,7 @@ e)
   # GPU 0, the MHC GPU suite on GPU 1 (two GPUs), one after the other on one.
   versions | tee "$OUT/versions-e.txt"
   two=$([ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && echo 1 || echo 0)
-  suite() { CUDA_VISIBLE_DEVICES=$two pt 520 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py tests/test_mhc.py --durations=10 \
+  suite() { CUDA_VISIBLE_DEVICES=$two pt 520 -m gpu tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py tests/plugins/test_mhc.py --durations=10 \
     ${MHC_SUITE_K:+-k "$MHC_SUITE_K"} > "$OUT/e-mhc-suite.log" 2>&1; }
   [ "$two" = 1 ] && suite &
   ( cd benchmarks/sweeps && export CUDA_VISIBLE_DEVICES=0
@@ -157,12 +157,12 @@ f)
   # Two GPUs: the MHC GPU suite but the joined-pass cases on GPU 1; on GPU 0 the variants sweep
   # (the arguments after "f", as for e), then the joined-pass cases.
   versions | tee "$OUT/versions-f.txt"
-  CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py tests/test_mhc.py -k "not joined_stream_pass" \
+  CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py tests/plugins/test_mhc.py -k "not joined_stream_pass" \
     --durations=5 > "$OUT/f-mhc-suite.log" 2>&1 &
   ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 mhc_variants.py "${vs[@]}" --coop --tokens 8192 \
       > "$OUT/mhc-variants.log" 2>&1 )
-  CUDA_VISIBLE_DEVICES=0 pt 230 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py -k joined_stream_pass > "$OUT/f-joined.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 pt 230 -m gpu tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py -k joined_stream_pass > "$OUT/f-joined.log" 2>&1
   wait; cat "$OUT/mhc-variants.log"; tail -3 "$OUT/f-joined.log"; tail -9 "$OUT/f-mhc-suite.log"
   ;;
 g)
@@ -180,7 +180,7 @@ h)
   ( cd benchmarks/sweeps
     CUDA_VISIBLE_DEVICES=1 timeout 250 python3 mhc_variants.py "" "MID_TOKENS=256" \
       "BLOCK_TOKENS=16,64,64 JOINED=0,1,1 JOINED_WARPS=8,4,4" --tokens 128 512 1024 > "$OUT/mhc-mid.log" 2>&1
-    cd ../.. && CUDA_VISIBLE_DEVICES=1 pt 280 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py \
+    cd ../.. && CUDA_VISIBLE_DEVICES=1 pt 280 -m gpu tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py \
       -k "joined_stream_pass or folded_short_lag" > "$OUT/h-joined.log" 2>&1 ) &
   ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
     CUDA_VISIBLE_DEVICES=0 timeout 520 python3 mhc_variants.py "${vs[@]}" --coop --tokens 8192 \
@@ -189,14 +189,14 @@ h)
   ;;
 i)
   versions | tee "$OUT/versions-i.txt"
-  CUDA_VISIBLE_DEVICES=1 pt 560 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py tests/test_mhc.py \
+  CUDA_VISIBLE_DEVICES=1 pt 560 -m gpu tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py tests/plugins/test_mhc.py \
     -k "not joined_stream_pass and not folded_short_lag" --durations=5 > "$OUT/i-mhc-suite.log" 2>&1 &
   ( cd benchmarks/sweeps && [ $# -ge 2 ] && vs=("${@:2}") || vs=("")
     export CUDA_VISIBLE_DEVICES=0
     timeout 200 python3 mhc_variants.py "${vs[@]}" --tokens 128 512 1024 8192 > "$OUT/mhc-variants.log" 2>&1
     timeout 100 python3 mhc_variants.py "" "MAX_TILE=4096" --hidden 7168 --tokens 8192 \
       > "$OUT/mhc-variants-7168.log" 2>&1 )
-  CUDA_VISIBLE_DEVICES=0 pt 250 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py -k "joined_stream_pass or folded_short_lag" \
+  CUDA_VISIBLE_DEVICES=0 pt 250 -m gpu tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py -k "joined_stream_pass or folded_short_lag" \
     > "$OUT/i-joined.log" 2>&1
   wait; cat "$OUT/mhc-variants.log" "$OUT/mhc-variants-7168.log"; tail -3 "$OUT/i-joined.log"
   tail -9 "$OUT/i-mhc-suite.log"
@@ -210,7 +210,7 @@ j)
       timeout 130 python3 mhc_variants.py "FINISH_WARPS=4" "FINISH_WARPS=8" "FINISH_WARPS=16" --hidden $h \
         --tokens 1024 8192 > "$OUT/mhc-finish-$h.log" 2>&1
     done )
-  CUDA_VISIBLE_DEVICES=0 pt 150 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py \
+  CUDA_VISIBLE_DEVICES=0 pt 150 -m gpu tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py \
     -k "(eager_matches_the_reference and 7168) or cuda_graph or compiled or folded_short_lag" > "$OUT/j-tests.log" 2>&1
   wait; cat "$OUT"/mhc-finish-*.log; tail -3 "$OUT/j-tests.log"; tail -32 "$OUT/bench-mhc.log"
   ;;
@@ -218,7 +218,7 @@ k)
   versions | tee "$OUT/versions-k.txt"
   CUDA_VISIBLE_DEVICES=1 timeout 300 layer-boundary bench mhc --tokens 1 128 1024 8192 32768 --hidden 7168 \
     --ops update+read --out "$OUT" > "$OUT/bench-mhc.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=0 pt 320 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py -rf \
+  CUDA_VISIBLE_DEVICES=0 pt 320 -m gpu tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py -rf \
     -k "(eager_matches_the_reference and 7168) or folded_short_lag or joined_stream_pass" > "$OUT/k-tests.log" 2>&1
   wait; tail -8 "$OUT/k-tests.log"; tail -8 "$OUT/bench-mhc.log"
   ;;
@@ -226,7 +226,7 @@ l)
   versions | tee "$OUT/versions-l.txt"
   ( cd benchmarks/sweeps && timeout 150 python3 mhc_variants.py "" --coop --tokens 1 16 128 1024 8192 \
       > "$OUT/mhc-variants.log" 2>&1 )
-  pt 150 -m gpu tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py -rf \
+  pt 150 -m gpu tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py -rf \
     -k "(eager_matches_the_reference and bfloat16 and 4096) or cuda_graph or cooperative_ordering" > "$OUT/l-tests.log" 2>&1
   cat "$OUT/mhc-variants.log"; tail -4 "$OUT/l-tests.log"
   ;;
@@ -241,7 +241,7 @@ m|p)
   versions | tee "$OUT/versions-m.txt"
   # MHC_TESTS: more pytest arguments (files, -k) beside the cluster kernel's tests;
   # MHC_TESTS_TIMEOUT, MHC_VARIANTS_TIMEOUT: their limits in seconds (a variant that hangs costs no more).
-  suite=tests/test_mhc_cluster.py; [ "$stage" = p ] && suite=
+  suite=tests/plugins/test_mhc_cluster.py; [ "$stage" = p ] && suite=
   if [ -n "$suite${MHC_TESTS:-}" ]; then
     eval "pt ${MHC_TESTS_TIMEOUT:-300} -m gpu $suite -rf ${MHC_TESTS:-}" > "$OUT/m-tests.log" 2>&1
     grep -E "^(FAILED|E  )" "$OUT/m-tests.log" | head -20
@@ -283,35 +283,35 @@ r)
   versions | tee "$OUT/versions-r.txt"
   layer-boundary plugins > "$OUT/plugins-r.txt" 2>&1; cat "$OUT/plugins-r.txt"
   if [ -n "${R_MHC_ONLY:-}" ]; then  # the Triton MHC files alone, one a GPU (about 9 minutes)
-    CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu -rfs --durations=8 tests/test_mhc_launch_forms.py tests/test_mhc.py \
+    CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu -rfs --durations=8 tests/plugins/test_mhc_launch_forms.py tests/plugins/test_mhc.py \
       > "$OUT/r-mhc1.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=0 pt 540 -m gpu -rfs --durations=8 tests/test_mhc_kernels.py > "$OUT/r-mhc0.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 pt 540 -m gpu -rfs --durations=8 tests/plugins/test_mhc_kernels.py > "$OUT/r-mhc0.log" 2>&1
     wait; for f in r-mhc0 r-mhc1; do grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -20; tail -12 "$OUT/$f.log"; done
     exit 0
   fi
-  multi="tests/test_gpu_parallel.py tests/test_fused_allreduce.py tests/test_moe_finalize_fusion.py tests/test_gpu_features.py"
+  multi="tests/gpu/test_gpu_parallel.py tests/gpu/test_fused_allreduce.py tests/gpu/test_moe_finalize_fusion.py tests/gpu/test_gpu_features.py"
   pt 200 -m gpu -rfs --durations=8 $multi > "$OUT/r-multi.log" 2>&1; tail -12 "$OUT/r-multi.log"
-  one=$(ls tests/test_*.py | grep -v -e test_mhc -e test_triton_kernels -e test_gpu_parallel -e test_fused_allreduce \
+  one=$(ls tests/*/test_*.py | grep -v -e test_mhc -e test_triton_kernels -e test_gpu_parallel -e test_fused_allreduce \
     -e test_moe_finalize_fusion -e test_gpu_features)
-  CUDA_VISIBLE_DEVICES=1 pt 330 -m gpu -rfs --durations=8 tests/test_mhc_kernels.py tests/test_mhc_launch_forms.py \
-    tests/test_mhc.py > "$OUT/r-gpu1.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=0 pt 330 -m gpu -rfs --durations=8 tests/test_mhc_cluster.py tests/test_mhc_persistent.py \
-    tests/test_triton_kernels.py $one > "$OUT/r-gpu0.log" 2>&1
+  CUDA_VISIBLE_DEVICES=1 pt 330 -m gpu -rfs --durations=8 tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_launch_forms.py \
+    tests/plugins/test_mhc.py > "$OUT/r-gpu1.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 pt 330 -m gpu -rfs --durations=8 tests/plugins/test_mhc_cluster.py tests/plugins/test_mhc_persistent.py \
+    tests/unit/test_triton_kernels.py $one > "$OUT/r-gpu0.log" 2>&1
   wait; for f in r-gpu0 r-gpu1; do grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -20; tail -14 "$OUT/$f.log"; done
   ;;
 s)
   cute_install
   versions | tee "$OUT/versions-s.txt"
-  CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu -rfs tests/test_mhc_launch_forms.py tests/test_mhc.py \
-    tests/test_mhc_split.py > "$OUT/s-gpu1.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=0 pt 540 -m gpu -rfs tests/test_mhc_kernels.py tests/test_mhc_cluster.py \
-    tests/test_mhc_persistent.py > "$OUT/s-gpu0.log" 2>&1
+  CUDA_VISIBLE_DEVICES=1 pt 540 -m gpu -rfs tests/plugins/test_mhc_launch_forms.py tests/plugins/test_mhc.py \
+    tests/plugins/test_mhc_split.py > "$OUT/s-gpu1.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 pt 540 -m gpu -rfs tests/plugins/test_mhc_kernels.py tests/plugins/test_mhc_cluster.py \
+    tests/plugins/test_mhc_persistent.py > "$OUT/s-gpu0.log" 2>&1
   wait; for f in s-gpu0 s-gpu1; do grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -20; tail -6 "$OUT/$f.log"; done
   ;;
 w)
   versions | tee "$OUT/versions-w.txt"
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-  pt 300 -m gpu tests/test_gpu_parallel.py -rs > "$OUT/w-parallel.log" 2>&1; tail -4 "$OUT/w-parallel.log"
+  pt 300 -m gpu tests/gpu/test_gpu_parallel.py -rs > "$OUT/w-parallel.log" 2>&1; tail -4 "$OUT/w-parallel.log"
   timeout 300 layer-boundary bench allreduce --world "$n" --quick --out "$OUT" > "$OUT/bench-allreduce.log" 2>&1
   tail -30 "$OUT/bench-allreduce.log"
   timeout 300 layer-boundary bench decode --tp 1 2 "$n" --quick --out "$OUT" > "$OUT/bench-decode.log" 2>&1

@@ -5,7 +5,7 @@ the active variant. Each path holds the variant's row movement as one bound ``Ba
 (``batch_rows``: ordinary, ``dp``: attention DP, ``scatter``: input-scattered and sequence
 parallel, ``cp``: context parallel), so a forward never asks which variant it is in again.
 
-Module order (no cycle, tests/test_import_graph.py): ``prepare`` (the read on this rank's rows,
+Module order (no cycle, tests/unit/test_import_graph.py): ``prepare`` (the read on this rank's rows,
 with ``edges``) < ``batch_rows`` < ``dp``, ``scatter``, ``cp`` < ``construction`` < ``pp`` <
 ``stage`` (with ``publish`` and ``exit``) < ``factories``.
 """

@@ -35,7 +35,7 @@ ENV_ALLOW = "LAYER_BOUNDARY_PLUGINS"
 ENV_DENY = "LAYER_BOUNDARY_DISABLE"
 ENV_NO_AUTOLOAD = "LAYER_BOUNDARY_DISABLE_PLUGIN_AUTOLOAD"
 ENV_STRICT = "LAYER_BOUNDARY_STRICT_PLUGINS"
-# Every variable the core reads (tests/test_discovery.py checks the sources against this list). A
+# Every variable the core reads (tests/plugins/test_discovery.py checks the sources against this list). A
 # plugin reads its own under LAYER_BOUNDARY_<NAME>_ (LAYER_BOUNDARY_FLASHINFER_MAX_TOKENS).
 CORE_VARIABLES = (ENV_ALLOW, ENV_DENY, ENV_NO_AUTOLOAD, ENV_STRICT, "LAYER_BOUNDARY_CHECK_DP_COUNTS",
                   "LAYER_BOUNDARY_HANG_DUMP_S")

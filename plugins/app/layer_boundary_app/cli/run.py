@@ -60,7 +60,7 @@ def _ranges(xs: list[int]) -> str:
 
 # Tolerance of --check against the single-rank model, relative to the largest |logit|: regrouped
 # sums round differently. float32: a few ulps through the stack; bfloat16: measured against
-# transformers at 0.015 (see tests/test_qwen3_transformers.py), doubled.
+# transformers at 0.015 (see tests/app/test_qwen3_transformers.py), doubled.
 CHECK_REL = {"float32": 1e-5, "bfloat16": 0.03, "float64": 1e-12}
 
 

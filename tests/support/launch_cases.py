@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_launch.py (importable by spawned processes)."""
+"""Rank functions for tests/app/test_launch.py (importable by spawned processes)."""
 
 import time
 

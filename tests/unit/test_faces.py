@@ -14,7 +14,7 @@ import pytest
 
 from layer_boundary._lazy import attach_stub
 
-CORE = Path(__file__).resolve().parents[1] / "core" / "layer_boundary"
+CORE = Path(__file__).resolve().parents[2] / "core" / "layer_boundary"
 STUB_FACES = {"layer_boundary": CORE / "__init__.pyi", "layer_boundary.plugin_api": CORE / "plugin_api.pyi"}
 
 

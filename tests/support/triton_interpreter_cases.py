@@ -1,6 +1,6 @@
 """The core Triton norm kernels under Triton's interpreter, on CPU tensors.
 
-Run by tests/test_triton_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton 3.6 chooses
+Run by tests/unit/test_triton_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton 3.6 chooses
 the interpreter when ``@triton.jit`` runs, so the variable must be set before the kernel module
 is imported, and the GPU tests of the same session must keep the compiled kernels. The
 interpreter runs a program in ~20 ms, so the shapes are small; the GPU tests take the large ones.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run with TRITON_INTERPRET=1 (tests/test_triton_kernels.py does)", allow_module_level=True)
+    pytest.skip("run with TRITON_INTERPRET=1 (tests/unit/test_triton_kernels.py does)", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
 from layer_boundary._kernels import triton_norm  # noqa: E402

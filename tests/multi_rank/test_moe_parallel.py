@@ -9,7 +9,7 @@ One spawn per world size runs every case (process groups are created once per la
   ``defer_moe_finalize`` each handoff completed exactly once.
 * The Qwen3-MoE reference (embedded random weights) on the same layouts: float64 within 1e-10,
   float32 within 1e-4 and bfloat16 within 0.03, each relative to the logits' scale (the
-  tolerances of ``tests/test_parallel.py`` and ``layer-boundary run --check``: sums regrouped
+  tolerances of ``tests/multi_rank/test_parallel.py`` and ``layer-boundary run --check``: sums regrouped
   over ranks round differently).
 * A transformers checkpoint folder on tp2, tp4 dp2 and tp8 dp2 against transformers itself
   (float32, ``test_moe_transformers.FP32_REL``).

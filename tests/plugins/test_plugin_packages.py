@@ -45,7 +45,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIELDS = {"name", "distribution", "version", "api_version", "provides", "status", "reason"}
 CANDIDATE = "acme-allreduce-add-rmsnorm"
 
@@ -173,7 +173,7 @@ def _write_wheel(folder: Path, dist: str, version: str, files: dict[str, str], *
         **files,
         f"{info}/METADATA": (f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
                              f"Requires-Dist: {requires}\n"),
-        f"{info}/WHEEL": ("Wheel-Version: 1.0\nGenerator: tests/test_plugin_packages.py\n"
+        f"{info}/WHEEL": ("Wheel-Version: 1.0\nGenerator: tests/plugins/test_plugin_packages.py\n"
                           "Root-Is-Purelib: true\nTag: py3-none-any\n"),
         f"{info}/entry_points.txt": entry_points,
     }

@@ -1,9 +1,9 @@
-"""The features on 2 GPUs with NCCL against the single-GPU model (tests/gpu_feature_cases.py).
+"""The features on 2 GPUs with NCCL against the single-GPU model (tests/support/gpu_feature_cases.py).
 
 MoE (Qwen3-MoE reference, tensor-parallel experts; tp2 and attention tp1 x dp2, with and without
 ``defer_moe_finalize``), two-batch overlap, branches (LongCat-style), a CP=2 prefill, sequence
 parallel, and capture / snapshot / add_to_output: bfloat16 within 0.03 and float32 within 1e-5 of
-max |logit| (``gpu_feature_cases.REL``, the bounds of tests/test_gpu_parallel.py), one spawn for
+max |logit| (``gpu_feature_cases.REL``, the bounds of tests/gpu/test_gpu_parallel.py), one spawn for
 the whole matrix. benchmarks/gpu_feature_matrix.py runs the same matrix and writes the dated record.
 
 The GPU tests carry the ``gpu`` mark one by one rather than through ``pytestmark``: the same

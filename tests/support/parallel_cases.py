@@ -440,3 +440,118 @@ def disagreeing_dp_counts(rank: int, world: int) -> str:
     except BoundaryError as e:
         return str(e)
     return "no error"
+
+
+# The case matrices per world size (linear stack, Qwen3 reference, pipeline stages), shared by
+# multi_rank/test_parallel.py (gloo) and gpu/test_gpu_parallel.py (NCCL).
+LINEAR_2 = [
+    dict(dp=1, policy="ar", counts=(5,), layers=2),
+    dict(dp=1, policy="rs+rsv", counts=(1,), layers=1),
+    dict(dp=1, policy="ar", counts=(0,), layers=2),
+    dict(dp=2, policy="ar", counts=(3, 5), layers=2),
+    dict(dp=2, policy="rs", counts=(3, 5), layers=3),
+    dict(dp=2, policy="rsv", counts=(4, 1), layers=2),
+    dict(dp=2, policy="rs+rsv", counts=(0, 3), layers=2),
+    dict(dp=2, policy="rs", counts=(0, 0), layers=1),
+    dict(dp=2, policy="auto", counts=(2, 2), layers=2),
+    dict(dp=1, policy="ar", counts=(5,), layers=2, scattered=True),
+    dict(dp=1, policy="ar", counts=(0,), layers=1, scattered=True),
+    # LOCAL_TAIL FFNs: the replicated component is added exactly once on every path.
+    dict(dp=1, policy="ar", counts=(5,), layers=2, tail=True),
+    dict(dp=2, policy="ar", counts=(3, 5), layers=2, tail=True),
+    dict(dp=2, policy="rs", counts=(0, 3), layers=2, tail=True),
+    dict(dp=2, policy="rsv", counts=(4, 1), layers=3, tail=True),
+    dict(dp=2, policy="rsv", counts=(0, 0), layers=1, tail=True),
+    dict(dp=1, policy="ar", counts=(5,), layers=2, scattered=True, tail=True),
+]
+LINEAR_4 = [
+    dict(dp=1, policy="ar", counts=(6,), layers=2),
+    dict(dp=2, policy="ar", counts=(3, 4), layers=2),
+    dict(dp=2, policy="rs", counts=(5, 0), layers=2),
+    dict(dp=2, policy="rs+rsv", counts=(2, 3), layers=3),  # rsv refused: attention TP 2
+    dict(dp=4, policy="rsv", counts=(1, 0, 3, 2), layers=2),
+    dict(dp=4, policy="rs", counts=(2, 2, 2, 2), layers=1),
+    dict(dp=4, policy="ar", counts=(0, 0, 1, 0), layers=2),
+    dict(dp=1, policy="ar", counts=(7,), layers=3, scattered=True),
+    dict(dp=2, policy="ar", counts=(3, 6), layers=2, scattered=True),
+    dict(dp=2, policy="rs", counts=(0, 1), layers=2, scattered=True),
+    dict(dp=1, policy="ar", counts=(6,), layers=2, tail=True),
+    dict(dp=2, policy="rs", counts=(5, 0), layers=2, tail=True),
+    dict(dp=2, policy="rsv", counts=(2, 3), layers=2, tail=True),  # RSv refused: all-reduce
+    dict(dp=4, policy="rsv", counts=(1, 0, 3, 2), layers=3, tail=True),
+    dict(dp=4, policy="rs", counts=(0, 2, 0, 1), layers=2, tail=True),
+    dict(dp=4, policy="ar", counts=(0, 0, 1, 0), layers=2, tail=True),
+    dict(dp=1, policy="ar", counts=(7,), layers=2, scattered=True, tail=True),
+    dict(dp=2, policy="rs", counts=(3, 6), layers=2, scattered=True, tail=True),
+    dict(dp=2, policy="ar", counts=(0, 1), layers=1, scattered=True, tail=True),
+]
+
+# TP=8, TP=4 x DP=2, TP=2 x DP=4: uneven and empty token counts, each reduction policy, local tails.
+LINEAR_8 = [
+    dict(dp=1, policy="ar", counts=(9,), layers=2),
+    dict(dp=2, policy="rs", counts=(5, 0), layers=2),
+    dict(dp=2, policy="rs+rsv", counts=(2, 3), layers=2),  # rsv refused: attention TP 4
+    dict(dp=4, policy="rsv", counts=(1, 0, 3, 2), layers=2),  # refused: attention TP 2; all-reduce
+    dict(dp=4, policy="rs", counts=(2, 2, 0, 1), layers=1),
+    dict(dp=1, policy="ar", counts=(7,), layers=2, scattered=True),
+    dict(dp=1, policy="ar", counts=(6,), layers=2, tail=True),
+    dict(dp=2, policy="rs", counts=(5, 0), layers=2, tail=True),
+    dict(dp=2, policy="ar", counts=(3, 4), layers=1, tail=True),
+    dict(dp=4, policy="rs", counts=(0, 2, 0, 1), layers=2, tail=True),
+    dict(dp=4, policy="ar", counts=(0, 0, 1, 0), layers=2, tail=True),
+    dict(dp=1, policy="ar", counts=(7,), layers=1, scattered=True, tail=True),
+]
+
+QWEN_2 = [
+    dict(dp=1, policy="ar", sequences=[[1, 5, 9], [4]]),
+    dict(dp=2, policy="rs+rsv", sequences=[[1, 5, 9, 2], [4, 8]]),
+    dict(dp=2, policy="rs", sequences=[[3, 3, 7]]),  # DP group 1 gets no sequence
+    dict(dp=2, policy="ar", sequences=[[1], [2], [3]]),
+    dict(dp=1, policy="ar", sequences=[[1, 5, 9], [4, 4]], scattered=True),
+    # MHC: non-plain update, before_gather read: the FFN input is read on the local rows and the
+    # normalized input gathered, never joined into the sum.
+    dict(dp=2, policy="rs+rsv", sequences=[[1, 5, 9, 2], [4, 8]], residual="mhc"),
+    dict(dp=2, policy="ar", sequences=[[3, 3, 7]], residual="mhc"),  # DP group 1 gets nothing
+    # MHC on row slices: the expanded residual [T, n, H] is sliced and gathered by rows.
+    dict(dp=1, policy="ar", sequences=[[2, 7, 1, 8, 2]], residual="mhc", scattered=True),
+]
+QWEN_4 = [
+    dict(dp=1, policy="ar", sequences=[[1, 5, 9, 11, 30]]),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2]]),
+    dict(dp=4, policy="rsv", sequences=[[1, 5], [7], [9, 9, 9]]),
+    dict(dp=4, policy="ar", sequences=[[6, 2, 7, 1]], dtype="float32"),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], scattered=True),
+    dict(dp=1, policy="ar", sequences=[[2, 4, 6, 8, 10, 12, 14]], scattered=True),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], residual="mhc"),
+]
+
+# Eight attention heads (two KV heads, replicated where attention TP exceeds them) so that every
+# layout of 8 ranks shards the heads.
+HEADS_8 = dict(num_attention_heads=8, num_key_value_heads=2)
+QWEN_8 = [
+    dict(dp=1, policy="ar", sequences=[[1, 5, 9, 11, 30]], config=HEADS_8),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2]], config=HEADS_8),
+    dict(dp=4, policy="rsv", sequences=[[1, 5], [7], [9, 9, 9]], config=HEADS_8),  # DP group 3 empty
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], scattered=True, config=HEADS_8),
+    dict(dp=2, policy="rs", sequences=[[1, 5, 9], [4, 8, 16, 2], [3]], residual="mhc", config=HEADS_8),
+]
+
+
+# Pipeline parallel (world = tp x pp): the Qwen3 reference, and the synthetic stack "kinds" (A a
+# PARTIAL attention, F an FFN) split after stage ``split``.
+PIPE_2 = [
+    dict(kind="qwen3", pp=2, sequences=[[1, 5, 9], [4]]),
+]
+PIPE_4 = [
+    dict(kind="qwen3", pp=2, sequences=[[1, 5, 9, 11], [4, 2]]),
+    dict(kind="qwen3", pp=2, dp=2, sequences=[[1, 5, 9], [4, 8, 16, 2]]),
+    dict(kind="qwen3", pp=4, sequences=[[3, 1, 4, 1, 5]]),
+    # The partition falls right after a PARTIAL attention: its sum crosses as a partial.
+    dict(kind="linear", pp=2, kinds="AFAFAF", split=3),
+    # ... after an FFN whose exit deferred its sum: to_pp completes it before transport.
+    dict(kind="linear", pp=2, kinds="AFAFAF", split=2, defer=True),
+]
+PIPE_8 = [
+    dict(kind="qwen3", pp=2, sequences=[[1, 5, 9, 11], [4, 2]]),  # TP 4: the four heads shard
+]
+MATRICES = {2: (LINEAR_2, QWEN_2, PIPE_2), 4: (LINEAR_4, QWEN_4, PIPE_4), 8: (LINEAR_8, QWEN_8, PIPE_8)}

@@ -32,7 +32,7 @@ from layer_boundary_mhc.read import MhcReadSpec  # noqa: E402
 from layer_boundary_mhc.reference import mhc_read_ref, mhc_update_ref  # noqa: E402
 from layer_boundary_mhc.selection import select_kernels  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "support"  # the case files
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 EPS = 1e-6
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -131,7 +131,7 @@ def test_kernels_under_the_triton_interpreter():
     defined, and this session's GPU tests need them compiled: hence a subprocess."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "mhc_interpreter_cases.py")]
-    proc = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=HERE.parents[1], env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"interpreter cases failed:\n{out[-8000:]}"
     assert " passed" in out and "skipped" not in out.splitlines()[-1], out[-2000:]

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-CORE = Path(__file__).resolve().parents[1] / "core" / "layer_boundary"
+CORE = Path(__file__).resolve().parents[2] / "core" / "layer_boundary"
 
 
 def _module_name(path: Path, core: Path) -> str:
@@ -114,7 +114,7 @@ def test_the_core_cli_may_import_itself():
     assert wall_broken("layer_boundary._cli.main", "layer_boundary_app.cli.commands") is not None
 
 
-APP = Path(__file__).resolve().parents[1] / "plugins" / "app" / "layer_boundary_app"
+APP = Path(__file__).resolve().parents[2] / "plugins" / "app" / "layer_boundary_app"
 
 # The faces the application may use: it is written as an engine (and, for its benchmarks of
 # providers, a vendor) would write against the core.

@@ -50,8 +50,8 @@ def test_a_mixer_that_does_not_gather_its_input_has_no_scattered_path():
         m.prepare(torch.randn(2, 4), fb)
 
 
-# CP needs a CP group; sequence parallel is refused under attention DP (see tests/test_cp.py and
-# tests/test_sequence_parallel.py for the topologies that have them).
+# CP needs a CP group; sequence parallel is refused under attention DP (see tests/multi_rank/test_cp.py and
+# tests/multi_rank/test_sequence_parallel.py for the topologies that have them).
 @pytest.mark.parametrize("flag,name,dp", [("context_parallel", "CP", 1), ("sequence_parallel", "SEQUENCE_PARALLEL", 2)])
 def test_variants_without_a_path_raise_on_two_ranks_too(flag, name, dp):
     a, _ = make_stages((declare_attn(), RMSNorm(4)), (declare_ffn(), RMSNorm(4)),

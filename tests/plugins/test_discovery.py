@@ -120,7 +120,7 @@ def test_the_core_variables_list_names_every_variable_the_sources_read():
 
     from layer_boundary._plugins.discovery import CORE_VARIABLES
 
-    core = pathlib.Path(__file__).resolve().parents[1] / "core" / "layer_boundary"
+    core = pathlib.Path(__file__).resolve().parents[2] / "core" / "layer_boundary"
     # every variable name the core spells as a whole string literal
     used = {m for f in core.rglob("*.py") for m in re.findall(r"[\"'](LAYER_BOUNDARY_[A-Z0-9_]+)[\"']", f.read_text())}
     assert used == set(CORE_VARIABLES), "add a new variable to discovery.CORE_VARIABLES"

@@ -1,4 +1,4 @@
-"""Workers for the GPU tests (NCCL ranks spawned by tests/test_gpu_parallel.py)."""
+"""Workers for the GPU tests (NCCL ranks spawned by tests/gpu/test_gpu_parallel.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The fused MoE finalize kernel (one rank) under Triton's interpreter, on CPU tensors.
 
-Run by tests/test_moe_finalize_fusion.py in a subprocess with TRITON_INTERPRET=1 (see
+Run by tests/gpu/test_moe_finalize_fusion.py in a subprocess with TRITON_INTERPRET=1 (see
 triton_interpreter_cases.py for why). One rank needs no symmetric memory: the workspace is made
 of plain CPU tensors, and the kernel's one-rank branch never touches its peer buffers.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run with TRITON_INTERPRET=1 (tests/test_moe_finalize_fusion.py does)", allow_module_level=True)
+    pytest.skip("run with TRITON_INTERPRET=1 (tests/gpu/test_moe_finalize_fusion.py does)", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
 from layer_boundary._fusion.moe_finalize import finalize_partial_ref  # noqa: E402

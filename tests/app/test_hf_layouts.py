@@ -5,7 +5,7 @@ A tiny random transformers ``Qwen3ForCausalLM`` is saved with ``save_pretrained`
 the command line runs it with ``--tp``/``--dp`` on gloo, its sequences spread over the DP groups
 (one group gets two sequences, the other one), ``--check`` compares every rank with the
 single-rank model, and the saved logits are compared with transformers run on each sequence
-separately (float32, 1e-4 absolute, the bound of tests/test_qwen3_transformers.py).
+separately (float32, 1e-4 absolute, the bound of tests/app/test_qwen3_transformers.py).
 """
 
 from __future__ import annotations

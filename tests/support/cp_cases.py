@@ -1,7 +1,7 @@
 """Worker functions and cases for the context-parallel and sequence-parallel gloo tests.
 
 One spawn per world size runs every case below (CP and SP, synthetic and Qwen3) and the results
-are cached here, so tests/test_cp.py and tests/test_sequence_parallel.py share the spawns and the
+are cached here, so tests/multi_rank/test_cp.py and tests/multi_rank/test_sequence_parallel.py share the spawns and the
 process groups (``parallel_cases.topology``). Spawning ranks is the expensive part on a 2-core
 machine; the cases themselves are small.
 

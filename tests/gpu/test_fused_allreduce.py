@@ -72,7 +72,7 @@ def test_nothing_is_offered_where_attention_dp_leaves_nothing_owed(gloo2):
 
 
 def test_the_core_candidate_refuses_gloo_with_a_reason(gloo2):
-    # Through run's selection report (tests/test_plugin_packages.py checks the full line); here
+    # Through run's selection report (tests/plugins/test_plugin_packages.py checks the full line); here
     # the provider's own static check, without spawning.
     from layer_boundary._fusion.symm_mem import SymmMemAllReduceNorm
 

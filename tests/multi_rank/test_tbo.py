@@ -5,7 +5,7 @@ operation-scheduled FFN (``postprocess()``) and ``layer-boundary run --tbo``.
 Results equal the unsplit forward: bitwise on the dyadic float64 synthetic stack (one rank, and
 gloo tp2 / tp2 dp2 / input-scattered in one spawn), bitwise per microbatch for dense Qwen3 in
 float32 (each microbatch is exactly its own forward), and within the float tolerance of
-``tests/test_parallel.py`` for the Qwen3 / Qwen3-MoE references against the single-rank model.
+``tests/multi_rank/test_parallel.py`` for the Qwen3 / Qwen3-MoE references against the single-rank model.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The MHC Triton kernels under Triton's interpreter, on CPU tensors.
 
-Run by tests/test_mhc_kernels.py in a subprocess with TRITON_INTERPRET=1 (set before the kernel
+Run by tests/plugins/test_mhc_kernels.py in a subprocess with TRITON_INTERPRET=1 (set before the kernel
 module is imported: Triton 3.6 picks the interpreter in ``@triton.jit``). The interpreter runs
 one program at a time in ticket order, so the cooperative launch never waits here; the GPU tests
 take the large shapes and the real concurrency. Every call passes ``SMALL``, a kernel config of small
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run with TRITON_INTERPRET=1 (tests/test_mhc_kernels.py does)", allow_module_level=True)
+    pytest.skip("run with TRITON_INTERPRET=1 (tests/plugins/test_mhc_kernels.py does)", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 pytest.importorskip("layer_boundary_mhc", reason="the MHC plugin is not installed")
 import triton  # noqa: E402

@@ -13,8 +13,7 @@ import torch
 from layer_boundary_app.launch import spawn
 
 import gpu_cases
-from parallel_cases import expected_collectives
-from test_parallel import HEADS_8, LINEAR_2, LINEAR_4, LINEAR_8
+from parallel_cases import HEADS_8, LINEAR_2, LINEAR_4, LINEAR_8, expected_collectives
 
 pytestmark = pytest.mark.gpu
 

@@ -42,7 +42,7 @@ from layer_boundary.residual._add_norm import AddNormReadSpec
 from layer_boundary.testing import NormKernelConformance
 from layer_boundary.testing._tolerances import assert_fp8_rows_close, tolerance_of
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "support"  # the case files
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
@@ -110,7 +110,7 @@ def test_kernels_under_the_triton_interpreter():
     defined, and this session's GPU tests need them compiled: hence a subprocess."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "triton_interpreter_cases.py")]
-    proc = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=HERE.parents[1], env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"interpreter cases failed:\n{out[-8000:]}"
     assert " passed" in out and "skipped" not in out.splitlines()[-1], out[-2000:]

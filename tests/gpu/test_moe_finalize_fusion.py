@@ -29,7 +29,7 @@ from layer_boundary_app.models.runner import _batch
 
 import finalize_cases
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "support"  # the case files
 SEQS = [[1, 5, 9, 2, 77], [4, 8]]
 # In bf16 a token near a top-k tie may pick another expert once the residual rounds differently
 # (a jump, not a rounding error): bf16 cases route every token to all 8 experts.
@@ -47,7 +47,7 @@ def test_finalize_kernel_under_the_triton_interpreter():
     pytest.importorskip("triton", reason="triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "finalize_interpreter_cases.py")]
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=HERE.parents[1], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 

@@ -4,7 +4,7 @@ Each case runs one feature on a parallel layout and compares every rank's output
 model on one device, same dtype: MoE (the Qwen3-MoE reference, tensor-parallel experts),
 two-batch overlap, branches (the LongCat-style reference), a context-parallel prefill, sequence
 parallel, and capture / snapshot / add_to_output (``capture_cases``' stack). ``feature_matrix``
-takes the device, so the same functions run on NCCL with GPUs (tests/test_gpu_features.py,
+takes the device, so the same functions run on NCCL with GPUs (tests/gpu/test_gpu_features.py,
 benchmarks/gpu_feature_matrix.py) and on gloo with CPU ranks (in CI, about 10 s for the whole
 matrix): CI runs the code paths the GPU run takes. ``verdicts`` turns the ranks' results into one
 row per case with its tolerance and pass/fail, for the tests and the dated record alike.
@@ -29,7 +29,7 @@ from parallel_cases import H, count_collectives, topology
 __all__ = ["CASES", "REL", "feature_matrix", "verdicts", "select"]
 
 # Relative to max(1, max |reference|): the table of `layer-boundary run --check`, which
-# tests/test_gpu_parallel.py applies on NCCL too. bf16: the bound measured against transformers
+# tests/gpu/test_gpu_parallel.py applies on NCCL too. bf16: the bound measured against transformers
 # (test_qwen3_transformers.BF16_REL); float32: regrouped sums round a few ulps of the largest logit.
 REL = CHECK_REL
 

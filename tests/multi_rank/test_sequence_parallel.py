@@ -7,7 +7,7 @@ attention's at the next input, the FFN's at its exit). Without attention DP thes
 input-scattered variant's moves; with attention DP or CP, sequence parallel is refused.
 
 One process: which stages get the path and every refusal's text. Gloo with 2 and 4 ranks (the
-spawns are shared with tests/test_cp.py): bitwise against one rank on the exactly summable
+spawns are shared with tests/multi_rank/test_cp.py): bitwise against one rank on the exactly summable
 stack, each move exactly once, the Qwen3 reference within the float32 tolerance.
 """
 
@@ -148,7 +148,7 @@ def test_qwen3_under_sequence_parallel_matches_one_rank(spawned):
     for rank, r in got:
         assert r["max_diff"] <= CHECK_REL["float32"] * max(1.0, r["scale"]), (rank, r)
         if r["case"].get("tbo"):
-            continue  # two microbatches: the moves run per microbatch (see tests/test_tbo.py)
+            continue  # two microbatches: the moves run per microbatch (see tests/multi_rank/test_tbo.py)
         n = r["layers"]
         # + the embedding's sum, the final norm's gather and the LM head's vocabulary gather.
         assert r["collectives"] == {"all_reduce": 1, "all_gather": 2 * n + 2, "reduce_scatter": 2 * n}, (rank, r)

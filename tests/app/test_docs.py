@@ -57,7 +57,7 @@ except ModuleNotFoundError:  # Python 3.10
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([\w+-]*)\s*$")
 MARKER = re.compile(r"^<!--\s*docs-test:\s*(.*?)\s*-->\s*$")

@@ -2,7 +2,7 @@
 
 One process: the token mapping (zig-zag and contiguous ``CpSplit``), the head group a CP topology
 shards attention over, which stages get a CP path, and every refused combination's error text.
-Gloo with 2 and 4 ranks (one spawn per world size, shared with tests/test_sequence_parallel.py):
+Gloo with 2 and 4 ranks (one spawn per world size, shared with tests/multi_rank/test_sequence_parallel.py):
 the exactly summable float64 stack is bitwise equal to one rank, each move runs exactly once per
 layer, and the Qwen3 reference under CP (several uneven sequences) matches one rank in float32.
 """
