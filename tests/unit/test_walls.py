@@ -118,8 +118,7 @@ APP = Path(__file__).resolve().parents[2] / "plugins" / "app" / "layer_boundary_
 
 # The faces the application may use: it is written as an engine (and, for its benchmarks of
 # providers, a vendor) would write against the core.
-FACES = {"layer_boundary", "layer_boundary.plugin_api", "layer_boundary.testing", "layer_boundary.residual.batch",
-         "layer_boundary._cli", "layer_boundary._cli.commands"}
+FACES = {"layer_boundary", "layer_boundary.plugin_api", "layer_boundary.testing", "layer_boundary.residual.batch"}
 # The one exception: the finalize benchmark times the core's symmetric-memory kernel itself, below
 # the provider that serves it (a GPU-only benchmark; going through the provider needs a GPU run).
 APP_EXCEPTIONS = {("bench/finalize.py", "layer_boundary._fusion.symm_mem")}
@@ -159,6 +158,16 @@ def app_violations(root: Path = APP) -> list[str]:
 def test_the_application_imports_only_the_faces():
     assert len(list(APP.rglob("*.py"))) > 20
     assert app_violations() == []
+
+
+# Every distribution under plugins/ (the vendors' and the application) is held to the same wall.
+DISTRIBUTIONS = sorted(p for p in APP.parents[1].glob("*/layer_boundary_*") if (p / "__init__.py").is_file())
+
+
+@pytest.mark.parametrize("package", DISTRIBUTIONS, ids=lambda p: p.parent.name)
+def test_every_distribution_imports_only_the_faces(package):
+    assert len(DISTRIBUTIONS) == 5
+    assert app_violations(package) == []
 
 
 def test_a_private_import_planted_in_the_application_is_found(tmp_path):
