@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-CORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
+CORE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "core")
 
 
 def _python310() -> str | None:

@@ -31,7 +31,7 @@ class HostBench:
         parser.add_argument("--iters", type=positive, default=2000, help="timed calls per boundary measurement")
         parser.add_argument("--forward-iters", type=positive, default=200, help="timed decoder forwards per measurement")
         parser.add_argument("--hidden", type=positive, nargs="+", default=[64, 1024],
-                            help="decoder hidden sizes for the forward comparison (4 layers each)")
+                            help="decoder hidden sizes for the forward comparison (8 layers each)")
         cpus = usable_cpus()
         # Far more threads than CPUs crashed torch (a segfault at 100000), and past the CPU count the
         # figures measure contention, not the boundaries.
