@@ -92,6 +92,12 @@ class StagePlan:
     # Why a variant the topology has gets no path at this stage (see layer_boundary._variants).
     refusals: Mapping[BatchVariant, str] = field(default_factory=dict)
 
+    # Whether the read returns (input, residual, update) rather than (input, residual): a fact of
+    # the read's kind, decided once rather than looked up on every prepare().
+    @functools.cached_property
+    def read_makes_update(self) -> bool:
+        return bool(getattr(self.read, "makes_update", False))
+
     # The providers' output decisions, bound once: an exit asks them per batch, and a provider
     # that lacks one must not cost an attribute miss on every forward.
     @functools.cached_property

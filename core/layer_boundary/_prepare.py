@@ -7,7 +7,7 @@ is its ``BatchRows`` (see ``batch_rows``), bound to the stage's plan at construc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 
@@ -137,7 +137,13 @@ def run_entry(
         value = complete(c)
         if was_handoff and stream.residual is not None and c.update.plain_add:
             check_shape("the finalized layer output", value, stream.residual)
-    x, residual, upd = update_read(read, c.update, value, residual)
+    # Inlined (not update_read): this runs once per stage per forward, and the helper's call is
+    # a measurable share of the boundary's host cost.
+    out = read.update_and_read(c.update, value, residual)
+    if plan.read_makes_update:  # the read's protocol types only the two-value form
+        x, residual, upd = cast("tuple[Any, Any, Any]", out)
+    else:
+        x, residual, upd = out[0], out[1], None
     if capture is not None:
         capture(residual, owned=entry.capture_owned)
     stream.residual = residual  # written
