@@ -35,7 +35,7 @@ Shapes on a rank of ``R`` (``T`` tokens, ``H`` hidden, ``E`` experts, ``k`` expe
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +177,7 @@ class SparseMoeBlock(nn.Module):
         if torch.compiler.is_compiling():
             if act is None:
                 raise TypeError(
-                    f"the experts' activation {self.experts[0].act!r} has no name in "
+                    f"the experts' activation {self._expert_list[0].act!r} has no name in "
                     "moe_experts.ACTIVATIONS, so the compiled forward's expert operator cannot carry "
                     "it: register it there under a name")
             return experts_op(x, ids, self._gate_up, self._down, act, self.top_k), weights, ids
@@ -190,17 +190,21 @@ class SparseMoeBlock(nn.Module):
         return run_experts(x, ids, self._gate_up, self._down, act, self.top_k), weights, ids
 
     @property
+    def _expert_list(self) -> list[ExpertMLP]:
+        return [cast(ExpertMLP, e) for e in self.experts]
+
+    @property
     def _act_name(self) -> Optional[str]:
-        act = self.experts[0].act
+        act = self._expert_list[0].act
         return next((n for n, f in ACTIVATIONS.items() if f is act), None)
 
     @property
     def _gate_up(self) -> list[torch.Tensor]:
-        return [e.gate_up_proj.weight for e in self.experts]
+        return [e.gate_up_proj.weight for e in self._expert_list]
 
     @property
     def _down(self) -> list[torch.Tensor]:
-        return [e.down_proj.weight for e in self.experts]
+        return [e.down_proj.weight for e in self._expert_list]
 
     def shared(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         if self.shared_expert is None:
