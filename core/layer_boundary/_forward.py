@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import operator
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
@@ -131,17 +132,21 @@ _VARIANT_FLAG = {
 _FLAGGED = tuple((_VARIANT_FLAG[v], v) for v in VARIANT_PRIORITY if v is not BatchVariant.ORDINARY)
 
 
-class ForwardFlags:
+class ForwardFlags(threading.local):
     """Flags an exit scope publishes for compute (reference layers read them).
 
     ``fuse_mlp_allreduce``: skip the output all-reduce; the next input completes it.
     ``mlp_reduce_scatter``: skip the output all-reduce; the boundary reduce-scatters.
     ``defer_moe_finalize``: a MoE may return a ``HandoffOutput`` instead of finalizing.
+
+    Per thread: each thread sees only the scopes it opened, so two models forwarded in two
+    threads never read each other's flags (a shared object let one thread's compute skip or
+    double a reduction another thread's scope decided). ``threading.local``, not a ContextVar:
+    torch.compile traces a thread-local's attributes under ``fullgraph=True`` and breaks the
+    graph on ``ContextVar.get()``. No ``__slots__``: a thread-local's slots would be shared.
     """
 
-    __slots__ = ("fuse_mlp_allreduce", "mlp_reduce_scatter", "defer_moe_finalize", "open_scopes")
-
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # runs once in each thread that touches the flags
         self.fuse_mlp_allreduce = False
         self.mlp_reduce_scatter = False
         self.defer_moe_finalize = False
