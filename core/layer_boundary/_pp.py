@@ -131,7 +131,9 @@ def from_pp(plan: StagePlan, entry_of: Callable[[Any, Any], EntryPath],
             "from_pp() takes the tensor dict residual_batch.to_pp() produced on the previous "
             f"pipeline stage (with its {PP_META!r} entry)"
         )
-    meta = [int(v) for v in meta_t.tolist()]
+    # The header as sent (a tensor), or already read to ints: a receiving stage compiled with
+    # torch.compile reads it before the graph, which cannot hold a value-dependent branch.
+    meta = list(meta_t) if isinstance(meta_t, (tuple, list)) else [int(v) for v in meta_t.tolist()]
     state, n = meta[0], meta[1]
     if state == PP_INITIAL:
         # Nothing read yet upstream: this stage must start the residual (previous=None), and

@@ -236,7 +236,12 @@ class AllReduceNormProvider:
         """
         if not self.defer_sums:
             return False
-        ok = self._deferrable.get(plan)  # the rows the fusing workspace holds; 0: none fuses
+        if torch.compiler.is_compiling():
+            # Traced, the answer is worked out once at trace time (Dynamo cannot read a
+            # WeakKeyDictionary); eager forwards keep the cache.
+            ok = self._serves_output_of(plan)
+        else:
+            ok = self._deferrable.get(plan)  # the rows the fusing workspace holds; 0: none fuses
         if ok is None:
             ok = self._deferrable[plan] = self._serves_output_of(plan)
         return 0 < forward_batch.num_tokens <= ok \

@@ -341,8 +341,35 @@ def compiled(model: Any, backend: str) -> Any:
     """
     cache = model.__dict__.setdefault("_compiled_forwards", {})
     if backend not in cache:
-        cache[backend] = torch.compile(model, fullgraph=True, backend=backend)
+        cache[backend] = (torch.compile(model, fullgraph=True, backend=backend)
+                          if model.topology.pp.size == 1 else _PipelineStage(model, backend))
     return cache[backend]
+
+
+class _PipelineStage:
+    """A pipeline stage's forward with its layer stack compiled and the transfer left eager.
+
+    The receiving stage learns the sent tensors' shapes from a header at run time, which no graph
+    can hold: engines compile the stack between the transfers the same way. The boundaries'
+    ``from_pp`` / ``to_pp`` run inside the compiled stack.
+    """
+
+    def __init__(self, model: Any, backend: str) -> None:
+        self.model = model
+        self.stack = torch.compile(model.model, fullgraph=True, backend=backend)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> Any:
+        from layer_boundary import recv_tensors, send_tensors
+
+        m, pp = self.model, self.model.topology.pp
+        tensors = recv_tensors(pp, device=input_ids.device) if pp.rank > 0 else None
+        if tensors is not None:  # the handoff header as ints: its branches are decided here
+            tensors = {k: (tuple(int(x) for x in v.tolist()) if k == "meta" else v) for k, v in tensors.items()}
+        hidden = self.stack(input_ids, positions, forward_batch, tensors)
+        if pp.rank < pp.size - 1:
+            send_tensors(hidden, pp)
+            return None
+        return m.lm_head(hidden).float()
 
 
 def _cp_batch(ids: torch.Tensor, fb: ForwardBatch, token_index: list[int], topology: Topology,
