@@ -58,11 +58,7 @@ def to_pp(hidden_states: Any, forward_batch: Any) -> dict[str, torch.Tensor]:
         if stream.branches:
             refuse_unmerged(stream, "to_pp()")
         state = stream.state
-        if stream.scatter_rows is not None:
-            raise BoundaryError(
-                "to_pp(): an input-scattered (or sequence-parallel) batch holds a row slice per "
-                "attention-TP rank; these variants are not supported across pipeline stages yet"
-            )
+        stream.rows.check_leaves_pp()
         if state is StreamState.INITIAL:
             if not isinstance(hidden_states, torch.Tensor):
                 raise TypeError(f"to_pp() expects a tensor, got {type(hidden_states).__name__}")

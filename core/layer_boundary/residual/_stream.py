@@ -28,6 +28,7 @@ from .._errors import START_FIRST, BoundaryError, add_note, foreign_output, note
 from .._output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
 from . import StageUpdate
 from ._add_norm import PLAIN_ADD
+from ._rows import WHOLE_ROWS, ResidualRows
 
 __all__ = ["StreamState", "ResidualStream", "Handle", "start", "started_stream"]
 
@@ -43,7 +44,7 @@ class StreamState(enum.Enum):
 class ResidualStream:
     """Residual and pending contribution of one forward (or one microbatch of it)."""
 
-    __slots__ = ("residual", "pending", "handle", "released", "next_update", "dp_rows", "scatter_rows",
+    __slots__ = ("residual", "pending", "handle", "released", "next_update", "dp_rows", "rows",
                  "branches", "borrowed", "__weakref__")
 
     def __init__(self) -> None:
@@ -57,8 +58,9 @@ class ResidualStream:
         self.next_update: Optional[StageUpdate] = None
         # Attention-DP row counts of this batch (built on first use; see dp.dp_rows).
         self.dp_rows: Any = None
-        # Input-scattered row slices of this batch (see scatter.scatter_rows).
-        self.scatter_rows: Any = None
+        # Which rows the residual lives on (see residual._rows): the model's own until the first
+        # prepare() of an input-scattered batch sets that batch's slices (scatter.scatter_rows).
+        self.rows: ResidualRows = WHOLE_ROWS
         # Branch outputs set aside and not merged yet (see adapters.branch).
         self.branches: tuple[Any, ...] = ()
         # True while the residual is (a view of) the stack's input tensor: the model's own, which
@@ -162,7 +164,7 @@ class ResidualStream:
         self.handle = None
         self.next_update = None
         self.dp_rows = None
-        self.scatter_rows = None
+        self.rows = WHOLE_ROWS
         self.branches = ()
         self.released = True
 
