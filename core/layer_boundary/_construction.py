@@ -33,7 +33,7 @@ from ._selection import Candidate, Selection
 from ._variants import report_cp_return, stage_variants
 
 if TYPE_CHECKING:
-    from ._factories import StageDeclaration
+    from ._declarations import StageDeclaration
 
 __all__ = ["EntryPath", "ExitPath", "StagePlan", "build_stage", "output_sum"]
 

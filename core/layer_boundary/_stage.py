@@ -20,7 +20,7 @@ from .residual._stream import Handle, ResidualStream, StreamState, started_strea
 if TYPE_CHECKING:
     from ._construction import EntryPath, ExitPath, StagePlan
     from ._capture import CaptureCallback, CaptureCollector
-    from ._factories import StageDeclaration
+    from ._declarations import StageDeclaration
     from ._layout import BatchVariant
 
 __all__ = ["StageBoundary"]
