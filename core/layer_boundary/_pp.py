@@ -27,7 +27,7 @@ from .residual._access import check_shape
 from .residual._stream import Handle, ResidualStream, StreamState, start, started_stream
 
 if TYPE_CHECKING:
-    from ._construction import EntryPath, StagePlan
+    from ._plan import EntryPath, StagePlan
 
 __all__ = ["to_pp", "from_pp", "PP_META", "PP_INITIAL", "PP_WRITTEN", "PP_PENDING", "pp_sum_groups"]
 

@@ -13,7 +13,7 @@ from .residual._access import complete
 from .residual._stream import Handle, ResidualStream
 
 if TYPE_CHECKING:
-    from ._construction import StagePlan
+    from ._plan import StagePlan
 
 __all__ = ["publish"]
 
