@@ -9,6 +9,10 @@ reduce-scattered after the row-parallel ones.
 partial sum left to the input is reduce-scattered onto it), then gathers its input over attention
 TP (an attention or mixer: ``"group"``) or over TP (an FFN: ``"all"``); an FFN output returns to
 the slice by a reduce-scatter over TP at ``finish()``.
+
+``ScatterRows`` is the batch's row bookkeeping, built by its first prepare() and held by the stream
+as its ``ResidualRows`` (``residual._rows``): the batch helpers, publish, ``to_pp``,
+``capture_output`` and two-batch overlap reach the slice through its methods.
 """
 
 from __future__ import annotations
