@@ -10,21 +10,21 @@ prepare() of an input-scattered batch replaces it with that batch's
 helpers, publish, pipeline handoff, two-batch overlap, ``capture_output``) call the methods and
 never ask which rows they hold.
 
-============================  ===================================  ======================================
+============================  ===================================  ============================================
 method                        whole rows (``WHOLE_ROWS``)          input-scattered (``ScatterRows``)
-============================  ===================================  ======================================
+============================  ===================================  ============================================
 ``complete(c)``               ``complete(c)``                      attention-TP sum reduce-scattered to slice
-``completed_copy(c)``         ``completed_copy(c)``                same, on a copy
+``completed_copy(c)``         ``completed_copy(c)``                the same, on a copy
 ``complete_dynamic_sums``     all-reduce the dynamic sums          ``complete(c)`` (its one sum)
 ``to_model(x)``               identity                             all-gather over attention TP
 ``to_stream(x)``              identity                             this rank's slice (a copy, checked)
 ``cut(x)``                    identity                             this rank's slice of the group's rows
 ``model_copy(x, fresh)``      ``x`` if ``fresh``, else a clone     all-gather (allocates)
-``check_output_shape``        the output's shape is the residual's nothing (outputs sit on the group's rows)
+``check_output_shape``        refuses (the shapes must agree)      nothing (outputs sit on group rows)
 ``check_leaves_pp()``         nothing                              refuses: a slice does not cross stages
 ``fusable_handoff(c)``        the finalize handoff, if fusable     ``None`` (the fused finalize is whole-row)
 ``for_batch(fb)``             itself                               the rows of ``fb`` (a microbatch's)
-============================  ===================================  ======================================
+============================  ===================================  ============================================
 
 ``sliced``: the residual holds a slice of the model's rows (no row range of it is a microbatch's).
 """
