@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .allreduce_norm import AllReduceNormProvider, FusedRun, FusedSum
 
-__all__ = ["SymmMemAllReduceNorm", "SymmWorkspace", "make_symm_workspace", "launch", "symm_mem_launch"]
+__all__ = ["SymmMemAllReduceNorm", "SymmWorkspace", "make_symm_workspace", "launch"]
 
 
 @dataclass(eq=False)
@@ -151,7 +151,3 @@ def launch(ws: SymmWorkspace, x: torch.Tensor, residual: torch.Tensor, weight: t
         RANK=ws.rank, WORLD=ws.world, BLOCK=block, TOPK=topk, HAS_SHARED=shared is not None,
         num_warps=_num_warps(block),
     )
-
-
-# The vendor SDK's name for it (``plugin_api.symm_mem_launch``): plain ``launch`` says nothing there.
-symm_mem_launch = launch
