@@ -74,6 +74,13 @@ class ForwardBatch:
         # numpy integers too; not a bool, nor a tensor (reading one would wait for the device). A
         # tensor exists only once torch is imported, and this module does not import it.
         torch = sys.modules.get("torch")
+        if torch is not None and torch.compiler.is_compiling():
+            # Under torch.compile the count may be a traced symbol (a dynamic token dimension):
+            # operator.index would specialize it to this call's value and recompile per size;
+            # a comparison only guards.
+            if isinstance(self.num_tokens, bool) or self.num_tokens < 0:
+                raise ValueError(f"ForwardBatch.num_tokens={self.num_tokens!r} must be a non-negative int")
+            return
         tensor = torch is not None and isinstance(self.num_tokens, torch.Tensor)
         try:
             count = -1 if tensor or isinstance(self.num_tokens, bool) else operator.index(self.num_tokens)

@@ -164,7 +164,8 @@ _TENSOR_USE = (
 class OwedOutput:
     """Opaque model-facing handle on an unfinished output. It refuses every tensor use."""
 
-    __slots__ = ("_stream", "_owed", "__weakref__")
+    # No __slots__: Dynamo reads the attributes of an object made inside a traced forward from its
+    # __dict__; a slot it cannot see sends it into __getattr__, which refuses, recursively.
 
     def __init__(self, stream: Any, owed: tuple[Owed, ...]) -> None:
         self._stream = stream

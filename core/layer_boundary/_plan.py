@@ -9,7 +9,6 @@ engine can name them, and ``construction`` builds them.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
@@ -131,21 +130,26 @@ class StagePlan:
     # Why a variant the topology has gets no path at this stage (see layer_boundary._variants).
     refusals: Mapping[BatchVariant, str] = field(default_factory=dict)
 
-    # Whether the read returns (input, residual, update) rather than (input, residual): a fact of
-    # the read's kind, decided once rather than looked up on every prepare().
-    @functools.cached_property
-    def read_makes_update(self) -> bool:
-        return bool(getattr(self.read, "makes_update", False))
-
+    # Facts derived from the fields above, fixed here rather than looked up on every forward.
+    # Plain attributes, not functools.cached_property: its lock is an RLock, which Dynamo cannot
+    # enter, so the first compiled forward would break the graph there.
+    # Whether the read returns (input, residual, update) rather than (input, residual).
+    read_makes_update: bool = field(init=False)
     # The providers' output decisions, bound once: an exit asks them per batch, and a provider
     # that lacks one must not cost an attribute miss on every forward.
-    @functools.cached_property
-    def finalize_askers(self) -> tuple[Any, ...]:
-        return tuple(f for p in self.fusions if (f := getattr(p, "can_defer_finalize", None)) is not None)
+    finalize_askers: tuple[Any, ...] = field(init=False)
+    sum_askers: tuple[Any, ...] = field(init=False)
+    # Built in a prepared_from chain (set once, by the branch adapter's construction): it may
+    # read the residual while another branch's output is set aside.
+    branch_member: bool = field(init=False, default=False)
 
-    @functools.cached_property
-    def sum_askers(self) -> tuple[Any, ...]:
-        return tuple(f for p in self.fusions if (f := getattr(p, "can_defer_all_reduce", None)) is not None)
+    def __post_init__(self) -> None:
+        fix = object.__setattr__  # frozen: these are set once, here
+        fix(self, "read_makes_update", bool(getattr(self.read, "makes_update", False)))
+        fix(self, "finalize_askers", tuple(
+            f for p in self.fusions if (f := getattr(p, "can_defer_finalize", None)) is not None))
+        fix(self, "sum_askers", tuple(
+            f for p in self.fusions if (f := getattr(p, "can_defer_all_reduce", None)) is not None))
 
     @property
     def variants(self) -> tuple[BatchVariant, ...]:

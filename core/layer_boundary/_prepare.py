@@ -81,6 +81,10 @@ def enter_read(read: Any, hidden: torch.Tensor) -> tuple[Any, Any, Any]:
 
 def aliases(residual: Any, hidden: Any) -> bool:
     """Whether the residual an entry made is (a view of) the model's input tensor."""
+    if torch.compiler.is_compiling():
+        # A traced graph cannot read storage pointers; assuming an alias only makes the stream
+        # copy before its first in-place write, which gives the same numbers.
+        return isinstance(residual, torch.Tensor)
     return (isinstance(residual, torch.Tensor) and isinstance(hidden, torch.Tensor)
             and residual.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr())
 

@@ -43,7 +43,6 @@ error. Updates are plain adds (two contributions meet by addition).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -62,10 +61,6 @@ from .._rows import move_input
 
 __all__ = ["BranchOutput", "branch_input", "branch_output", "merge_branch", "bind_branch",
            "is_branch_stage"]
-
-# Plans of the stages built in a prepared_from chain: they may read the residual while another
-# branch's output is set aside. Weak, so a dropped model frees its plans.
-_MEMBERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 _BRANCH_ROWS = "a branch moves ordinary token rows only; this variant has no branch path"
 
@@ -121,12 +116,13 @@ def bind_branch(boundaries: Sequence[Any], source: Any, context: Any) -> None:
             context.report.add(Selection(plan.name, variant.name, "branch transport",
                                          "prepared_from", None,
                                          (Candidate("branch rows", "core", _BRANCH_ROWS),)))
-        _MEMBERS.add(plan)
+        # A flag on the plan, not a registry: a traced forward reads it as a constant.
+        object.__setattr__(plan, "branch_member", True)
 
 
 def is_branch_stage(boundary: Any) -> bool:
     """Whether ``boundary`` was built in a ``prepared_from`` chain."""
-    return boundary.plan in _MEMBERS
+    return bool(boundary.plan.branch_member)
 
 
 # -- forward --------------------------------------------------------------------------------
@@ -301,5 +297,5 @@ def refuse_unmerged(stream: ResidualStream, where: str) -> None:
 
 def check_entry(boundary: Any, stream: ResidualStream) -> None:
     """``prepare()`` while a branch output is set aside: only the branch's own stages read."""
-    if boundary.plan not in _MEMBERS:
+    if not boundary.plan.branch_member:
         refuse_unmerged(stream, f"{boundary.plan.name} stage prepare()")

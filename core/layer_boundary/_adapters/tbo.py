@@ -466,25 +466,28 @@ def merge_streams(handles: Sequence[Handle], children: Sequence[Any], forward_ba
 Stages = Generator[Any, None, Handle]
 
 
-def interleave(stages: Sequence[Stages], trace: Optional[list] = None) -> list[Handle]:
+def interleave(stages: Sequence[Stages], trace: Optional[list] = None,
+               at: Optional[Sequence[list[Any]]] = None) -> list[Handle]:
     """Run the generators in turn, one stage each per round, until all return; their results.
 
     Every rank runs the same order, so the collectives inside the stages pair up across ranks.
-    ``trace`` receives ``(index, label)`` for each stage run. A stage that yields with an
+    ``trace`` receives ``(index, label)`` for each stage run (``(index, (at[index][0], label))``
+    with ``at``, the runs' current layers). A stage that yields with an
     ``exit()`` scope still open (its flags still published) is refused: the other microbatch's
     compute would run under them.
     """
     flags = get_forward()
     results: list[Any] = [None] * len(stages)
+    # A run ends through next()'s default and hands its result over through _collect: a traced
+    # forward (torch.compile) cannot read StopIteration.value.
+    runs = [_collect(g, results, m) for m, g in enumerate(stages)]
     live = list(range(len(stages)))
     try:
         while live:
             for m in list(live):
                 before = flags.snapshot(), flags.open_scopes
-                try:
-                    label = next(stages[m])
-                except StopIteration as stop:
-                    results[m] = stop.value
+                label = next(runs[m], _DONE)
+                if label is _DONE:
                     live.remove(m)
                     continue
                 if (flags.snapshot(), flags.open_scopes) != before:
@@ -495,21 +498,32 @@ def interleave(stages: Sequence[Stages], trace: Optional[list] = None) -> list[H
                         "(no scope, then boundary.postprocess())"
                     )
                 if trace is not None:
-                    trace.append((m, label))
+                    trace.append((m, label) if at is None else (m, (at[m][0], label)))
     finally:
         for g in stages:
             g.close()
     return results
 
 
-def _layer_run(layers: Iterable[tuple[int, Any]], positions: Any, hidden: Any, fb: Any) -> Stages:
+_DONE = object()  # the end of a run, as next()'s default
+
+
+def _collect(run: Stages, results: list[Any], m: int) -> Generator[Any, None, None]:
+    results[m] = yield from run
+
+
+def _layer_run(layers: Iterable[tuple[int, Any]], positions: Any, hidden: Any, fb: Any,
+               at: list[Any]) -> Stages:
+    """The layers' stages in order; ``at[0]`` is the index of the layer whose stage ran last."""
+    traced = torch.compiler.is_compiling()
     for i, layer in layers:
-        stages = layer.forward_stages(positions, hidden, fb)
-        try:
-            while True:
-                yield (i, next(stages))
-        except StopIteration as stop:
-            hidden = stop.value
+        at[0] = i
+        hidden = yield from layer.forward_stages(positions, hidden, fb)
+        if traced:
+            # Traced, a generator's return value is lost (torch 2.13's Dynamo gives None for
+            # `yield from` and cannot read StopIteration.value). A layer's result is the handle
+            # its last boundary call left on the stream: the next prepare() refuses anything else.
+            hidden = fb.residual_stream.handle
     return hidden
 
 
@@ -535,10 +549,13 @@ def model_forward_stages(layers: LayerStack, positions: torch.Tensor, hidden_sta
             j += 1
         children = split_batch(forward_batch, split, positions)
         parts = split_stream(hidden_states, forward_batch, children)
-        runs = [_layer_run([(k, layers[k]) for k in range(i, j)], child.positions, part, child)
-                for child, part in zip(children, parts)]
+        at: list[list[Any]] = [[None] for _ in children]
+        runs = [_layer_run([(k, layers[k]) for k in range(i, j)], child.positions, part, child, where)
+                for child, part, where in zip(children, parts, at)]
         trace: Optional[list] = None if split.trace is None else []
-        outs = interleave(runs, trace)
+        outs = interleave(runs, trace, at)
+        if torch.compiler.is_compiling():  # the runs' results are lost when traced: see _layer_run
+            outs = [child.residual_stream.handle for child in children]
         if trace is not None:
             split.trace.extend((m, layer, label) for m, (layer, label) in trace)  # type: ignore[union-attr]
         hidden_states = merge_streams(outs, children, forward_batch)

@@ -35,7 +35,7 @@ Shapes on a rank of ``R`` (``T`` tokens, ``H`` hidden, ``E`` experts, ``k`` expe
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ from layer_boundary import get_forward, GroupInfo, HandoffOutput
 from layer_boundary.plugin_api import moe_finalize
 
 from .comm import all_reduce
+from .moe_experts import ACTIVATIONS, experts_op, run_experts, silu_and_mul
 from .layers import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader, set_weight_loader
 
 __all__ = [
@@ -59,9 +60,6 @@ __all__ = [
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``: the SwiGLU activation of Qwen experts."""
-    return F.silu(gate) * up
 
 
 class ExpertMLP(nn.Module):
@@ -175,15 +173,38 @@ class SparseMoeBlock(nn.Module):
     def routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(expert_out [T, k, H] partial, topk_weights [T, k], topk_ids [T, k])``."""
         weights, ids = self.gate(x)
-        out = x.new_zeros(x.shape[0], self.top_k, x.shape[-1])
-        if x.shape[0] == 0:
+        act = self._act_name
+        if torch.compiler.is_compiling():
+            if act is None:
+                raise TypeError(
+                    f"the experts' activation {self._expert_list[0].act!r} has no name in "
+                    "moe_experts.ACTIVATIONS, so the compiled forward's expert operator cannot carry "
+                    "it: register it there under a name")
+            return experts_op(x, ids, self._gate_up, self._down, act, self.top_k), weights, ids
+        if act is None:  # an activation the operator cannot name still runs eagerly
+            out = x.new_zeros(x.shape[0], self.top_k, x.shape[-1])
+            for e in (torch.unique(ids).tolist() if x.shape[0] else ()):
+                tokens, slots = torch.where(ids == e)
+                out[tokens, slots] = self.experts[e](x[tokens])
             return out, weights, ids
-        # Only the experts some token chose run, each on exactly its tokens (a host sync per
-        # layer: this is a reference, not a grouped-GEMM kernel).
-        for e in torch.unique(ids).tolist():
-            tokens, slots = torch.where(ids == e)
-            out[tokens, slots] = self.experts[e](x[tokens])
-        return out, weights, ids
+        return run_experts(x, ids, self._gate_up, self._down, act, self.top_k), weights, ids
+
+    @property
+    def _expert_list(self) -> list[ExpertMLP]:
+        return [cast(ExpertMLP, e) for e in self.experts]
+
+    @property
+    def _act_name(self) -> Optional[str]:
+        act = self._expert_list[0].act
+        return next((n for n, f in ACTIVATIONS.items() if f is act), None)
+
+    @property
+    def _gate_up(self) -> list[torch.Tensor]:
+        return [e.gate_up_proj.weight for e in self._expert_list]
+
+    @property
+    def _down(self) -> list[torch.Tensor]:
+        return [e.down_proj.weight for e in self._expert_list]
 
     def shared(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         if self.shared_expert is None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # imported where used: building a model loads the model modul
     from .qwen3 import Qwen3ForCausalLM
 
 __all__ = ["RunSpec", "assign_sequences", "build_model", "model_class", "describe_model", "rank_forward",
-           "single_rank_logits", "tbo_split", "DTYPES"]
+           "single_rank_logits", "tbo_split", "compiled", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -62,6 +62,9 @@ class RunSpec:
     # The embedded random LongCat-style model (models/longcat.py): a MoE branch beside a dense
     # FFN -> attention -> FFN branch in every layer (see adapters/branch.py).
     longcat: bool = False
+    # Run the forward under torch.compile(fullgraph=True) with this backend ("inductor",
+    # "aot_eager", ...): a graph break is an error, not a silent fallback to eager.
+    compile: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.longcat:
@@ -315,17 +318,31 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
         ids, fb, token_index = _cp_batch(ids, fb, token_index, topo, device)
     if spec.tbo:
         fb.tbo_split = tbo_split(spec, topo.attn_dp.rank)
+    forward = compiled(model, spec.compile) if spec.compile else model
     with torch.inference_mode():
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        logits = model(ids, fb.positions, fb)
+        logits = forward(ids, fb.positions, fb)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     if logits is None:  # a pipeline stage before the last: its output went on to the next stage
         return [], torch.zeros(0, model.config.vocab_size), seconds
     return token_index, logits.cpu(), seconds
+
+
+def compiled(model: Any, backend: str) -> Any:
+    """``model`` under ``torch.compile(fullgraph=True)``, compiled once per model and backend.
+
+    The token dimension is left to torch's automatic dynamic shapes: the first size compiles
+    statically, the second recompiles once with the dimension symbolic, and every later size
+    (other than 0 and 1, which torch specializes) reuses that graph.
+    """
+    cache = model.__dict__.setdefault("_compiled_forwards", {})
+    if backend not in cache:
+        cache[backend] = torch.compile(model, fullgraph=True, backend=backend)
+    return cache[backend]
 
 
 def _cp_batch(ids: torch.Tensor, fb: ForwardBatch, token_index: list[int], topology: Topology,
