@@ -13,7 +13,7 @@ import torch
 import triton
 
 from layer_boundary_app.bench.timing import TimingPlan, time_call
-from layer_boundary_mhc import MhcKernelConfig, bench, cluster_ops
+from layer_boundary_mhc import MhcKernelConfig, bench, triton_ops
 from layer_boundary_mhc.finish import sinkhorn_kernel
 
 
@@ -26,11 +26,11 @@ def main() -> None:
     for t in (8192, 32768):
         i = bench._inputs(t, 4, 4096, torch.bfloat16, "cuda")
         outs = [torch.empty_like(g) for g in
-                cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
+                triton_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
                                                     config=config)]
 
         def call(i=i, outs=outs):
-            return cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
+            return triton_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
                                                        streams_out=outs[0], out=outs[1], h_post_out=outs[2],
                                                        h_res_out=outs[3], config=config)
 

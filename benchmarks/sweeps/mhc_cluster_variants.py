@@ -34,19 +34,19 @@ def measure(t: int, hidden: int, copy_gbps: float, triton_too: bool, config: Mhc
     i = bench._inputs(t, N, hidden, torch.bfloat16, "cuda")
     shape = cluster_ops._variant(t, N, hidden, True, 20, config)
     persistent = shape.persistent
-    got = cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
+    got = triton_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
                                               config=config)
     devs = accuracy.compare("update+read", got, i.x, y=i.y, h_post=i.h_post, h_res=i.h_res, params=i.params,
                             norm_weight=i.w, norm_eps=bench.EPS)
     ok = all(d.ok for d in devs)
     outs = [torch.empty_like(g) for g in got]
-    us = _time(lambda: cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
+    us = _time(lambda: triton_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
                                                            streams_out=outs[0], out=outs[1], h_post_out=outs[2],
                                                            h_res_out=outs[3], config=config))
     roof = bench.bytes_moved("update+read", t, N, hidden, 2) / (copy_gbps * 1e3)
     eager = ""
     if eager_too:  # launched back to back without a graph: what a graph replay changes
-        ea = time_eager(lambda: cluster_ops.mhc_update_read_cluster(
+        ea = time_eager(lambda: triton_ops.mhc_update_read_cluster(
             i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS, streams_out=outs[0], out=outs[1],
             h_post_out=outs[2], h_res_out=outs[3], config=config), "cuda", TimingPlan(replays=20, max_calls=50)).median_us
         eager = f" eager {ea:7.1f}"
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
                     try:
                         if args.once:
                             i = bench._inputs(t, N, h, torch.bfloat16, "cuda")
-                            cluster_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
+                            triton_ops.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, bench.EPS,
                                                                 config=config)
                             torch.cuda.synchronize()
                             continue

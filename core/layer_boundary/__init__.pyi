@@ -5,9 +5,9 @@ This stub is the one export list of ``layer_boundary``: ``__init__.py`` reads it
 """
 
 # Declaring stages
-from ._factories import StageDeclaration as StageDeclaration
-from ._factories import declare_attn as declare_attn
-from ._factories import declare_ffn as declare_ffn
+from ._declarations import StageDeclaration as StageDeclaration
+from ._declarations import declare_attn as declare_attn
+from ._declarations import declare_ffn as declare_ffn
 from ._factories import make_attn_stage as make_attn_stage
 from ._factories import make_ffn_stage as make_ffn_stage
 from ._factories import make_stages as make_stages

@@ -1,4 +1,5 @@
-"""``BatchRows``: the one interface through which a batch variant moves a stage's rows.
+"""``BatchRows``: the one interface through which a batch variant moves a stage's rows (declared
+in ``layer_boundary._plan`` with the paths that bind it), and the ordinary variant's ``OrdinaryRows``.
 
 Each variant's row movement lives in one class, bound to each stage's plan at construction
 (``EntryPath.rows`` and ``ExitPath.rows`` hold the same object); a forward calls its methods and
@@ -19,68 +20,16 @@ residual lives on, the way ``give_back`` does for a partial one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from ._plan import BatchRows, Capture
 from ._prepare import run_entry
 from ._rows import check_counts_agree
-from .residual._stream import ResidualStream
 
 if TYPE_CHECKING:
-    from ._construction import EntryPath, StagePlan
+    from ._plan import StagePlan
 
-__all__ = ["BatchRows", "OrdinaryRows"]
-
-Capture = Callable[..., Any]
-
-
-class BatchRows:
-    """How one batch variant moves one stage's rows (the base is the ordinary variant's no-move).
-
-    Facts a caller may read (fixed at construction):
-
-    ``output_return``: how an FFN output returns at ``finish()`` (``"ar"``, ``"rs"``, ``"rsv"``
-    under attention DP, ``"scatter"``, ``"cp"``), ``None`` when it stays where compute left it.
-    ``reduce_scatters``: that return sums the output itself (compute skips its all-reduce).
-    ``every_group_input``: the compute input holds every DP group's rows (``"all"``).
-    ``sliced_residual``: the residual holds this rank's slice of the group's rows.
-    ``token_gather``: the input is gathered to every token of the CP group.
-    """
-
-    __slots__ = ()
-
-    output_return: Optional[str] = None
-    reduce_scatters = False
-    every_group_input = False
-    sliced_residual = False
-    token_gather = False
-    # A label of the input move for reports and tests ("join" / "read_first" under attention
-    # DP, "group" / "all" input-scattered, "local" / "gather" CP), None for none.
-    input_move: Optional[str] = None
-
-    def enter(self, plan: StagePlan, entry: EntryPath, stream: ResidualStream, hidden: Any,
-              capture: Optional[Capture], collector: Any, forward_batch: Any) -> Any:
-        """The stage's compute input; leaves the stream written with the updated residual."""
-        raise NotImplementedError
-
-    def check_stack_rows(self, plan: StagePlan, forward_batch: Any) -> None:
-        """At the stack entry, before the first read: check what this variant needs of the
-        batch's rows across ranks (nothing by default)."""
-
-    def give_back(self, plan: StagePlan, stream: ResidualStream, forward_batch: Any,
-                  value: torch.Tensor) -> torch.Tensor:
-        """An FFN output (partial over its sum group where ``reduce_scatters``) on the rows the
-        residual lives on, complete. Called only where ``output_return`` is set."""
-        raise AssertionError(f"{type(self).__name__} returns no output rows")
-
-    def postprocess(self, plan: StagePlan, stream: ResidualStream, forward_batch: Any,
-                    value: torch.Tensor) -> torch.Tensor:
-        """A fully reduced output on the rows the residual lives on."""
-        return value
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+__all__ = ["BatchRows", "Capture", "OrdinaryRows"]
 
 
 class OrdinaryRows(BatchRows):

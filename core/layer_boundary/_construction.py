@@ -5,22 +5,21 @@ the active variant. Each path holds the variant's row movement as one bound ``Ba
 (``batch_rows``: ordinary, ``dp``: attention DP, ``scatter``: input-scattered and sequence
 parallel, ``cp``: context parallel), so a forward never asks which variant it is in again.
 
-Module order (no cycle, tests/unit/test_import_graph.py): ``prepare`` (the read on this rank's rows,
-with ``edges``) < ``batch_rows`` < ``dp``, ``scatter``, ``cp`` < ``construction`` < ``pp`` <
-``stage`` (with ``publish`` and ``exit``) < ``factories``.
+Module order (no cycle, type-only imports included: tests/unit/test_import_graph.py): ``plan`` (the
+types built here) and ``declarations`` < ``prepare`` (the read on this rank's rows, with ``edges``)
+< ``batch_rows`` < ``dp``, ``scatter``, ``cp`` < ``construction`` < ``pp`` < ``stage`` (with
+``publish`` and ``exit``) < ``factories``.
 """
 
 from __future__ import annotations
 
-
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from dataclasses import replace
+from typing import Any, Mapping, Optional
 
 from torch import nn
 
 from ._contracts import Owed, OwedKind, ProducerReduction, StageKind
 from ._layout import BatchVariant, SumGroup
-from .residual import StageRead, StageUpdate
 from ._topology import Topology
 from ._batch_rows import BatchRows, OrdinaryRows
 from ._cp import CpRows
@@ -30,102 +29,9 @@ from ._reduction import refusals, return_paths
 from ._scatter import ScatteredRows
 from ._selection import Candidate, Selection
 from ._variants import report_cp_return, stage_variants
-
-if TYPE_CHECKING:
-    from ._factories import StageDeclaration
+from ._plan import EntryPath, ExitPath, StagePlan
 
 __all__ = ["EntryPath", "ExitPath", "StagePlan", "build_stage", "output_sum"]
-
-
-@dataclass(frozen=True, slots=True)
-class EntryPath:
-    """How a stage's input is prepared in one batch variant.
-
-    ``accepts``: the owed work the incoming edge was built to complete (checked before any
-    collective runs). ``expected_update``: the producer update the edge was built for.
-    ``capture_owned``: the following local stage certifies it leaves the captured residual
-    untouched, so a capture of it is owned.
-    """
-
-    variant: BatchVariant
-    accepts: frozenset[tuple[OwedKind, Optional[SumGroup]]]
-    expected_update: Optional[str]
-    capture_owned: bool
-    # This variant's row movement for this stage (see batch_rows): the entry runs rows.enter().
-    rows: BatchRows
-    candidates: tuple[Any, ...] = ()  # consumer fusion candidates, tried in order
-
-
-@dataclass(frozen=True, slots=True)
-class ExitPath:
-    """How a stage's output is handed on in one batch variant.
-
-    ``static_owed``: the sum a PARTIAL producer always leaves. ``skip_owed``: what a skipped
-    output sum leaves when the exit decides to defer it. ``may_defer_sum`` and
-    ``may_defer_finalize`` are construction-time permissions; the exit decides per batch.
-    """
-
-    variant: BatchVariant
-    static_owed: tuple[Owed, ...]
-    skip_owed: Optional[Owed]
-    may_defer_sum: bool
-    always_defer_sum: bool
-    may_defer_finalize: bool
-    # The stage's row movement in this variant (the entry's): an FFN output that returns to the
-    # residual's rows at finish() (rows.output_return) goes through rows.give_back().
-    rows: BatchRows
-
-
-@dataclass(frozen=True, eq=False)
-class StagePlan:
-    name: str
-    declaration: StageDeclaration  # with its source fields resolved
-    following: Optional[StageDeclaration]
-    topology: Topology
-    read: StageRead
-    update: StageUpdate
-    fusions: tuple[Any, ...]
-    options: Mapping[str, Any]
-    entries: Mapping[BatchVariant, EntryPath] = field(default_factory=dict)
-    exits: Mapping[BatchVariant, ExitPath] = field(default_factory=dict)
-    # Why a variant the topology has gets no path at this stage (see layer_boundary._variants).
-    refusals: Mapping[BatchVariant, str] = field(default_factory=dict)
-
-    # Facts derived from the fields above, fixed here rather than looked up on every forward.
-    # Plain attributes, not functools.cached_property: its lock is an RLock, which Dynamo cannot
-    # enter, so the first compiled forward would break the graph there.
-    # Whether the read returns (input, residual, update) rather than (input, residual).
-    read_makes_update: bool = field(init=False)
-    # The providers' output decisions, bound once: an exit asks them per batch, and a provider
-    # that lacks one must not cost an attribute miss on every forward.
-    finalize_askers: tuple[Any, ...] = field(init=False)
-    sum_askers: tuple[Any, ...] = field(init=False)
-    # Built in a prepared_from chain (set once, by the branch adapter's construction): it may
-    # read the residual while another branch's output is set aside.
-    branch_member: bool = field(init=False, default=False)
-
-    def __post_init__(self) -> None:
-        fix = object.__setattr__  # frozen: these are set once, here
-        fix(self, "read_makes_update", bool(getattr(self.read, "makes_update", False)))
-        fix(self, "finalize_askers", tuple(
-            f for p in self.fusions if (f := getattr(p, "can_defer_finalize", None)) is not None))
-        fix(self, "sum_askers", tuple(
-            f for p in self.fusions if (f := getattr(p, "can_defer_all_reduce", None)) is not None))
-
-    @property
-    def variants(self) -> tuple[BatchVariant, ...]:
-        return tuple(self.entries)
-
-    def describe(self) -> str:
-        d = self.declaration
-        prev = d.previous.describe() if d.previous is not None else "stack entry"
-        src = (f"prepared_from={d.prepared_from.describe()}" if d.prepared_from is not None
-               else f"previous={prev}")
-        nxt = "terminal" if d.terminal else (self.following.describe() if self.following else "next layer")
-        return (
-            f"{self.name.split(' #')[0]}: {d.describe()} read={self.read.name} update={self.update.name} "
-            f"{src} following={nxt} variants={[v.name for v in self.variants]}"
-        )
 
 
 def output_sum(decl: Any, topology: Topology) -> Optional[Owed]:

@@ -24,7 +24,7 @@ from ._topology import Topology
 if TYPE_CHECKING:
     import torch.distributed
 
-    from ._factories import StageDeclaration
+    from ._declarations import StageDeclaration
     from ._plugins.registry import PluginRegistry
 
 __all__ = ["BoundaryContext", "BuiltStage"]

@@ -45,7 +45,7 @@ from ._rows import check_counts_agree, check_rows, move_input
 from ._topology import Topology
 
 if TYPE_CHECKING:
-    from ._construction import EntryPath, StagePlan
+    from ._plan import EntryPath, StagePlan
 
 __all__ = ["DpRows", "AttentionDpRows", "dp_rows"]
 

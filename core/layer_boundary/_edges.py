@@ -10,7 +10,7 @@ from ._errors import BoundaryError
 from ._output import Contribution
 
 if TYPE_CHECKING:
-    from ._construction import EntryPath, StagePlan
+    from ._plan import EntryPath, StagePlan
 
 __all__ = ["check_edge"]
 

@@ -27,7 +27,7 @@ from .residual._access import check_shape
 from .residual._stream import Handle, ResidualStream, StreamState, start, started_stream
 
 if TYPE_CHECKING:
-    from ._construction import EntryPath, StagePlan
+    from ._plan import EntryPath, StagePlan
 
 __all__ = ["to_pp", "from_pp", "PP_META", "PP_INITIAL", "PP_WRITTEN", "PP_PENDING", "pp_sum_groups"]
 
@@ -58,11 +58,7 @@ def to_pp(hidden_states: Any, forward_batch: Any) -> dict[str, torch.Tensor]:
         if stream.branches:
             refuse_unmerged(stream, "to_pp()")
         state = stream.state
-        if stream.scatter_rows is not None:
-            raise BoundaryError(
-                "to_pp(): an input-scattered (or sequence-parallel) batch holds a row slice per "
-                "attention-TP rank; these variants are not supported across pipeline stages yet"
-            )
+        stream.rows.check_leaves_pp()
         if state is StreamState.INITIAL:
             if not isinstance(hidden_states, torch.Tensor):
                 raise TypeError(f"to_pp() expects a tensor, got {type(hidden_states).__name__}")

@@ -20,7 +20,7 @@ from .residual._stream import ResidualStream, StreamState
 from ._rows import check_rows
 
 if TYPE_CHECKING:
-    from ._construction import EntryPath, StagePlan
+    from ._plan import EntryPath, StagePlan
 
 __all__ = ["run_entry", "enter_read", "reread", "update_read", "aliases"]
 

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ._construction import StagePlan
+    from ._plan import StagePlan
 
 log = logging.getLogger("layer_boundary")
 

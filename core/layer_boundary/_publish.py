@@ -9,11 +9,11 @@ import torch
 
 from ._errors import BoundaryError
 from ._output import Contribution
-from .residual._access import check_shape, complete
+from .residual._access import complete
 from .residual._stream import Handle, ResidualStream
 
 if TYPE_CHECKING:
-    from ._construction import StagePlan
+    from ._plan import StagePlan
 
 __all__ = ["publish"]
 
@@ -32,10 +32,11 @@ def publish(plan: StagePlan, stream: ResidualStream, value: Any, owed: tuple, *,
         )
     transform = None if transformed else plan.declaration.output_transform
     update = stream.next_update or plan.update
-    # Input-scattered outputs sit on the group's rows while the residual holds a slice.
     if update.plain_add and residual is not None and stream.pending is None and isinstance(value, torch.Tensor):
-        if stream.scatter_rows is None and value.shape != residual.shape:
-            check_shape(f"the {plan.name} output", value, residual)
+        if value.shape != residual.shape:
+            # Whole rows refuse it; input-scattered outputs sit on the group's rows while the
+            # residual holds a slice (the stream's rows decide, off the equal-shape path).
+            stream.rows.check_output_shape(f"the {plan.name} output", value, residual)
         if value.dtype != residual.dtype and (
                 not value.is_floating_point()
                 or torch.promote_types(value.dtype, residual.dtype) != residual.dtype):

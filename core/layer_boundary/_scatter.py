@@ -9,6 +9,10 @@ reduce-scattered after the row-parallel ones.
 partial sum left to the input is reduce-scattered onto it), then gathers its input over attention
 TP (an attention or mixer: ``"group"``) or over TP (an FFN: ``"all"``); an FFN output returns to
 the slice by a reduce-scatter over TP at ``finish()``.
+
+``ScatterRows`` is the batch's row bookkeeping, built by its first prepare() and held by the stream
+as its ``ResidualRows`` (``residual._rows``): the batch helpers, publish, ``to_pp``,
+``capture_output`` and two-batch overlap reach the slice through its methods.
 """
 
 from __future__ import annotations
@@ -19,24 +23,26 @@ import torch
 
 from . import _ops as ops
 from ._batch_rows import BatchRows, Capture
-from ._contracts import OwedKind
+from ._contracts import Owed, OwedKind
 from ._edges import check_edge
 from ._errors import BoundaryError
 from ._layout import SumGroup
 from ._output import Contribution, HandoffOutput
 from ._prepare import aliases, enter_read, reread, update_read
+from .residual._rows import ResidualRows
 from .residual._stream import ResidualStream, StreamState
 from ._rows import check_counts_agree, check_rows, move_input
 from ._topology import Topology
 
 if TYPE_CHECKING:
-    from ._construction import EntryPath, StagePlan
+    from ._plan import EntryPath, StagePlan
 
 __all__ = ["ScatterRows", "ScatteredRows", "scatter_rows", "complete_scattered"]
 
 
-class ScatterRows:
-    """Row bookkeeping of an input-scattered batch (``ATTN_TP_SCATTER``).
+class ScatterRows(ResidualRows):
+    """Row bookkeeping of an input-scattered batch (``ATTN_TP_SCATTER``): the stream's
+    ``ResidualRows`` from the batch's first prepare() on.
 
     Each attention-TP rank holds a slice of its DP group's rows: group ``d`` is padded to
     ``A * S`` rows (``A`` attention-TP ranks, ``S = ceil(max_d T_d / A)``) and attention-TP rank
@@ -54,6 +60,8 @@ class ScatterRows:
     """
 
     __slots__ = ("counts", "offsets", "slice_rows", "topology", "d", "a")
+
+    sliced = True
 
     def __init__(self, counts: Sequence[int], topology: Topology) -> None:
         a = topology.attn_tp.size
@@ -124,11 +132,61 @@ class ScatterRows:
                 padded[d * span : d * span + c] = partial_all[self.offsets[d] : self.offsets[d + 1]]
         return ops.reduce_scatter_rows(padded, self.topology.tp)
 
+    # -- the residual side (``ResidualRows``) ---------------------------------------------------
+
+    def complete(self, c: Contribution) -> torch.Tensor:
+        return complete_scattered(c, self)
+
+    def completed_copy(self, c: Contribution) -> torch.Tensor:
+        assert isinstance(c.value, torch.Tensor), "callers refuse handoffs before copying"
+        return complete_scattered(Contribution(c.value.clone(), c.update, c.owed, c.transform), self)
+
+    def complete_dynamic_sums(self, c: Contribution, dynamic: list[Owed]) -> None:
+        # The sum is a reduce-scatter onto this rank's residual slice.
+        assert len(dynamic) == len(c.owed), "an output owes one sum, static or dynamic"
+        complete_scattered(c, self)
+
+    def to_model(self, value: torch.Tensor) -> torch.Tensor:
+        return self.gather_group(value)
+
+    def to_stream(self, value: torch.Tensor) -> torch.Tensor:
+        if value.shape[0] != self.local:
+            raise ValueError(
+                f"got {value.shape[0]} rows but this input-scattered batch's DP group has {self.local}; "
+                "give one row per token of the group (the rows the layer stack started with)"
+            )
+        return self.my_slice(value).clone()
+
+    def cut(self, value: torch.Tensor) -> torch.Tensor:
+        return self.my_slice(value)
+
+    def model_copy(self, value: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
+        return self.gather_group(value)  # the gather allocates
+
+    def check_output_shape(self, what: str, value: torch.Tensor, residual: torch.Tensor) -> None:
+        pass  # outputs sit on the group's rows while the residual holds a slice
+
+    def check_leaves_pp(self) -> None:
+        raise BoundaryError(
+            "to_pp(): an input-scattered (or sequence-parallel) batch holds a row slice per "
+            "attention-TP rank; these variants are not supported across pipeline stages yet"
+        )
+
+    def fusable_handoff(self, c: Contribution) -> Optional[HandoffOutput]:
+        return None  # the fused finalize adds to whole rows
+
+    def for_batch(self, forward_batch: Any) -> ScatterRows:
+        counts = getattr(forward_batch, "dp_num_tokens", None)
+        return ScatterRows(counts if counts is not None else (forward_batch.num_tokens,), self.topology)
+
+    def __repr__(self) -> str:
+        return f"ScatterRows(counts={self.counts}, slice_rows={self.slice_rows})"
+
 
 def scatter_rows(stream: ResidualStream, plan: StagePlan, forward_batch: Any) -> ScatterRows:
     """The input-scattered row bookkeeping of this batch, built once per stream."""
-    rows = stream.scatter_rows
-    if rows is None:
+    rows = stream.rows
+    if not isinstance(rows, ScatterRows):
         topo = plan.topology
         counts = getattr(forward_batch, "dp_num_tokens", None)
         if topo.attn_dp.size > 1 and counts is None:
@@ -141,7 +199,7 @@ def scatter_rows(stream: ResidualStream, plan: StagePlan, forward_batch: Any) ->
         else:
             check_counts_agree((forward_batch.num_tokens,), topo, dp=False)
         rows = ScatterRows(counts if counts is not None else (forward_batch.num_tokens,), topo)
-        stream.scatter_rows = rows
+        stream.rows = rows
     return rows
 
 

@@ -12,17 +12,15 @@ from ._contracts import ProducerReduction, StageKind
 from ._errors import BRANCH_ENTRY, SNAPSHOT_PLAIN, BoundaryError, no_path
 from ._exit import FfnExit, MixerExit
 from ._forward import ForwardBatchLike, active_variant
-from ._ops import all_reduce
 from ._pp import from_pp
 from ._publish import publish
 from .residual._add_norm import explain_width
-from .residual._rows import complete_on_rows, completed_copy_on_rows, to_model_rows
 from .residual._stream import Handle, ResidualStream, StreamState, started_stream
 
 if TYPE_CHECKING:
     from ._construction import EntryPath, ExitPath, StagePlan
     from ._capture import CaptureCallback, CaptureCollector
-    from ._factories import StageDeclaration
+    from ._declarations import StageDeclaration
     from ._layout import BatchVariant
 
 __all__ = ["StageBoundary"]
@@ -184,11 +182,10 @@ class StageBoundary:
         stream = started_stream(forward_batch)
         stream.expect(hidden_states)
         self._entry(forward_batch)
+        rows = stream.rows
         if stream.state is StreamState.WRITTEN:
             assert stream.residual is not None
-            if stream.scatter_rows is not None:
-                return hidden_states, to_model_rows(stream, stream.residual)  # the gather allocates
-            return hidden_states, stream.residual.clone()
+            return hidden_states, rows.model_copy(stream.residual)
         c = stream.pending
         assert c is not None
         if c.is_handoff:
@@ -201,22 +198,11 @@ class StageBoundary:
         handle = hidden_states
         dynamic = [o for o in c.owed if not o.static]
         if dynamic:
-            if stream.scatter_rows is not None:
-                # Input-scattered: the sum is a reduce-scatter onto this rank's residual slice.
-                assert len(dynamic) == len(c.owed), "an output owes one sum, static or dynamic"
-                complete_on_rows(stream, c)
-            else:
-                for o in dynamic:
-                    assert o.group is not None
-                    c.value = all_reduce(c.value, o.group)  # type: ignore[arg-type]
-                c.owed = tuple(o for o in c.owed if o.static)
+            rows.complete_dynamic_sums(c, dynamic)
             handle = stream.rehand()
-        snap = c.update.apply(stream.residual, completed_copy_on_rows(stream, c))
-        if stream.scatter_rows is not None:
-            return handle, to_model_rows(stream, snap)  # the group's rows, as the model sees them
-        if snap is c.value:
-            snap = snap.clone()
-        return handle, snap
+        snap = c.update.apply(stream.residual, rows.completed_copy(c))
+        # On the rows the model sees; a copy unless the add made a fresh tensor.
+        return handle, rows.model_copy(snap, fresh=snap is not c.value)
 
     def input_rows(self, forward_batch: ForwardBatchLike) -> InputRows:
         """The rows this stage's compute input lives on for this batch (the LoRA adapter hook:

@@ -44,6 +44,11 @@ from ._fusion.moe_finalize import FINALIZE_TOLERANCE as FINALIZE_TOLERANCE
 from ._fusion.moe_finalize import MoeFinalizeFusion as MoeFinalizeFusion
 from ._fusion.moe_finalize import finalize_partial_ref as finalize_partial_ref
 from ._fusion.moe_finalize import moe_finalize as moe_finalize
+# The core's fused kernel under both providers (symmetric-memory all-reduce + add + RMSNorm, with
+# the MoE finalize prologue): its workspace (a collective) and one launch, for a backend's own
+# kernel or a benchmark to measure against
+from ._fusion import make_symm_workspace as make_symm_workspace
+from ._fusion import symm_mem_launch as symm_mem_launch
 # A construction-time collective (picklable objects over a group, without NumPy): workspace set-up
 from ._ops import gather_objects as gather_objects
 

@@ -110,6 +110,31 @@ def test_a_separate_call_updates_its_own_residual_and_sums_through_the_all_reduc
     torch.testing.assert_close((y, r), want)
 
 
+def test_the_fused_call_hands_the_core_kernel_its_inputs_and_a_residual_of_its_own():
+    # The launch the bench times is the plugin_api's (the kernel needs a GPU); a torch stand-in
+    # with its signature and the kernel's arithmetic shows what the call passes it.
+    from layer_boundary.plugin_api import make_symm_workspace, symm_mem_launch
+
+    assert fin.fused_call.__defaults__ == (symm_mem_launch,) and callable(make_symm_workspace)
+    dtype = torch.bfloat16
+    i = fin.make_inputs(3, 32, 4, dtype, "cpu")
+    residual = i.residual.clone()
+    ws = object()
+    seen = []
+
+    def launch(ws_, x, r, weight, out, eps, weight_offset, *, topk_weights=None, shared=None):
+        seen.append((ws_, x, r, weight, out, eps, weight_offset, topk_weights, shared))
+        fused_add_rmsnorm_ref(finalize_partial_ref(x, topk_weights, shared), r, weight, eps,
+                              weight_offset=weight_offset, out=out, residual_out=r)
+
+    y, r = fin.fused_call(i, ws, launch)()
+    (ws_, x, r_in, weight, out, eps, offset, topk, shared), = seen
+    assert ws_ is ws and x is i.expert_out and weight is i.gamma and topk is i.topk_weights and shared is i.shared_out
+    assert out is y and r_in is r and r is not i.residual and (eps, offset) == (EPS, 1.0)
+    assert torch.equal(i.residual, residual)  # the inputs stay as they were for the other methods
+    assert fin.check_close((y, r), fin.reference(i, None), dtype)[1]
+
+
 def test_finish_shape_fills_speedups_bandwidth_and_checks():
     rows = [{"method": "b", "kind": "baseline", "us": 20.0, "ok": True},
             {"method": "c", "kind": "baseline", "us": 10.0, "ok": True},

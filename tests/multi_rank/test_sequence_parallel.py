@@ -19,6 +19,7 @@ import torch
 from layer_boundary import (BatchVariant, ForwardBatch, ProducerReduction, RMSNorm, declare_attn, declare_ffn,
                             make_stages)
 from layer_boundary._errors import BoundaryError
+from layer_boundary._scatter import ScatterRows
 from layer_boundary.residual import batch as rb
 
 import cp_cases
@@ -99,7 +100,7 @@ def test_branch_stages_have_no_sequence_parallel_path():
 def test_a_sequence_parallel_slice_does_not_cross_pipeline_stages():
     fb = ForwardBatch(num_tokens=2, sequence_parallel=True)
     stream = rb.start(fb)
-    stream.scatter_rows = object()  # what the first prepare() of the batch leaves on its stream
+    stream.rows = ScatterRows((2,), fake_topology(tp=2))  # what the batch's first prepare() leaves
     with raises_exact(BoundaryError, "to_pp(): an input-scattered (or sequence-parallel) batch holds a row "
                       "slice per attention-TP rank; these variants are not supported across pipeline "
                       "stages yet"):

@@ -224,17 +224,17 @@ def test_gpu_cluster_matches_reference(t, n, c, op):
     _gpu_ready()
     from mhc_gpu import _inputs, _params
 
-    from layer_boundary_mhc import accuracy, cluster_ops
+    from layer_boundary_mhc import accuracy, triton_ops
 
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, stride=8)
     if op == "read":
-        got = cluster_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0)
-        again = cluster_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0)
+        got = triton_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0)
+        again = triton_ops.mhc_read_cluster(x, params, w, 1e-6, norm_offset=1.0)
         kw = {}
     else:
-        got = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
-        again = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
+        got = triton_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
+        again = triton_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, norm_offset=1.0)
         kw = dict(y=y, h_post=h_post, h_res=h_res)
     accuracy.assert_matches_reference(op, got, x, params=params, norm_weight=w, norm_eps=1e-6, norm_offset=1.0,
                                       where=f"cluster T={t} n={n} C={c}", **kw)
@@ -260,15 +260,15 @@ def test_gpu_pushed_exchanges_give_the_same_bits(t, n, c, op):
     _gpu_ready()
     from mhc_gpu import _inputs, _params
 
-    from layer_boundary_mhc import cluster_ops
+    from layer_boundary_mhc import triton_ops
 
     params = _params(n, c)
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, seed=t)
 
     def run(config):
         if op == "read":
-            return cluster_ops.mhc_read_cluster(x, params, w, 1e-6, config=config)
-        return cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, config=config)
+            return triton_ops.mhc_read_cluster(x, params, w, 1e-6, config=config)
+        return triton_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, config=config)
 
     barriers = run(MhcKernelConfig(push=False))
     pushed = run(MhcKernelConfig(push=True))
@@ -284,7 +284,7 @@ def test_gpu_cluster_under_cuda_graph_capture(persistent_tokens):
     _gpu_ready()
     from mhc_gpu import _inputs, _params
 
-    from layer_boundary_mhc import cluster_ops
+    from layer_boundary_mhc import cluster_ops, triton_ops
 
     config = MhcKernelConfig(persistent_tokens=persistent_tokens, split_tokens=0)
     t, n, c = 4096, 4, 4096
@@ -292,8 +292,8 @@ def test_gpu_cluster_under_cuda_graph_capture(persistent_tokens):
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16)
     cluster_ops.prepare_cluster(n, c, config=config)
     assert cluster_ops._variant(t, n, c, True, 20, config).persistent == bool(persistent_tokens)
-    eager = cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, config=config)
-    outs = _captured_and_replayed(eager, lambda o: cluster_ops.mhc_update_read_cluster(
+    eager = triton_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6, config=config)
+    outs = _captured_and_replayed(eager, lambda o: triton_ops.mhc_update_read_cluster(
         x, y, h_post, h_res, params, w, 1e-6, streams_out=o[0], out=o[1], h_post_out=o[2], h_res_out=o[3],
         config=config))
     assert all(torch.equal(a, b) for a, b in zip(eager, outs))
@@ -322,7 +322,7 @@ def test_gpu_open_launch_form_takes_the_cluster_kernel_at_mid_sizes():
     _gpu_ready()
     from mhc_gpu import _inputs, _params, open_and_named_update_read
 
-    from layer_boundary_mhc import cluster_ops, triton_ops
+    from layer_boundary_mhc import triton_ops
 
     n, c = 4, 4096
     params = _params(n, c)
@@ -339,7 +339,7 @@ def test_gpu_open_launch_form_takes_the_cluster_kernel_at_mid_sizes():
     for t, form in ((lo, "cluster"), (hi, "cluster"), (hi + 1, False)):
         x, _, w, _, _ = _inputs(t, n, c, torch.bfloat16, seed=t)
         auto = triton_ops.mhc_read_triton(x, params, w, 1e-6)
-        want = (cluster_ops.mhc_read_cluster(x, params, w, 1e-6) if form == "cluster"
+        want = (triton_ops.mhc_read_cluster(x, params, w, 1e-6) if form == "cluster"
                 else triton_ops.mhc_read_triton(x, params, w, 1e-6, cooperative=form))
         same(auto, want, f"read T={t}: not the {form} result")
 

@@ -52,10 +52,10 @@ def open_and_named_update_read(t: int, n: int, c: int, form, params: MhcStagePar
     """An update+read of ``t`` tokens (seeded by ``t``) with the launch form left open, and with
     the form named: ``"cluster"`` / ``"split"`` the cluster path (``cluster_ops`` picks the
     variant), else the Triton kernels' ``cooperative=form``. The open-form tests compare the two."""
-    from layer_boundary_mhc import cluster_ops, triton_ops
+    from layer_boundary_mhc import triton_ops
 
     x, y, w, h_post, h_res = _inputs(t, n, c, torch.bfloat16, seed=t)
     auto = triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6)
     if form in ("cluster", "split"):
-        return auto, cluster_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
+        return auto, triton_ops.mhc_update_read_cluster(x, y, h_post, h_res, params, w, 1e-6)
     return auto, triton_ops.mhc_update_read_triton(x, y, h_post, h_res, params, w, 1e-6, cooperative=form)

@@ -48,8 +48,6 @@ from .._contracts import OwedKind, StageKind
 from .._errors import BoundaryError
 from .._forward import ForwardMode, get_forward
 from .._output import Contribution, HandoffOutput
-from ..residual._rows import complete_on_rows
-from .._scatter import ScatterRows
 from ..residual._stream import Handle, ResidualStream, StreamState, started_stream
 
 
@@ -310,8 +308,8 @@ def _sliceable(stream: ResidualStream, c: Contribution) -> tuple[torch.Tensor, t
     first. A transform may not be row-wise, and an input-scattered slice is not a microbatch's:
     those complete on the batch's rows first.
     """
-    if c.transform is not None or stream.scatter_rows is not None:
-        return complete_on_rows(stream, c), ()
+    if c.transform is not None or stream.rows.sliced:
+        return stream.rows.complete(c), ()
     value, owed = c.value, c.owed
     if isinstance(value, HandoffOutput):
         value = value.complete()
@@ -337,11 +335,6 @@ def _install(forward_batch: Any, stream: ResidualStream) -> None:
     except AttributeError as e:
         raise TypeError(f"{type(forward_batch).__name__} has no settable residual_stream attribute; "
                         "the boundary owns that attribute of the engine's batch object") from e
-
-
-def _scatter_rows_for(forward_batch: Any, topology: Any) -> Any:
-    counts = getattr(forward_batch, "dp_num_tokens", None)
-    return ScatterRows(counts if counts is not None else (forward_batch.num_tokens,), topology)
 
 
 def split_stream(hidden_states: Any, forward_batch: Any, children: Sequence[Any]) -> tuple[Handle, ...]:
@@ -390,23 +383,20 @@ def split_stream(hidden_states: Any, forward_batch: Any, children: Sequence[Any]
                 raise _not_plain("split_stream()", c.update)
             value, owed = _sliceable(stream, c)
             update = c.update
-        residual = stream.residual
-        rows = stream.scatter_rows
-        if rows is not None:  # cut the group's rows, then slice each microbatch's anew
-            residual = rows.gather_group(residual) if residual is not None else None
-            value = rows.gather_group(value) if value is not None else None
+        # Cut the model's rows (an input-scattered slice is gathered to its group's first), then
+        # each microbatch's stream takes its own rows of them (a slice of its own, scattered).
+        rows = stream.rows
+        residual = rows.to_model(stream.residual) if stream.residual is not None else None
+        value = rows.to_model(value) if value is not None else None
         handles = []
         for child, lo, hi in zip(children, offsets, offsets[1:]):
-            r = residual[lo:hi] if residual is not None else None
-            v = value[lo:hi] if value is not None else None
-            child_rows = _scatter_rows_for(child, rows.topology) if rows is not None else None
-            if child_rows is not None:
-                r = child_rows.my_slice(r) if r is not None else None
-                v = child_rows.my_slice(v) if v is not None else None
+            child_rows = rows.for_batch(child)
+            r = child_rows.cut(residual[lo:hi]) if residual is not None else None
+            v = child_rows.cut(value[lo:hi]) if value is not None else None
             s, h = ResidualStream.arrive(residual=r, output=v, update=update, owed=owed)
             assert h is not None  # a written or pending stream's microbatch arrives with a handle
-            s.scatter_rows = child_rows
-            s.borrowed = stream.borrowed and rows is None  # views of the model's input still
+            s.rows = child_rows
+            s.borrowed = stream.borrowed and not rows.sliced  # views of the model's input still
             _install(child, s)
             handles.append(h)
         return tuple(handles)
@@ -438,7 +428,7 @@ def merge_streams(handles: Sequence[Handle], children: Sequence[Any], forward_ba
             parts = [_sliceable(s, c) for s, c in zip(streams, pending)]  # type: ignore[arg-type]
             sig = {tuple((o.kind, o.group_name, o.static) for o in p[1]) for p in parts}
             if len(sig) > 1:  # the microbatches' exits decided differently: complete both
-                parts = [(complete_on_rows(s, s.pending), ()) for s in streams]  # type: ignore[arg-type]
+                parts = [(s.rows.complete(s.pending), ()) for s in streams]  # type: ignore[arg-type]
             values = [p[0] for p in parts]
             owed = parts[0][1]
             update = pending[0].update  # type: ignore[union-attr]
@@ -449,23 +439,20 @@ def merge_streams(handles: Sequence[Handle], children: Sequence[Any], forward_ba
                     if not c.update.plain_add:
                         raise _not_plain("merge_streams()", c.update)
                     s.consume()
-                    s.write(c.update.apply(s.residual, complete_on_rows(s, c)))
+                    s.write(c.update.apply(s.residual, s.rows.complete(c)))
         residuals = [s.residual for s in streams]
         if any(r is None for r in residuals) and not all(r is None for r in residuals):
             raise BoundaryError("merge_streams(): one microbatch has a residual and the other none")
-        scattered = [s.scatter_rows for s in streams]
-        if scattered[0] is not None:
-            residuals = [rows.gather_group(r) for rows, r in zip(scattered, residuals)]
-            if values is not None:
-                values = [rows.gather_group(v) for rows, v in zip(scattered, values)]
-        residual = torch.cat(residuals) if residuals[0] is not None else None  # type: ignore[arg-type]
-        value = torch.cat(values) if values is not None else None
-        rows = _scatter_rows_for(forward_batch, scattered[0].topology) if scattered[0] is not None else None
-        if rows is not None:
-            residual = rows.my_slice(residual) if residual is not None else None
-            value = rows.my_slice(value) if value is not None else None
+        # Join on the model's rows, then cut the batch's rows of them (its slice, scattered).
+        parts_of = [s.rows for s in streams]
+        residual = (torch.cat([rows.to_model(r) for rows, r in zip(parts_of, residuals)])  # type: ignore[arg-type]
+                    if residuals[0] is not None else None)
+        value = torch.cat([rows.to_model(v) for rows, v in zip(parts_of, values)]) if values is not None else None
+        rows = parts_of[0].for_batch(forward_batch)
+        residual = rows.cut(residual) if residual is not None else None
+        value = rows.cut(value) if value is not None else None
         merged, handle = ResidualStream.arrive(residual=residual, output=value, update=update, owed=owed)
-        merged.scatter_rows = rows
+        merged.rows = rows
         _install(forward_batch, merged)
         assert handle is not None
         return handle

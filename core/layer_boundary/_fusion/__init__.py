@@ -17,6 +17,9 @@ from .allreduce_norm import (
     agree,
     group_backend,
 )
+# The core's fused kernel under the vendor SDK's names (plain ``launch`` says nothing there).
+from .symm_mem import launch as symm_mem_launch
+from .symm_mem import make_symm_workspace
 
 __all__ = [
     "AllReduceNormCandidate",
@@ -27,6 +30,8 @@ __all__ = [
     "agree",
     "group_backend",
     "core_fusion_providers",
+    "make_symm_workspace",
+    "symm_mem_launch",
 ]
 
 

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import enum
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
 from .._contracts import Owed
-from .._forward import ForwardBatchLike
 from .._errors import START_FIRST, BoundaryError, add_note, foreign_output, notes_of
 from .._output import Contribution, HandoffOutput, OutputTransform, OwedOutput, UnreducedOutput
 from . import StageUpdate
 from ._add_norm import PLAIN_ADD
+from ._rows import WHOLE_ROWS, ResidualRows
 
-__all__ = ["StreamState", "ResidualStream", "Handle", "start", "started_stream"]
+__all__ = ["StreamState", "ResidualStream", "Handle", "HoldsStream", "start", "started_stream"]
 
 Handle = Union[torch.Tensor, OwedOutput]
 
@@ -43,7 +43,7 @@ class StreamState(enum.Enum):
 class ResidualStream:
     """Residual and pending contribution of one forward (or one microbatch of it)."""
 
-    __slots__ = ("residual", "pending", "handle", "released", "next_update", "dp_rows", "scatter_rows",
+    __slots__ = ("residual", "pending", "handle", "released", "next_update", "dp_rows", "rows",
                  "branches", "borrowed", "__weakref__")
 
     def __init__(self) -> None:
@@ -57,8 +57,9 @@ class ResidualStream:
         self.next_update: Optional[StageUpdate] = None
         # Attention-DP row counts of this batch (built on first use; see dp.dp_rows).
         self.dp_rows: Any = None
-        # Input-scattered row slices of this batch (see scatter.scatter_rows).
-        self.scatter_rows: Any = None
+        # Which rows the residual lives on (see residual._rows): the model's own until the first
+        # prepare() of an input-scattered batch sets that batch's slices (scatter.scatter_rows).
+        self.rows: ResidualRows = WHOLE_ROWS
         # Branch outputs set aside and not merged yet (see adapters.branch).
         self.branches: tuple[Any, ...] = ()
         # True while the residual is (a view of) the stack's input tensor: the model's own, which
@@ -162,7 +163,7 @@ class ResidualStream:
         self.handle = None
         self.next_update = None
         self.dp_rows = None
-        self.scatter_rows = None
+        self.rows = WHOLE_ROWS
         self.branches = ()
         self.released = True
 
@@ -239,7 +240,15 @@ class ResidualStream:
         return f"ResidualStream({self.state.value}, pending={self.pending!r})"
 
 
-def started_stream(forward_batch: ForwardBatchLike) -> ResidualStream:
+class HoldsStream(Protocol):
+    """What the stream needs of the engine's batch object: the attribute the boundary owns.
+    ``layer_boundary.ForwardBatchLike`` has it; declared here so that this module stays below the
+    batch protocol, which names ``ResidualStream``."""
+
+    residual_stream: Optional[ResidualStream]
+
+
+def started_stream(forward_batch: HoldsStream) -> ResidualStream:
     """The batch's live stream, or the spec's error when the stack was not started."""
     stream = getattr(forward_batch, "residual_stream", None)
     if stream is None or stream.released:
@@ -251,7 +260,7 @@ def started_stream(forward_batch: ForwardBatchLike) -> ResidualStream:
     return stream
 
 
-def start(forward_batch: ForwardBatchLike) -> ResidualStream:
+def start(forward_batch: HoldsStream) -> ResidualStream:
     """Give the batch a fresh (initial) stream; any earlier stream of the batch is released."""
     old = getattr(forward_batch, "residual_stream", None)
     if old is not None:

@@ -15,12 +15,11 @@ from .._adapters.branch import refuse_unmerged
 from .._errors import SNAPSHOT_PLAIN, WRITE_BEFORE_TAKE, BoundaryError
 from .._forward import ForwardBatchLike, active_variant
 from .._layout import BatchVariant
-from .._output import UnreducedOutput, fusable_handoff
+from .._output import UnreducedOutput
 from .._pp import PP_META, to_pp
 from . import ReadInput, ReadSpec, StageRead, StageUpdate
 from ._access import check_shape
 from ._add_norm import ADD_NORM, PLAIN_ADD, ModuleRead, RMSNormRead, explain_width
-from ._rows import complete_on_rows, completed_copy_on_rows, to_model_rows, to_stream_rows
 from ._stream import Handle, ResidualStream, StreamState, start, started_stream
 
 if TYPE_CHECKING:
@@ -105,7 +104,7 @@ def norm(
     stream = started_stream(forward_batch)
     # An input-scattered stack holds a row slice per attention-TP rank; the output is gathered
     # back to the group's rows so the model's head sees the rows its stack started with.
-    scattered = stream.scatter_rows
+    rows = stream.rows
     try:
         _refuse_open_branches(stream, "norm()")
         read = _read_for(layernorm)
@@ -124,8 +123,8 @@ def norm(
                 assert c is not None
                 # The fused finalize adds to the residual itself: only a plain add with no output
                 # transform to run first may take it; anything else completes unfused below.
-                handoff = (fusable_handoff(c) if handoff_norm is not None and scattered is None
-                           and c.update.plain_add else None)
+                handoff = (rows.fusable_handoff(c) if handoff_norm is not None and c.update.plain_add
+                           else None)
                 if handoff is not None:
                     if capture_output is not None:
                         raise BoundaryError(
@@ -147,7 +146,7 @@ def norm(
                         handoff.mark_consumed()  # the service ran the finalize: never again
                     return finalized
                 stream.consume()
-                value = complete_on_rows(stream, c)
+                value = rows.complete(c)
                 if stream.residual is not None and c.update.plain_add:
                     # A nonlinear update may own a residual of another shape (MHC streams).
                     check_shape("the layer output", value, stream.residual)
@@ -162,7 +161,7 @@ def norm(
         if capture_output is not None:
             # On the rows the model sees (gathered from the slices of an input-scattered batch);
             # borrowed in every case, as the spec promises for the final norm.
-            capture_output(residual if scattered is None else scattered.gather_group(residual), owned=False)
+            capture_output(rows.to_model(residual), owned=False)
         if out is None:
             if skip_empty and residual.shape[0] == 0:
                 out = residual
@@ -176,7 +175,7 @@ def norm(
             raise BoundaryError(
                 f"the final norm's read {read!r} returned {type(out).__name__}, not a tensor: bind the "
                 "final norm with an unquantized read")
-        return out if scattered is None else scattered.gather_group(out)
+        return rows.to_model(out)
     except RuntimeError as e:
         if not isinstance(e, BoundaryError):
             width_of = stream.residual if isinstance(stream.residual, torch.Tensor) else hidden_states
@@ -204,15 +203,12 @@ def fold(hidden_states: Handle, forward_batch: ForwardBatchLike) -> torch.Tensor
         assert isinstance(hidden_states, torch.Tensor)  # a written stream hands out its tensor
         return hidden_states
     c = stream.consume()
-    value = complete_on_rows(stream, c)
-    residual = c.update.apply(stream.residual, value)
-    if stream.scatter_rows is not None:
-        # The residual stays on this rank's slice; the model gets the group's rows.
-        out = to_model_rows(stream, residual)
-        stream.write(residual, out)
-        return out
-    stream.write(residual, residual)
-    return residual
+    rows = stream.rows
+    residual = c.update.apply(stream.residual, rows.complete(c))
+    # An input-scattered residual stays on this rank's slice; the model gets the group's rows.
+    out = rows.to_model(residual)
+    stream.write(residual, out)
+    return out
 
 
 def written(hidden_states: torch.Tensor, forward_batch: ForwardBatchLike) -> torch.Tensor:
@@ -225,12 +221,9 @@ def written(hidden_states: torch.Tensor, forward_batch: ForwardBatchLike) -> tor
         raise TypeError(
             f"written() takes the full residual tensor compute produced, got {type(hidden_states).__name__}"
         )
-    if stream.scatter_rows is not None:
-        stream.write(to_stream_rows(stream, hidden_states), hidden_states)
-        return hidden_states
     if stream.state is StreamState.INITIAL:
         _refuse_scattered_start("written", forward_batch)
-    stream.write(hidden_states, hidden_states)
+    stream.write(stream.rows.to_stream(hidden_states), hidden_states)
     return hidden_states
 
 
@@ -247,7 +240,7 @@ def take_output(hidden_states: Handle, forward_batch: ForwardBatchLike) -> torch
         if stream.state is StreamState.PENDING:
             raise BoundaryError(WRITE_BEFORE_TAKE)
         assert stream.residual is not None
-        return to_model_rows(stream, stream.residual)
+        return stream.rows.to_model(stream.residual)
     finally:
         stream.release()
 
@@ -263,7 +256,7 @@ def complete_output(hidden_states: Handle, forward_batch: ForwardBatchLike) -> H
         return hidden_states
     c = stream.pending
     assert c is not None
-    complete_on_rows(stream, c)
+    stream.rows.complete(c)
     return stream.rehand()
 
 
@@ -271,11 +264,10 @@ def snapshot(hidden_states: Handle, forward_batch: ForwardBatchLike) -> torch.Te
     """An owned copy of the updated residual; owed sums run on a copy, the stream is unchanged."""
     stream = started_stream(forward_batch)
     stream.expect(hidden_states)
+    rows = stream.rows
     if stream.state is StreamState.WRITTEN:
         assert stream.residual is not None
-        if stream.scatter_rows is not None:
-            return to_model_rows(stream, stream.residual)  # the gather allocates
-        return stream.residual.clone()
+        return rows.model_copy(stream.residual)
     c = stream.pending
     assert c is not None
     if c.is_handoff:
@@ -285,10 +277,8 @@ def snapshot(hidden_states: Handle, forward_batch: ForwardBatchLike) -> torch.Te
         )
     if not c.update.plain_add:
         raise BoundaryError(SNAPSHOT_PLAIN)
-    snap = c.update.apply(stream.residual, completed_copy_on_rows(stream, c))
-    if stream.scatter_rows is not None:
-        return to_model_rows(stream, snap)
-    return snap.clone() if snap is c.value else snap
+    snap = c.update.apply(stream.residual, rows.completed_copy(c))
+    return rows.model_copy(snap, fresh=snap is not c.value)
 
 
 def add_to_output(hidden_states: Handle, forward_batch: ForwardBatchLike, extra: torch.Tensor) -> Handle:
@@ -301,16 +291,17 @@ def add_to_output(hidden_states: Handle, forward_batch: ForwardBatchLike, extra:
     if not isinstance(extra, torch.Tensor):
         raise TypeError(f"add_to_output() extra must be a tensor, got {type(extra).__name__}")
     # ``extra`` has the model's rows; an input-scattered residual takes this rank's slice of it.
+    rows = stream.rows
     if stream.state is StreamState.WRITTEN:
         assert stream.residual is not None
-        mine = to_stream_rows(stream, extra)
+        mine = rows.to_stream(extra)
         check_shape("extra", mine, stream.residual)
         stream.handle = None
         return stream.leave(_plain(mine if mine is not extra else extra.clone()))
     c = stream.pending
     assert c is not None
-    mine = to_stream_rows(stream, extra)
-    value = complete_on_rows(stream, c)
+    mine = rows.to_stream(extra)
+    value = rows.complete(c)
     check_shape("extra", mine, value)
     c.value = value + mine
     return stream.rehand()

@@ -163,7 +163,7 @@ def _triton_methods(ops_module: Any, ops: Sequence[str], config: MhcKernelConfig
 
 def _cluster_methods(ops: Sequence[str], config: MhcKernelConfig) -> list[MhcMethod]:
     """The MHC plugin's CuTe DSL cluster kernel (one launch, x' kept on chip), where it imports."""
-    from . import cluster_ops as k
+    from . import triton_ops as k
 
     calls = {
         "update+read": lambda i: k.mhc_update_read_cluster(i.x, i.y, i.h_post, i.h_res, i.params, i.w, EPS,
@@ -188,7 +188,7 @@ def _destinations(method: MhcMethod, i: Inputs, config: MhcKernelConfig) -> Call
     if method.op == "update":
         return lambda: (triton_ops.mhc_update_triton(i.x, i.y, i.h_post, i.h_res, out=streams),)
     # The cluster kernel's callables take the Triton ones' arguments, less the launch form.
-    read, update_read = ((cluster_ops.mhc_read_cluster, cluster_ops.mhc_update_read_cluster) if cluster else
+    read, update_read = ((triton_ops.mhc_read_cluster, triton_ops.mhc_update_read_cluster) if cluster else
                          (triton_ops.mhc_read_triton, triton_ops.mhc_update_read_triton))
     form: dict[str, Any] = {"config": config} if cluster else {"cooperative": method.name == "triton", "config": config}
     if method.op == "read":

@@ -1,9 +1,8 @@
-"""The cluster kernel (``cute_cluster``, CuTe DSL) as callables with the references' signatures.
+"""The cluster kernel (``cute_cluster``, CuTe DSL): its launch, its shapes and why a call cannot take it.
 
-| callable                   | reference               | returns                          |
-| -------------------------- | ----------------------- | -------------------------------- |
-| ``mhc_read_cluster``       | ``mhc_read_ref``        | (input, H_post, H_res)           |
-| ``mhc_update_read_cluster``| ``mhc_update_read_ref`` | (x', input, H_post', H_res')     |
+Its callables with the references' signatures (``mhc_read_cluster``, ``mhc_update_read_cluster``)
+live in ``triton_ops`` beside the Triton ones, whose checks and destinations they share; the
+automatic launch form there sends calls here (``takes``), so this module imports nothing above it.
 
 For bf16 streams ``[T, n, C]`` with ``2 <= n <= 4`` on Hopper (sm_90) GPUs where ``nvidia-cutlass-dsl``
 imports; ``cluster_problem`` says why a call cannot take it (the Triton kernels then serve it).
@@ -15,18 +14,16 @@ version, like the Triton kernels' phi split.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from . import counts
 from .coefficients import SINKHORN_ITERS
 from .config import DEFAULT_CONFIG, MhcKernelConfig
+from .derived import derived
 
-if TYPE_CHECKING:
-    from .params import MhcStageParams
-
-__all__ = ["mhc_read_cluster", "mhc_update_read_cluster", "cluster_problem", "cluster_shape", "import_problem",
+__all__ = ["cluster_problem", "cluster_shape", "import_problem",
            "phi_fragments", "prepare_cluster", "launch", "takes", "Dispatch", "persistent_shape", "split_shape"]
 
 # What each variant measured, and why its default is what it is, is in ``MhcKernelConfig``'s field
@@ -269,8 +266,6 @@ def launch(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch.Te
     update = y is not None
     shape = _variant(t, n, c, update, iters, config)
     fn = _compiled(shape)
-    from .triton_ops import derived
-
     phf = derived(phi, ("fragments", n), lambda: phi_fragments(phi, n))
     w32 = derived(norm_weight, ("w32", norm_offset), lambda: (norm_weight.float() + norm_offset).contiguous())
 
@@ -404,34 +399,3 @@ def takes(x: torch.Tensor, y: Optional[torch.Tensor], streams_out: Optional[torc
     inside a CUDA-graph capture cannot compile: it warns once and runs the Triton kernels, and the
     shape is decided again outside the capture."""
     return _DISPATCH.takes(x, y, streams_out, out, iters, config)
-
-
-def mhc_read_cluster(
-    x: torch.Tensor, params: MhcStageParams, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
-    iters: int = SINKHORN_ITERS, out: Optional[torch.Tensor] = None, h_post: Optional[torch.Tensor] = None,
-    h_res: Optional[torch.Tensor] = None, config: MhcKernelConfig = DEFAULT_CONFIG,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input [T, C], H_post [T, n], H_res [T, n, n])`` of streams ``x`` (``mhc_read_ref``); the
-    variant ``config`` picks for this token count."""
-    from .triton_ops import _boundary
-
-    _, inp, hp, hr = _boundary(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters, None, None, out,
-                               h_post, h_res, config, cluster=True)
-    return inp, hp, hr
-
-
-def mhc_update_read_cluster(
-    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: MhcStageParams,
-    norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS,
-    streams_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-    h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,
-    config: MhcKernelConfig = DEFAULT_CONFIG,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(x', input, H_post', H_res')`` (``mhc_update_read_ref``) in one launch, x' never re-read;
-    the variant ``config`` picks for this token count."""
-    from .triton_ops import _boundary
-
-    streams, inp, hp, hr = _boundary(x, y, h_post, h_res, params, norm_weight, norm_eps, norm_offset, iters, None,
-                                     streams_out, out, h_post_out, h_res_out, config, cluster=True)
-    assert streams is not None
-    return streams, inp, hp, hr

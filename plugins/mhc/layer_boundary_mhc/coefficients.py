@@ -18,8 +18,11 @@ import torch
 
 from .params import MhcStageParams
 
-__all__ = ["acc_dtype", "sinkhorn", "check_iters", "mhc_coefficients", "SINKHORN_ITERS"]
+__all__ = ["acc_dtype", "sinkhorn", "check_iters", "mhc_coefficients", "SINKHORN_ITERS", "MAX_STREAMS"]
 
+# The kernels' limit (n^2 + 2n coefficient columns padded to 128); a fact selection checks at
+# construction (without importing triton) and the kernel module enforces.
+MAX_STREAMS = 8
 SINKHORN_ITERS = 20
 
 

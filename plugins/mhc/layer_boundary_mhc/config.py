@@ -3,7 +3,7 @@
 ``MhcKernelConfig()`` is what the plugin runs by default, the settings measured fastest on an H200
 (n = 4, H = 4096, bf16; ``plugins/mhc/PERFORMANCE.md`` has the figures and their dates). A field
 exists because a user or a test has a reason to vary it; the docstring of each says which.
-Facts (hardware limits, ``selection.MAX_STREAMS``) stay constants in their modules.
+Facts (hardware limits, ``coefficients.MAX_STREAMS``) stay constants in their modules.
 
 Use::
 

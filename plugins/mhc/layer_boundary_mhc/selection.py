@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from .coefficients import MAX_STREAMS
 from .config import DEFAULT_CONFIG, MhcKernelConfig
 
 __all__ = ["KERNEL_MODES", "KernelSelection", "select_kernels", "triton_unavailable"]
@@ -41,7 +42,6 @@ KERNEL_MODES = ("auto", "triton", "torch")
 # "auto" runs the kernels on NVIDIA GPUs. Not on ROCm, where they have never run.
 UNVERIFIED = ("not the default on ROCm GPUs: the MHC Triton kernels have been verified on NVIDIA GPUs only; "
               "MhcSemantics(kernels='triton') runs them")
-MAX_STREAMS = 8  # the kernels' limit (n^2 + 2n coefficient columns padded to 128)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

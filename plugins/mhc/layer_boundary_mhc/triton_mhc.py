@@ -65,7 +65,7 @@ from triton.runtime.jit import JITFunction
 
 from .projection import project_tf32, split_tf32
 from .config import DEFAULT_CONFIG, MhcKernelConfig
-from .selection import MAX_STREAMS
+from .coefficients import MAX_STREAMS
 from .finish import _finish
 from .stream_joined import stream_pass_joined
 from .triton_tiles import (CAST_EXACT, CAST_PLAIN, CAST_PTX, CAST_PTX_PURE, _block_start, _mixed_stream,

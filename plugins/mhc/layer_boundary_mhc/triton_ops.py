@@ -6,6 +6,11 @@ operators that carry them through ``torch.compile``.
 | ``mhc_read_triton``         | ``mhc_read_ref``        | (input, H_post, H_res)           |
 | ``mhc_update_triton``       | ``mhc_update_ref``      | x'                               |
 | ``mhc_update_read_triton``  | ``mhc_update_read_ref`` | (x', input, H_post', H_res')     |
+| ``mhc_read_cluster``        | ``mhc_read_ref``        | (input, H_post, H_res)           |
+| ``mhc_update_read_cluster`` | ``mhc_update_read_ref`` | (x', input, H_post', H_res')     |
+
+The ``*_cluster`` callables launch the cluster kernel (``cluster_ops``, CuTe DSL, Hopper) in the
+variant ``config`` picks, or refuse with its reason where it cannot run.
 
 Streams ``x [T, n, C]`` (any strides; a column stride of 1 is the fast path) and the stage
 output ``y [T, C]`` are bf16, fp16 or fp32 of one dtype, ``n <= 8``; coefficients are FP32
@@ -22,7 +27,6 @@ CUDA graph captures like any other allocation, and never synchronizes with the h
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -30,6 +34,7 @@ import torch
 from .accuracy import TOLERANCE  # re-exported: the kernels' tolerances live with their comparison
 from .coefficients import SINKHORN_ITERS, check_iters
 from .config import DEFAULT_CONFIG, MhcKernelConfig
+from .derived import derived
 from .projection import bf16_parts
 from .triton_mhc import (
     CASTS,
@@ -55,6 +60,8 @@ __all__ = [
     "mhc_read_triton",
     "mhc_update_triton",
     "mhc_update_read_triton",
+    "mhc_read_cluster",
+    "mhc_update_read_cluster",
     "SUPPORTED_DTYPES",
     "TOLERANCE",
 ]
@@ -289,32 +296,6 @@ def _split_for(phi: torch.Tensor, x: torch.Tensor, config: MhcKernelConfig = DEF
     return phi
 
 
-# (id(parameter), data pointer, kind) -> (weak reference to the parameter, its version counter, the
-# derived tensor); the parameter is the base where it is a view (as a compiled graph may pass).
-# phi's splits (and the cluster kernel's fragments and FP32 weight) are made once per parameter
-# version, not per call: a split is a few elementwise kernels over phi, more than a decode step's
-# launch overhead. The TF32 parts hold twice phi's memory (3 MiB a stage at n = 4, C = 4096), the
-# bf16 parts 1.5 times (with the padding columns, 2 at n = 4).
-_DERIVED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
-
-
-def derived(t: torch.Tensor, kind: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``make()``, computed once per (parameter ``t``, its version, ``kind``)."""
-    base = t if t._base is None else t._base
-    key = (id(base), t.data_ptr(), kind)
-    hit = _DERIVED.get(key)
-    if hit is not None and hit[0]() is base and hit[1] == t._version:
-        return hit[2]
-    value = make()
-    # While a CUDA graph is captured the kernels that make it do not run: keep nothing made then.
-    if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-        def forget(_: object, k: tuple = key) -> None:
-            _DERIVED.pop(k, None)
-
-        _DERIVED[key] = (weakref.ref(base, forget), t._version, value)
-    return value
-
-
 def _split(phi: torch.Tensor, kind: tuple) -> torch.Tensor:
     return phi_parts(phi) if kind[0] == "tf32" else bf16_parts(phi, *kind[1:])
 
@@ -428,3 +409,33 @@ def mhc_update_triton(
     else:
         _launch_update(mhc_update_kernel, x, y, h_post, h_res, out)
     return out
+
+
+# -- the cluster kernel (cluster_ops) through the same checks and destinations --------------------
+
+
+def mhc_read_cluster(
+    x: torch.Tensor, params: MhcStageParams, norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0,
+    iters: int = SINKHORN_ITERS, out: Optional[torch.Tensor] = None, h_post: Optional[torch.Tensor] = None,
+    h_res: Optional[torch.Tensor] = None, config: MhcKernelConfig = DEFAULT_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input [T, C], H_post [T, n], H_res [T, n, n])`` of streams ``x`` (``mhc_read_ref``); the
+    variant ``config`` picks for this token count."""
+    _, inp, hp, hr = _boundary(x, None, None, None, params, norm_weight, norm_eps, norm_offset, iters, None, None, out,
+                               h_post, h_res, config, cluster=True)
+    return inp, hp, hr
+
+
+def mhc_update_read_cluster(
+    x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor, params: MhcStageParams,
+    norm_weight: torch.Tensor, norm_eps: float, *, norm_offset: float = 0.0, iters: int = SINKHORN_ITERS,
+    streams_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+    h_post_out: Optional[torch.Tensor] = None, h_res_out: Optional[torch.Tensor] = None,
+    config: MhcKernelConfig = DEFAULT_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x', input, H_post', H_res')`` (``mhc_update_read_ref``) in one launch, x' never re-read;
+    the variant ``config`` picks for this token count."""
+    streams, inp, hp, hr = _boundary(x, y, h_post, h_res, params, norm_weight, norm_eps, norm_offset, iters, None,
+                                     streams_out, out, h_post_out, h_res_out, config, cluster=True)
+    assert streams is not None
+    return streams, inp, hp, hr

@@ -5,8 +5,9 @@ A sparse FFN exit that defers its finalize hands the next read its expert output
 the replicated router weights ``topk_weights [T, k]``. Completing it is the top-k combine, the
 all-reduce, the residual add and the Gemma RMSNorm (weight offset 1). Methods, all in one run:
 
-- ``fused triton finalize``: the core's Triton kernel, ``fusion.symm_mem.launch(...,
-  topk_weights=, shared=)``, one launch; the peers' rows through symmetric memory.
+- ``fused triton finalize``: the core's Triton kernel, ``plugin_api.symm_mem_launch(...,
+  topk_weights=, shared=)`` (what ``MoeFinalizeFusion`` launches), one launch; the peers' rows
+  through symmetric memory.
 - ``finalize (torch) + nccl + <kernel>``: ``models.moe.moe_finalize`` in torch ops as the
   reference model runs it, NCCL all-reduce, then the fastest separate add + Gemma RMSNorm of this
   shape (every norm-kernel provider and torch.compile, picked as ``bench allreduce`` picks it).
@@ -41,7 +42,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from layer_boundary.plugin_api import FINALIZE_TOLERANCE, fused_add_rmsnorm_ref, NormRequest
+from layer_boundary.plugin_api import (FINALIZE_TOLERANCE, NormRequest, fused_add_rmsnorm_ref, make_symm_workspace,
+                                       symm_mem_launch)
 
 from . import report
 from ..models.moe import moe_finalize
@@ -51,7 +53,7 @@ from .timing import (TimingPlan, cuda_unavailable, max_over_group, reported_copy
                      this_device, time_call)
 
 __all__ = ["FIN_HIDDEN", "FIN_TOKENS", "Inputs", "bytes_moved", "make_inputs", "reference",
-           "finalize_add_norm", "separate_call", "whole_call", "check_close", "finish_shape",
+           "finalize_add_norm", "separate_call", "whole_call", "fused_call", "check_close", "finish_shape",
            "finalize_command"]
 
 FIN_HIDDEN = (4096, 7168)
@@ -131,9 +133,9 @@ def whole_call(i: Inputs, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) 
     return lambda: fn(i.expert_out, i.topk_weights, i.shared_out, r, i.gamma)
 
 
-def _fused_call(i: Inputs, ws: Any) -> Call:
-    from layer_boundary._fusion.symm_mem import launch
-
+def fused_call(i: Inputs, ws: Any, launch: Callable[..., None] = symm_mem_launch) -> Call:
+    """The core's fused kernel on ``ws`` (a ``make_symm_workspace`` of the group), over a residual
+    of its own: ``(output, residual)`` as :func:`finalize_add_norm` returns them."""
     r, y = i.residual.clone(), torch.empty_like(i.residual)
 
     def call() -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +248,7 @@ def _shape(run: _Rank, t: int, h: int, norms: list[NormMethod], ws: Any) -> list
     if t > ws.max_tokens:  # the workspace budget holds fewer rows: a deployed provider declines too
         rows.append({**fused, "check": "declined"})
     else:
-        rows.append(_measure(run, fused, _fused_call(i, ws), want))
+        rows.append(_measure(run, fused, fused_call(i, ws), want))
     common = {"hidden": h, "tokens": t, "topk": run.topk, "world": run.world,
               "dtype": str(run.dtype).replace("torch.", "")}
     return [{**common, **r} for r in rows]
@@ -255,7 +257,6 @@ def _shape(run: _Rank, t: int, h: int, norms: list[NormMethod], ws: Any) -> list
 def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from layer_boundary._fusion.symm_mem import make_symm_workspace
     from layer_boundary import Topology
 
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
