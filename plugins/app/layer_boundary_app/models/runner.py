@@ -63,8 +63,8 @@ class RunSpec:
     # FFN -> attention -> FFN branch in every layer (see adapters/branch.py).
     longcat: bool = False
     # Run the forward under torch.compile(fullgraph=True) with this backend ("inductor",
-    # "aot_eager", ...): a graph break is an error, not a silent fallback to eager.
-    compile: Optional[str] = None
+    # "aot_eager", ... or a backend callable): a graph break is an error, not a silent fallback.
+    compile: Any = None
 
     def __post_init__(self) -> None:
         if self.longcat:
@@ -332,7 +332,7 @@ def rank_forward(model: Any, spec: RunSpec, device: str) -> tuple[list[int], tor
     return token_index, logits.cpu(), seconds
 
 
-def compiled(model: Any, backend: str) -> Any:
+def compiled(model: Any, backend: Any) -> Any:
     """``model`` under ``torch.compile(fullgraph=True)``, compiled once per model and backend.
 
     The token dimension is left to torch's automatic dynamic shapes: the first size compiles
@@ -354,22 +354,28 @@ class _PipelineStage:
     ``from_pp`` / ``to_pp`` run inside the compiled stack.
     """
 
-    def __init__(self, model: Any, backend: str) -> None:
+    def __init__(self, model: Any, backend: Any) -> None:
         self.model = model
-        self.stack = torch.compile(model.model, fullgraph=True, backend=backend)
+        last = model.topology.pp.rank == model.topology.pp.size - 1
+
+        def stage(input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any, tensors: Any) -> Any:
+            hidden = model.model(input_ids, positions, forward_batch, tensors)
+            return model.lm_head(hidden).float() if last else hidden
+
+        self.stage = torch.compile(stage, fullgraph=True, backend=backend)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> Any:
         from layer_boundary import recv_tensors, send_tensors
 
-        m, pp = self.model, self.model.topology.pp
+        pp = self.model.topology.pp
         tensors = recv_tensors(pp, device=input_ids.device) if pp.rank > 0 else None
         if tensors is not None:  # the handoff header as ints: its branches are decided here
             tensors = {k: (tuple(int(x) for x in v.tolist()) if k == "meta" else v) for k, v in tensors.items()}
-        hidden = self.stack(input_ids, positions, forward_batch, tensors)
+        out = self.stage(input_ids, positions, forward_batch, tensors)
         if pp.rank < pp.size - 1:
-            send_tensors(hidden, pp)
+            send_tensors(out, pp)
             return None
-        return m.lm_head(hidden).float()
+        return out
 
 
 def _cp_batch(ids: torch.Tensor, fb: ForwardBatch, token_index: list[int], topology: Topology,
