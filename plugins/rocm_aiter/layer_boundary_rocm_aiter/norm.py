@@ -56,6 +56,15 @@ def _dt(dtype: torch.dtype) -> str:
 _APIS: list[AiterApi] = []
 
 
+def api_index(api: AiterApi) -> int:
+    """``api``'s index for the operators here (registered on first use)."""
+    for i, known in enumerate(_APIS):
+        if known is api:
+            return i
+    _APIS.append(api)
+    return len(_APIS) - 1
+
+
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, api: int) -> torch.Tensor:
     """``rmsnorm2d_fwd`` of [T, H] rows with a unit last stride: a new [T, H] tensor."""
     rms = _APIS[api].rmsnorm
@@ -92,7 +101,6 @@ class AiterNormKernels:
         self.api = api
         self.device_types = tuple(device_types)
         self._checked: set[tuple[str, torch.dtype, int]] = set()
-        self._api_index: Optional[int] = None
 
     def refuse(self, request: NormRequest) -> Optional[str]:
         if request.quant is not None and request.quant not in QUANT_FORMATS:
@@ -134,10 +142,7 @@ class AiterNormKernels:
         if why is not None:
             raise ValueError(f"{self.name} does not serve {request.describe()}: {why}")
         assert self.api.rmsnorm is not None and self.api.add_rmsnorm is not None  # refuse() found them
-        if self._api_index is None:
-            self._api_index = len(_APIS)
-            _APIS.append(self.api)
-        api = self._api_index
+        api = api_index(self.api)
 
         def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_offset: float = 0.0,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
