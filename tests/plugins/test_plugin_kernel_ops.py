@@ -129,3 +129,37 @@ def test_mhc_operators_declare_their_destinations():
 
     assert _written("layer_boundary_mhc::boundary") == {"streams_out", "out", "h_post_out", "h_res_out"}
     assert _written("layer_boundary_mhc::update") == {"out"}
+
+
+def test_cutedsl_finalize_variant_compiles_to_the_eager_bits():
+    """The one-rank MoE finalize + add + norm variant over a launch double: the alignment check
+    that eager runs before choosing it moves into the operator under compile."""
+    from layer_boundary.plugin_api import finalize_partial_ref
+    from layer_boundary_cutedsl.fusion import CuteDslFusion
+
+    launches = []
+
+    def launch(compiled, x, r, w, y, eps, tw, sh):
+        launches.append(compiled)
+        fused_add_rmsnorm_ref(finalize_partial_ref(x, tw, sh), r, w, eps, weight_offset=1.0, out=y, residual_out=r)
+
+    fusion = CuteDslFusion(compiler=lambda *a, **kw: "variant", launch=launch)
+    h, k = 256, 2
+    fusion._build((h, torch.bfloat16, 1.0, k, True))  # no GPU: built unchecked, as a CPU build check is
+    g = torch.Generator().manual_seed(0)
+    experts = torch.randn(3, k, h, generator=g).bfloat16()
+    weights = torch.softmax(torch.randn(3, k, generator=g), -1).bfloat16()
+    shared = torch.randn(3, h, generator=g).bfloat16()
+    w = (torch.rand(h, generator=g) + 0.5).bfloat16()
+
+    def step(experts, weights, shared, residual, w):
+        call = fusion.local_kernel(experts, weights, shared, residual, (w, EPS, 1.0))
+        assert call is not None
+        out = torch.empty_like(residual)
+        call(out)
+        return out
+
+    residual = torch.randn(3, h, generator=g).bfloat16()
+    assert_traces(step, experts, weights, shared, residual, w, what="cutedsl finalize variant")
+    assert launches == ["variant", "variant"]  # eager and compiled both ran the variant
+    assert _written("layer_boundary_cutedsl::finalize_add_rmsnorm") == {"residual", "out"}
