@@ -209,3 +209,50 @@ def test_reference_operators_pass_opcheck(dtype):
                          (reference._rmsnorm_fp8, (x, w, 1e-6, 0.0)),
                          (reference._fused_add_rmsnorm_fp8, (x, r, w, 1e-6, 1.0))):
         torch.library.opcheck(registered_op(kernel), args)
+
+
+def test_the_finalize_references_compile_to_the_eager_bits_with_inductor():
+    from layer_boundary.plugin_api import finalize_partial_ref, moe_finalize
+
+    g = torch.Generator().manual_seed(1)
+    experts = torch.randn(9, 4, 512, generator=g).bfloat16()
+    weights = torch.softmax(torch.randn(9, 4, generator=g), -1).bfloat16()
+    shared = torch.randn(9, 512, generator=g).bfloat16()
+
+    def step(e, w, s):
+        return moe_finalize(e, w, s), finalize_partial_ref(e, w, s), finalize_partial_ref(e, w, None)
+
+    for got, want in zip(torch.compile(step, fullgraph=True)(experts, weights, shared), step(experts, weights, shared)):
+        assert torch.equal(got, want)
+    torch.library.opcheck(registered_op(moe_finalize), (experts, weights, shared))
+    torch.library.opcheck(registered_op(finalize_partial_ref), (experts, weights, None))
+
+
+def _graph_ops(fn, *args):
+    """The call_function targets of the graph Dynamo hands its backend for ``fn(*args)``."""
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return seen
+
+
+def test_inference_compiles_the_operator_and_grad_mode_stays_differentiable():
+    weight = torch.nn.Parameter(torch.rand(64) + 0.5)
+    x = torch.randn(3, 64)
+
+    def step(x):
+        return rmsnorm_ref(x, weight, 1e-6)
+
+    with torch.no_grad():
+        assert any("rmsnorm_ref" in t for t in _graph_ops(step, x))
+    assert not any("rmsnorm_ref" in t for t in _graph_ops(step, x))  # traced torch: has a backward
+    torch._dynamo.reset()
+    y = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    (got,) = torch.autograd.grad(y.sum(), weight)
+    (want,) = torch.autograd.grad(step(x).sum(), weight)
+    torch.testing.assert_close(got, want)

@@ -25,7 +25,10 @@ destination-passing (it fills what it is given and returns ``None``) and allocat
 in the plain Python around it, which Dynamo traces. A kernel that returns tensors must return new
 ones (the operator may not return an alias of its inputs); its fake implementation is ``fake`` when
 given, else the kernel itself run on fake tensors, which works for a kernel written in torch
-operations and fails, with that advice, for one that launches a vendor kernel.
+operations and fails, with that advice, for one that launches a vendor kernel. Such a kernel (no
+``fake=``) also stays differentiable: where autograd records (grad mode, an input that requires
+grad) Dynamo traces the kernel's torch operations instead of the operator, which has no backward;
+engines compile under ``no_grad`` / ``inference_mode`` and get the operator.
 """
 
 from __future__ import annotations
@@ -114,10 +117,18 @@ def kernel_op(name: str, kernel: F, *, mutates: Iterable[str] = (),
     op = torch.library.custom_op(qualified, body, mutates_args=written)
 
     returns = sig.return_annotation
-    if returns is None or returns is type(None):
+    mutation_only = returns is None or returns is type(None)
+    if mutation_only:
         op.register_fake(_writes_only)
     else:
         op.register_fake(fake if fake is not None else _fake_by_running(qualified, body))
+    # A kernel written in torch operations (its fake is itself) stays differentiable where autograd
+    # records: the operator has no backward, so there Dynamo traces a copy of the kernel (the
+    # kernel itself would be substituted again). Inference (no_grad, inference_mode) gets the op.
+    inline = None if mutation_only or fake is not None else types.FunctionType(
+        kernel.__code__, kernel.__globals__, kernel.__name__, kernel.__defaults__, kernel.__closure__)
+    if inline is not None:
+        inline.__kwdefaults__ = kernel.__kwdefaults__
 
     defaults = tuple(p.default for p in params)
     # The OpOverload, not the CustomOpDef: Dynamo builds a variable for the former from a closure.
@@ -130,6 +141,9 @@ def kernel_op(name: str, kernel: F, *, mutates: Iterable[str] = (),
         full = list(args)
         for i in range(len(args), len(names)):
             full.append(kwargs.get(names[i], defaults[i]))
+        if inline is not None and torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in full):
+            return inline(*args, **kwargs)
         return overload(*full)
 
     _OPS[id(kernel)] = op
