@@ -211,8 +211,8 @@ def test_reference_operators_pass_opcheck(dtype):
         torch.library.opcheck(registered_op(kernel), args)
 
 
-def test_the_finalize_references_compile_to_the_eager_bits_with_inductor():
-    from layer_boundary.plugin_api import finalize_partial_ref, moe_finalize
+def test_the_finalize_reference_compiles_to_the_eager_bits_with_inductor():
+    from layer_boundary.plugin_api import finalize_partial_ref
 
     g = torch.Generator().manual_seed(1)
     experts = torch.randn(9, 4, 512, generator=g).bfloat16()
@@ -220,11 +220,11 @@ def test_the_finalize_references_compile_to_the_eager_bits_with_inductor():
     shared = torch.randn(9, 512, generator=g).bfloat16()
 
     def step(e, w, s):
-        return moe_finalize(e, w, s), finalize_partial_ref(e, w, s), finalize_partial_ref(e, w, None)
+        return finalize_partial_ref(e, w, s), finalize_partial_ref(e, w, None)
 
     for got, want in zip(torch.compile(step, fullgraph=True)(experts, weights, shared), step(experts, weights, shared)):
         assert torch.equal(got, want)
-    torch.library.opcheck(registered_op(moe_finalize), (experts, weights, shared))
+    torch.library.opcheck(registered_op(finalize_partial_ref), (experts, weights, shared))
     torch.library.opcheck(registered_op(finalize_partial_ref), (experts, weights, None))
 
 
