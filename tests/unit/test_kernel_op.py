@@ -256,3 +256,29 @@ def test_inference_compiles_the_operator_and_grad_mode_stays_differentiable():
     (got,) = torch.autograd.grad(y.sum(), weight)
     (want,) = torch.autograd.grad(step(x).sum(), weight)
     torch.testing.assert_close(got, want)
+
+
+def test_registering_kernels_does_not_import_dynamo_and_its_import_makes_the_substitutions():
+    """torch._dynamo takes over a second to import: a process that never compiles must not pay it
+    for importing the references (nor a plugin for its kernels)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from layer_boundary.plugin_api import rmsnorm_ref\n"
+        "import layer_boundary._kernels.reference\n"
+        "assert 'torch._dynamo' not in sys.modules, 'kernel_op imported torch._dynamo'\n"
+        "x, w = torch.randn(3, 64), torch.rand(64)\n"
+        "def step(x, w):\n"
+        "    return rmsnorm_ref(x, w, 1e-6)\n"
+        "seen = []\n"
+        "def backend(gm, inputs):\n"
+        "    seen.extend(str(n.target) for n in gm.graph.nodes if n.op == 'call_function')\n"
+        "    return gm.forward\n"
+        "with torch.no_grad():\n"
+        "    torch.compile(step, fullgraph=True, backend=backend)(x, w)\n"
+        "assert seen == ['layer_boundary.rmsnorm_ref.default'], seen\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

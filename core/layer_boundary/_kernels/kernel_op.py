@@ -33,7 +33,10 @@ engines compile under ``no_grad`` / ``inference_mode`` and get the operator.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import inspect
+import sys
 import types
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union, get_args, get_origin
 
@@ -135,7 +138,6 @@ def kernel_op(name: str, kernel: F, *, mutates: Iterable[str] = (),
     namespace, _, opname = qualified.partition("::")
     overload = getattr(getattr(torch.ops, namespace), opname).default
 
-    @torch.compiler.substitute_in_graph(kernel, skip_signature_check=True)
     def as_operator(*args: Any, **kwargs: Any) -> Any:
         # Traced by Dynamo, never run in eager: the call's keywords in schema order.
         full = list(args)
@@ -146,8 +148,76 @@ def kernel_op(name: str, kernel: F, *, mutates: Iterable[str] = (),
             return inline(*args, **kwargs)
         return overload(*full)
 
+    _substitute(kernel, as_operator)
     _OPS[id(kernel)] = op
     return kernel
+
+
+# -- telling Dynamo, without importing it ------------------------------------------------------------
+# substitute_in_graph imports torch._dynamo, 1.4 s on this machine: a process that never compiles
+# must not pay that for importing a kernel. Substitutions wait here until torch._dynamo is imported
+# (by torch.compile, or anything else), and are made as its import completes, before it can trace.
+
+_PENDING: list[tuple[Callable[..., Any], Callable[..., Any]]] = []
+
+
+def _substitute(kernel: Callable[..., Any], polyfill: Callable[..., Any]) -> None:
+    if "torch._dynamo" in sys.modules and not _DynamoImported.waiting():
+        torch.compiler.substitute_in_graph(kernel, skip_signature_check=True)(polyfill)
+        return
+    _PENDING.append((kernel, polyfill))
+    _DynamoImported.install()
+
+
+def _flush() -> None:
+    while _PENDING:
+        kernel, polyfill = _PENDING.pop(0)
+        torch.compiler.substitute_in_graph(kernel, skip_signature_check=True)(polyfill)
+
+
+class _DynamoImported(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``torch._dynamo`` as the other finders do and, once its module has run, makes the
+    pending substitutions."""
+
+    _installed: Optional["_DynamoImported"] = None
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed is None:
+            cls._installed = cls()
+            sys.meta_path.insert(0, cls._installed)
+
+    @classmethod
+    def waiting(cls) -> bool:
+        """Whether torch._dynamo is being imported now (in sys.modules, its module not yet run)."""
+        return cls._installed is not None and cls._installed._loading
+
+    def __init__(self) -> None:
+        self._loader: Any = None
+        self._loading = False
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch._dynamo" or self._loader is not None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loading = True
+        try:
+            self._loader.exec_module(module)
+        finally:
+            self._loading = False
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+        _flush()
 
 
 def registered_op(kernel: Callable[..., Any]) -> Optional[Any]:
