@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch.library import triton_op, wrap_triton
