@@ -23,6 +23,9 @@ from ._kernels.refusals import cuda_half_norm_refusal as cuda_half_norm_refusal
 from ._selection import not_on_this_device as not_on_this_device
 from ._kernels.fallback import FallbackNotice as FallbackNotice
 from ._norms import norm_params as norm_params
+# A kernel as a registered torch.library operator: itself in eager, the operator under torch.compile
+from ._kernels.kernel_op import kernel_op as kernel_op
+from ._kernels.kernel_op import registered_op as registered_op
 
 # The torch references that define each op, and the tolerances a provider is held to
 from ._kernels.reference import check_rows as check_rows

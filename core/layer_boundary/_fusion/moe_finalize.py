@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .._forward import active_variant
+from .._kernels.kernel_op import kernel_op
 from .._kernels.reference import _acc_dtype, fused_add_rmsnorm_ref
 from .._layout import BatchVariant
 from .._output import HandoffOutput
@@ -86,6 +87,14 @@ def finalize_partial_ref(expert_out: torch.Tensor, topk_weights: torch.Tensor,
     if shared_out is not None:
         y = y + shared_out.to(acc)
     return y.to(expert_out.dtype)
+
+
+# The fused finalize's reference path is an operator under torch.compile (plain torch in eager),
+# for the norm references' reason: Inductor would regenerate the FP32 combine in its own order, and
+# the compiled path would leave the eager numbers the fused kernels are checked against. The
+# unfused moe_finalize is model arithmetic, which Inductor may fuse with its neighbours (within
+# FINALIZE_TOLERANCE), as bench finalize's compiled peer measures.
+kernel_op("layer_boundary::finalize_partial_ref", finalize_partial_ref)
 
 
 class FinalizeCandidate:

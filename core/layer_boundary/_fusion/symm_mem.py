@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .._kernels.kernel_op import kernel_op
 from .allreduce_norm import AllReduceNormProvider, FusedRun, FusedSum
 
 __all__ = ["SymmMemAllReduceNorm", "SymmWorkspace", "make_symm_workspace", "launch"]
@@ -35,6 +36,16 @@ class SymmWorkspace:
     world: int
     max_programs: int
     max_tokens: int  # rows per call the buffers hold
+    index: int = -1  # in _WORKSPACES: how the operator, which takes no Python object, finds it
+
+    def __post_init__(self) -> None:
+        self.index = len(_WORKSPACES)
+        _WORKSPACES.append(self)
+
+
+# Every workspace made, by index (a handful a process: one per group, hidden size and dtype, kept
+# for the process's life as its peer memory is).
+_WORKSPACES: list[SymmWorkspace] = []
 
 
 def _num_warps(block: int) -> int:
@@ -130,12 +141,21 @@ def launch(ws: SymmWorkspace, x: torch.Tensor, residual: torch.Tensor, weight: t
            shared: Optional[torch.Tensor] = None) -> None:
     """One fused call: sum ``x`` over the workspace's group, add ``residual`` (in place), write
     the norm into ``out``. With ``topk_weights``, ``x`` is ``[T, k, H]`` expert outputs that are
-    combined (plus ``shared``) first: a MoE finalize handoff."""
-    from .symm_mem_kernel import allreduce_add_rmsnorm_kernel
-
+    combined (plus ``shared``) first: a MoE finalize handoff. Under ``torch.compile`` the launch is
+    the operator ``layer_boundary::symm_mem_allreduce_add_rmsnorm`` (its peer buffers and flags are
+    the workspace's own state, outside the graph)."""
     if residual.shape[0] > ws.max_tokens:  # past the buffers: peers' rows would be overwritten
         raise ValueError(f"{residual.shape[0]} rows exceed the workspace's {ws.max_tokens}; callers decline "
                          "such batches before launching")
+    _launch(x, residual, weight, out, float(eps), float(weight_offset), topk_weights, shared, ws.index)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
+            weight_offset: float, topk_weights: Optional[torch.Tensor], shared: Optional[torch.Tensor],
+            workspace: int) -> None:
+    from .symm_mem_kernel import allreduce_add_rmsnorm_kernel
+
+    ws = _WORKSPACES[workspace]
     hidden = residual.shape[-1]
     block = 1 << (hidden - 1).bit_length()
     topk = 0 if topk_weights is None else topk_weights.shape[1]
@@ -151,3 +171,6 @@ def launch(ws: SymmWorkspace, x: torch.Tensor, residual: torch.Tensor, weight: t
         RANK=ws.rank, WORLD=ws.world, BLOCK=block, TOPK=topk, HAS_SHARED=shared is not None,
         num_warps=_num_warps(block),
     )
+
+
+kernel_op("layer_boundary::symm_mem_allreduce_add_rmsnorm", _launch, mutates=("residual", "out"))

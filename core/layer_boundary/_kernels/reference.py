@@ -16,6 +16,12 @@ itself, never ``y`` rounded to the activation dtype first, per token:
 and return ``QuantizedRows(data, scale)``. The fused form stores ``r' = s`` in the residual dtype
 exactly as the unquantized one does. FP64 inputs quantize their FP64 normalized row (divided by
 the FP32 scale that is returned). See ``layer_boundary._quant`` for ``QuantizedRows``.
+
+Under ``torch.compile`` each computation is the operator ``layer_boundary::<name>`` (``kernel_op``;
+eager calls stay plain torch): Inductor would regenerate the reduction and the rsqrt in its own
+order and fuse the casts, which moves results by an ulp, while the operator runs these same ATen
+calls, so a compiled model using the reference gives the eager numbers bit for bit. Destinations
+(``out=``, ``residual_out=``) are filled around the operator, in traced Python.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Optional
 import torch
 
 from .._quant import FP8_E4M3_MAX, FP8_SCALE_FLOOR, QuantizedRows
+from .kernel_op import kernel_op
 
 __all__ = ["check_rows", "rmsnorm_ref", "fused_add_rmsnorm_ref", "rmsnorm_fp8_ref", "fused_add_rmsnorm_fp8_ref"]
 
@@ -51,6 +58,48 @@ def _normalize(s: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset:
     return s * torch.rsqrt(var + eps) * w
 
 
+# -- the computations (each an operator under torch.compile; fresh outputs only) --------------------
+
+def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
+    return _normalize(x.to(_acc_dtype(x.dtype)), weight, eps, weight_offset).to(x.dtype)
+
+
+def _fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       weight_offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = _acc_dtype(x.dtype, residual.dtype)
+    s = x.to(acc) + residual.to(acc)
+    return _normalize(s, weight, eps, weight_offset).to(x.dtype), s.to(residual.dtype)
+
+
+def _rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 weight_offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_fp8(_normalize(x.to(_acc_dtype(x.dtype)), weight, eps, weight_offset))
+
+
+def _fused_add_rmsnorm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           weight_offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc = _acc_dtype(x.dtype, residual.dtype)
+    s = x.to(acc) + residual.to(acc)
+    data, scale = _quantize_fp8(_normalize(s, weight, eps, weight_offset))
+    return data, scale, s.to(residual.dtype)
+
+
+def _quantize_fp8(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (y.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).to(torch.float32).clamp(min=FP8_SCALE_FLOOR)
+    # Divide by the FP32 scale that is returned (it differs from an FP64 one), and clamp before
+    # the cast: torch turns an out-of-range value into NaN, and y / scale can land an ulp above
+    # 448 for the row's largest element.
+    data = (y / scale.to(y.dtype)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return data, scale
+
+
+for _name, _kernel in (("rmsnorm_ref", _rmsnorm), ("fused_add_rmsnorm_ref", _fused_add_rmsnorm),
+                       ("rmsnorm_fp8_ref", _rmsnorm_fp8), ("fused_add_rmsnorm_fp8_ref", _fused_add_rmsnorm_fp8)):
+    kernel_op(f"layer_boundary::{_name}", _kernel)
+
+
+# -- public callables: destinations filled around the computation ---------------------------------
+
 def rmsnorm_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -61,7 +110,7 @@ def rmsnorm_ref(
 ) -> torch.Tensor:
     """``out = x / sqrt(mean(x^2) + eps) * (weight + weight_offset)``, computed in FP32
     (FP64 for FP64 input)."""
-    y = _normalize(x.to(_acc_dtype(x.dtype)), weight, eps, weight_offset).to(x.dtype)
+    y = _rmsnorm(x, weight, eps, weight_offset)
     if out is None:
         return y
     out.copy_(y)
@@ -84,10 +133,7 @@ def fused_add_rmsnorm_ref(
     residual in place, as fused kernels do).
     """
     check_rows(x, residual)
-    acc = _acc_dtype(x.dtype, residual.dtype)
-    s = x.to(acc) + residual.to(acc)
-    y = _normalize(s, weight, eps, weight_offset).to(x.dtype)
-    r = s.to(residual.dtype)
+    y, r = _fused_add_rmsnorm(x, residual, weight, eps, weight_offset)
     if residual_out is not None:
         residual_out.copy_(r)
         r = residual_out
@@ -97,12 +143,7 @@ def fused_add_rmsnorm_ref(
     return y, r
 
 
-def _quantize_fp8(y: torch.Tensor, out: Optional[QuantizedRows]) -> QuantizedRows:
-    scale = (y.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).to(torch.float32).clamp(min=FP8_SCALE_FLOOR)
-    # Divide by the FP32 scale that is returned (it differs from an FP64 one), and clamp before
-    # the cast: torch turns an out-of-range value into NaN, and y / scale can land an ulp above
-    # 448 for the row's largest element.
-    data = (y / scale.to(y.dtype)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+def _quantized(data: torch.Tensor, scale: torch.Tensor, out: Optional[QuantizedRows]) -> QuantizedRows:
     if out is None:
         return QuantizedRows(data, scale)
     out.data.copy_(data)
@@ -120,8 +161,7 @@ def rmsnorm_fp8_ref(
 ) -> QuantizedRows:
     """``rmsnorm_ref`` with a per-token FP8 e4m3 output (module docstring); ``out`` is an optional
     ``QuantizedRows`` of destinations."""
-    y = _normalize(x.to(_acc_dtype(x.dtype)), weight, eps, weight_offset)
-    return _quantize_fp8(y, out)
+    return _quantized(*_rmsnorm_fp8(x, weight, eps, weight_offset), out)
 
 
 def fused_add_rmsnorm_fp8_ref(
@@ -137,10 +177,8 @@ def fused_add_rmsnorm_fp8_ref(
     """``fused_add_rmsnorm_ref`` whose normalized output is per-token FP8 e4m3; the residual keeps
     its dtype."""
     check_rows(x, residual)
-    acc = _acc_dtype(x.dtype, residual.dtype)
-    s = x.to(acc) + residual.to(acc)
-    q = _quantize_fp8(_normalize(s, weight, eps, weight_offset), out)
-    r = s.to(residual.dtype)
+    data, scale, r = _fused_add_rmsnorm_fp8(x, residual, weight, eps, weight_offset)
+    q = _quantized(data, scale, out)
     if residual_out is not None:
         residual_out.copy_(r)
         r = residual_out

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import os
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch.library import triton_op, wrap_triton
 
 from .._quant import QuantizedRows
 from ..residual._add_norm import NormKernels
+from .kernel_op import kernel_op
 from .reference import check_rows
 from .triton_norm import INTERPRETED, launch, norm_rows_kernel
 
@@ -68,20 +69,15 @@ def _fused_add_rmsnorm_body(
     launch(kernel, x, residual, weight, out, residual_out, scale, eps, weight_offset)
 
 
-def _writes_only(*args: object) -> None:
-    return None
-
-
-def _define(name: str, body: Callable[..., None], writes: set[str]) -> Any:
+def _define(name: str, body: Callable[..., None], writes: set[str]) -> None:
     if not INTERPRETED:
         # triton_op traces the body (wrap_triton) into the graph, so Inductor sees the kernel.
-        return triton_op(name, body, mutates_args=writes)
-    # The interpreter's kernel runs on CPU tensors and cannot be traced by wrap_triton: a plain
-    # custom operator with the same schema (and no outputs, so a no-op fake) keeps the compiled
-    # path testable on a CPU.
-    op = torch.library.custom_op(name, body, mutates_args=writes)
-    op.register_fake(_writes_only)
-    return op
+        triton_op(name, body, mutates_args=writes)
+        return
+    # The interpreter's kernel runs on CPU tensors and cannot be traced by wrap_triton: an opaque
+    # operator with the same schema (the vendor SDK's, whose fake of a body that returns nothing
+    # is derived) keeps the compiled path testable on a CPU.
+    kernel_op(name, body, mutates=writes)
 
 
 _define("layer_boundary::rmsnorm", _rmsnorm_body, {"out", "scale"})

@@ -11,6 +11,7 @@ from .._kernels.reference import fused_add_rmsnorm_fp8_ref, fused_add_rmsnorm_re
 from .._providers import NormRequest
 from .._quant import FP8_SCALE_FLOOR
 from ._tolerances import MAX_TOLERANCE, assert_fp8_rows_close, tolerance_of
+from ._tracing import assert_traces
 
 __all__ = ["NormKernelConformance"]
 
@@ -260,6 +261,31 @@ class NormKernelConformance:
             assert got.scale[1].item() == pytest.approx(FP8_SCALE_FLOOR), f"{r.describe()}: {got.scale[1].item()}"
             assert not got.data[1].float().any(), f"{r.describe()}: a zero row quantized to nonzero codes"
             assert bool(torch.isfinite(got.data.float()).all()), f"{r.describe()}: non-finite codes"
+
+    def test_kernels_trace_under_torch_compile(self, provider: Any, device: str) -> None:
+        """Engines compile whole models with ``fullgraph=True``: the table's kernels (plain, fused,
+        fused with ``out=x`` where declared, and the quantized outputs it serves) must trace and
+        give the eager numbers, their in-place writes included. One request per weight offset and
+        output (each is a compile)."""
+        picked: dict[tuple[float, Optional[str]], NormRequest] = {}
+        for q in (None, *self.quants):
+            for r in self._accepted(provider, device, q, skip_if_none=q is None):
+                picked.setdefault((r.weight_offset, q), r)
+        for r in picked.values():
+            k = provider.kernels(r)
+            off = r.weight_offset
+
+            def step(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor) -> tuple[Any, ...]:
+                y = k.rmsnorm(x, w, 1e-6, weight_offset=off)
+                y2, r2 = k.fused_add_rmsnorm(x, res, w, 1e-5, weight_offset=off)
+                if not k.input_as_out:
+                    return y, y2, r2
+                c = x * 2  # a contribution the call owns, handed over as the destination
+                y3, r3 = k.fused_add_rmsnorm(c, r2, w, 1e-6, weight_offset=off, out=c)
+                return y, y2, y3, r3
+
+            x, res, w = self._tensors(r, 5, seed=13)
+            assert_traces(step, x, res, w, what=f"{k.name} kernels ({r.describe()})")
 
     @pytest.mark.gpu
     def test_cuda_graph_capture_replays(self, provider: Any) -> None:

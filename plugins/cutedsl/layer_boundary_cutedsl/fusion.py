@@ -37,6 +37,7 @@ from layer_boundary.plugin_api import (
     finalize_partial_ref,
     FINALIZE_TOLERANCE,
     fused_add_rmsnorm_ref,
+    kernel_op,
     MoeFinalizeFusion,
 )
 
@@ -64,6 +65,7 @@ class CuteDslFusion(MoeFinalizeFusion):
         self._compiler = compiler
         self._launch = launch
         self._variants: dict[Variant, Any] = {}
+        self._indexes: dict[Variant, int] = {}  # in _VARIANTS, for the operator
 
     def prepare(self, top_k: Iterable[int] = ()) -> None:
         """Workspaces (the core's), then the CuTe DSL variants for one-rank consumers and each
@@ -103,14 +105,47 @@ class CuteDslFusion(MoeFinalizeFusion):
                                    f"{' +shared' if v[4] else ''} (prepare_cutedsl_fusion(model, top_k=...)); "
                                    "the core Triton kernel runs it")
             return None
-        if not _vector_ready(expert_out, weights, shared, residual, weight):
+        # Eager: a payload the 128-bit accesses cannot read goes to the core's Triton kernel. Dynamo
+        # cannot read data pointers: under torch.compile the operator checks and falls back itself.
+        if not torch.compiler.is_compiling() and not _vector_ready(expert_out, weights, shared, residual, weight):
             return None
-        run = self._launch or _launch
+        index = self._variant_index(v, compiled)
+        offset = float(v[2])
 
         def call(out: torch.Tensor) -> None:
-            run(compiled, expert_out, residual, weight, out, eps, weights, shared)
+            _finalize_add_rmsnorm(expert_out, residual, weight, out, float(eps), offset, weights, shared, index)
 
         return call
+
+    def _variant_index(self, v: Variant, compiled: Any) -> int:
+        index = self._indexes.get(v)
+        if index is None:
+            index = self._indexes[v] = len(_VARIANTS)
+            _VARIANTS.append((compiled, self._launch or _launch))
+        return index
+
+
+# The compiled variants (and their launcher) by index: the operator takes no Python object. A few a
+# process (top-k values x shared or not); kept for its life, as their CUDA modules are.
+_VARIANTS: list[tuple[Any, Callable[..., None]]] = []
+
+
+def _finalize_add_rmsnorm(expert_out: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          out: torch.Tensor, eps: float, weight_offset: float, topk_weights: torch.Tensor,
+                          shared: Optional[torch.Tensor], variant: int) -> None:
+    """One rank's finalize + add + RMSNorm by the CuTe DSL variant: ``residual += combine(expert_out)``
+    (in place), ``out = rmsnorm(residual)``. Rows its vector accesses cannot read (only a compiled
+    graph gets here with them) take the torch reference's finalize arithmetic, within
+    ``FINALIZE_TOLERANCE`` of the kernel."""
+    if not _vector_ready(expert_out, topk_weights, shared, residual, weight):
+        fused_add_rmsnorm_ref(finalize_partial_ref(expert_out, topk_weights, shared), residual, weight, eps,
+                              weight_offset=weight_offset, out=out, residual_out=residual)
+        return
+    compiled, run = _VARIANTS[variant]
+    run(compiled, expert_out, residual, weight, out, eps, topk_weights, shared)
+
+
+kernel_op("finalize_add_rmsnorm", _finalize_add_rmsnorm, mutates=("residual", "out"))
 
 
 def _vector_ready(expert_out: torch.Tensor, weights: torch.Tensor, shared: Optional[torch.Tensor],

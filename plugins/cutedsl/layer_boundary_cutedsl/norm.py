@@ -33,6 +33,7 @@ from layer_boundary.plugin_api import (
     cuda_half_norm_refusal,
     FallbackNotice,
     fused_add_rmsnorm_ref,
+    kernel_op,
     NormKernels,
     NormRequest,
     rmsnorm_ref,
@@ -66,6 +67,66 @@ def _weight_fits(w: torch.Tensor, dtype: torch.dtype, hidden: int) -> bool:
             and w.data_ptr() % 16 == 0)
 
 
+class _Table:
+    """What one kernel table calls: its two compiled variants, the launcher and its notice."""
+
+    __slots__ = ("hidden", "dtype", "offset", "plain", "fused", "run", "fall_back")
+
+    def __init__(self, hidden: int, dtype: torch.dtype, offset: float, plain: Compiled, fused: Compiled,
+                 run: Callable[..., None]) -> None:
+        self.hidden, self.dtype, self.offset = hidden, dtype, offset
+        self.plain, self.fused, self.run = plain, fused, run
+        self.fall_back = FallbackNotice("cutedsl")  # correct but slower: said once per cause
+
+
+# The tables by index: the operators below take no Python object. One per (H, dtype, offset) a
+# provider builds; kept for the process's life, as the compiled CUDA modules are.
+_TABLES: list[_Table] = []
+
+
+def _rmsnorm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float, out: torch.Tensor,
+                  table: int) -> None:
+    """``out = rmsnorm(x)`` by the compiled kernel where it takes the tensors, else by the torch
+    reference. Its checks read data pointers (alignment): an operator as a whole."""
+    t = _TABLES[table]
+    why = _why_not(x, weight, weight_offset, t.hidden, t.dtype, want_offset=t.offset)
+    if why is None and not (_rows_fit(out, t.dtype, t.hidden) and out.shape == x.shape):
+        why = "out= is not [T, H] rows like the input (contiguous last dimension, 16-byte aligned)"
+    if why is not None:
+        t.fall_back("rmsnorm", why)
+        rmsnorm_ref(x, weight, eps, weight_offset=weight_offset, out=out)
+    elif x.shape[0]:  # zero rows would be an empty grid, an invalid launch
+        t.run(t.plain, x, x, weight, out, eps)
+
+
+def _fused_add_rmsnorm_into(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            weight_offset: float, out: torch.Tensor, residual_out: Optional[torch.Tensor],
+                            table: int) -> None:
+    """``out, residual_out (default: residual) = fused_add_rmsnorm(x, residual)``; ``out`` may be x."""
+    t = _TABLES[table]
+    dest = residual if residual_out is None else residual_out
+    why = _why_not(x, weight, weight_offset, t.hidden, t.dtype, want_offset=t.offset)
+    if why is None and not (_rows_fit(residual, t.dtype, t.hidden) and _rows_fit(dest, t.dtype, t.hidden)
+                            and dest.shape == x.shape):
+        why = "the residual is not [T, H] rows of the input's dtype (contiguous last dimension, 16-byte aligned)"
+    if why is None and not (_rows_fit(out, t.dtype, t.hidden) and out.shape == x.shape):
+        why = "out= is not [T, H] rows like the input (contiguous last dimension, 16-byte aligned)"
+    if why is not None:
+        t.fall_back("fused_add_rmsnorm", why)
+        fused_add_rmsnorm_ref(x, residual, weight, eps, weight_offset=weight_offset, out=out, residual_out=dest)
+        return
+    if dest is not residual:
+        dest.copy_(residual)
+    if x.shape[0]:
+        # out may be x itself: each thread reads its vectors of x before it writes them.
+        t.run(t.fused, x, dest, weight, out, eps)
+
+
+# Under torch.compile each call, checks and fallback included, is one opaque operator.
+kernel_op("rmsnorm", _rmsnorm_into, mutates=("out",))
+kernel_op("fused_add_rmsnorm", _fused_add_rmsnorm_into, mutates=("residual", "out", "residual_out"))
+
+
 def cutedsl_kernels(hidden: int, dtype: torch.dtype, weight_offset: float, plain: Compiled,
                     fused: Compiled, launch: Optional[Callable[..., None]] = None) -> NormKernels:
     """The kernel table over two compiled variants (plain and fused) for one (H, dtype, offset).
@@ -73,48 +134,26 @@ def cutedsl_kernels(hidden: int, dtype: torch.dtype, weight_offset: float, plain
     ``launch(compiled, x, r, w, y, eps)`` runs a compiled variant on torch tensors; the default
     passes raw pointers and the current stream (tests pass a double).
     """
-    run = launch or _launch
-    _offset = float(weight_offset)
-    fall_back = FallbackNotice("cutedsl")  # correct but slower: said once per cause
+    table = len(_TABLES)
+    _TABLES.append(_Table(hidden, dtype, float(weight_offset), plain, fused, launch or _launch))
 
     def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_offset: float = 0.0,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        why = _why_not(x, weight, weight_offset, hidden, dtype, want_offset=_offset)
-        if why is None and out is not None and not (_rows_fit(out, dtype, hidden) and out.shape == x.shape):
-            why = "out= is not [T, H] rows like the input (contiguous last dimension, 16-byte aligned)"
-        if why is not None:
-            fall_back("rmsnorm", why)
-            return rmsnorm_ref(x, weight, eps, weight_offset=weight_offset, out=out)
         if out is None:
-            out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        if x.shape[0]:  # zero rows would be an empty grid, an invalid launch
-            run(plain, x, x, weight, out, eps)
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _rmsnorm_into(x, weight, eps, float(weight_offset), out, table)
         return out
 
     def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                           weight_offset: float = 0.0, out: Optional[torch.Tensor] = None,
                           residual_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         check_rows(x, residual)
-        if residual_out is None:
-            residual_out = residual
-        why = _why_not(x, weight, weight_offset, hidden, dtype, want_offset=_offset)
-        if why is None and not (_rows_fit(residual, dtype, hidden) and _rows_fit(residual_out, dtype, hidden)
-                                and residual_out.shape == x.shape):
-            why = "the residual is not [T, H] rows of the input's dtype (contiguous last dimension, 16-byte aligned)"
-        if why is None and out is not None and not (_rows_fit(out, dtype, hidden) and out.shape == x.shape):
-            why = "out= is not [T, H] rows like the input (contiguous last dimension, 16-byte aligned)"
-        if why is not None:
-            fall_back("fused_add_rmsnorm", why)
-            return fused_add_rmsnorm_ref(x, residual, weight, eps, weight_offset=weight_offset, out=out,
-                                         residual_out=residual_out)
-        if residual_out is not residual:
-            residual_out.copy_(residual)
+        if residual_out is residual:
+            residual_out = None  # in place: the operator may not take one tensor as two written arguments
         if out is None:
-            out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        if x.shape[0]:
-            # out may be x itself: each thread reads its vectors of x before it writes them.
-            run(fused, x, residual_out, weight, out, eps)
-        return out, residual_out
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _fused_add_rmsnorm_into(x, residual, weight, eps, float(weight_offset), out, residual_out, table)
+        return out, residual if residual_out is None else residual_out
 
     return NormKernels("cutedsl", rmsnorm, fused_add_rmsnorm, residual_in_place=True)
 

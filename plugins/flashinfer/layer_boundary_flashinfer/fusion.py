@@ -65,7 +65,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from layer_boundary.plugin_api import AllReduceNormProvider, FusedSum
+from layer_boundary.plugin_api import AllReduceNormProvider, FusedSum, kernel_op
 
 __all__ = ["FlashInferAllReduceNorm", "CommApi", "FP8_REFUSAL", "WORLD_SIZES", "ONESHOT_BUDGET_MIB"]
 
@@ -251,32 +251,19 @@ class FlashInferAllReduceNorm(AllReduceNormProvider):
     def run_with(self, workspace: Any, fused: FusedSum) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         comm = self._load()
         assert not isinstance(comm, str), comm
-        call, pattern = comm.allreduce_fusion, comm.pattern
-        hidden, dtype = fused.hidden_size, fused.dtype
-        oneshot_rows = self.oneshot_rows(fused)
         # FP32 accumulation for 16-bit rows: one rounding of the sum, the reference's. FlashInfer
         # ignores it for fp32 rows.
-        extra: dict[str, Any] = {"fp32_acc": dtype is not torch.float32}
+        extra: dict[str, Any] = {"fp32_acc": fused.dtype is not torch.float32}
         if fused.weight_offset != 0.0:
             extra["weight_bias"] = fused.weight_offset
-        pdl = self.launch_with_pdl
+        call = len(_CALLS)
+        _CALLS.append(_Call(comm.allreduce_fusion, workspace, comm.pattern, self.launch_with_pdl,
+                            self.oneshot_rows(fused), extra))
+        hidden, dtype = fused.hidden_size, fused.dtype
 
         def run(x: torch.Tensor, residual: torch.Tensor, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            rows = x.shape[0]
-            # The kernel flattens its tensors and reads 16-byte vectors: rows must be packed and
-            # aligned (the base class has checked dtype, width and that the residual is packed).
-            if x.data_ptr() % 16 or not x.is_contiguous():
-                x = x.clone(memory_format=torch.contiguous_format)
-            r = residual if residual.data_ptr() % 16 == 0 else residual.clone()
-            y = torch.empty((rows, hidden), dtype=dtype, device=x.device)
-            gamma = read.weight
-            if gamma.requires_grad:
-                gamma = gamma.detach()  # DLPack refuses tensors that require grad
-            call(input=x, workspace=workspace, pattern=pattern, launch_with_pdl=pdl,
-                 trigger_completion_at_end=True, output=y, residual_out=r, norm_out=y, residual_in=r,
-                 rms_gamma=gamma, rms_eps=read.eps, use_oneshot=rows <= oneshot_rows, **extra)
-            if r is not residual:
-                residual.copy_(r)
+            y = torch.empty((x.shape[0], hidden), dtype=dtype, device=x.device)
+            _allreduce_add_rmsnorm(x, residual, read.weight, float(read.eps), y, call)
             return y, residual
 
         return run
@@ -289,3 +276,43 @@ class FlashInferAllReduceNorm(AllReduceNormProvider):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(max_tokens={self.max_tokens}, oneshot_max_tokens="
                 f"{self.oneshot_max_tokens}, launch_with_pdl={self.launch_with_pdl})")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one candidate's fused call passes to ``allreduce_fusion`` besides its tensors."""
+
+    allreduce_fusion: Callable[..., Any]
+    workspace: Any
+    pattern: int
+    pdl: bool
+    oneshot_rows: int
+    extra: dict[str, Any]
+
+
+# The candidates' calls by index: the operator takes no Python object. One per (group, hidden
+# size, dtype) and stage read; kept for the process's life, as FlashInfer keeps the workspaces.
+_CALLS: list[_Call] = []
+
+
+def _allreduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           out: torch.Tensor, call: int) -> None:
+    """``out = rmsnorm(residual += all_reduce(x))`` in FlashInfer's one kernel: under
+    ``torch.compile`` the operator ``layer_boundary_flashinfer::allreduce_add_rmsnorm`` (the
+    collective runs inside it, through the workspace's peer buffers)."""
+    c = _CALLS[call]
+    # The kernel flattens its tensors and reads 16-byte vectors: rows must be packed and aligned
+    # (the base class has checked dtype, width and that the residual is packed).
+    if x.data_ptr() % 16 or not x.is_contiguous():
+        x = x.clone(memory_format=torch.contiguous_format)
+    r = residual if residual.data_ptr() % 16 == 0 else residual.clone()
+    if weight.requires_grad:
+        weight = weight.detach()  # DLPack refuses tensors that require grad
+    c.allreduce_fusion(input=x, workspace=c.workspace, pattern=c.pattern, launch_with_pdl=c.pdl,
+                       trigger_completion_at_end=True, output=out, residual_out=r, norm_out=out, residual_in=r,
+                       rms_gamma=weight, rms_eps=eps, use_oneshot=x.shape[0] <= c.oneshot_rows, **c.extra)
+    if r is not residual:
+        residual.copy_(r)
+
+
+kernel_op("allreduce_add_rmsnorm", _allreduce_add_rmsnorm, mutates=("residual", "out"))

@@ -44,6 +44,7 @@ from layer_boundary.plugin_api import (
     cuda_half_norm_refusal,
     FallbackNotice,
     fused_add_rmsnorm_ref,
+    kernel_op,
     NormKernels,
     NormRequest,
     rmsnorm_ref,
@@ -81,59 +82,93 @@ def _weight_fits(weight: torch.Tensor, x: torch.Tensor) -> bool:
             and weight.data_ptr() % math.gcd(16, x.shape[-1] * x.element_size()) == 0)
 
 
+class _Library:
+    """What a kernel table calls: FlashInfer's functions by weight offset, and its fallback notice."""
+
+    __slots__ = ("plain", "fused", "fall_back")
+
+    def __init__(self, fi: Any) -> None:
+        self.plain = {0.0: fi.rmsnorm, 1.0: fi.gemma_rmsnorm}
+        self.fused = {0.0: fi.fused_add_rmsnorm, 1.0: fi.gemma_fused_add_rmsnorm}
+        self.fall_back = FallbackNotice("flashinfer")  # correct but slower: said once per cause
+
+
+# The libraries kernel tables call, by index: the operators below take no Python object. One entry
+# per table (a provider makes one); kept for the process's life, as FlashInfer keeps its modules.
+_LIBRARIES: list[_Library] = []
+
+
+def _rmsnorm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float, out: torch.Tensor,
+                  library: int) -> None:
+    """``out = rmsnorm(x)`` by FlashInfer where it takes the tensors, else by the torch reference.
+    Its checks read data pointers (alignment), which is why it is an operator as a whole."""
+    lib = _LIBRARIES[library]
+    fn = lib.plain.get(weight_offset)
+    if fn is None or not _weight_fits(weight, x) or not _fits(x, x.dtype, x.shape[-1]) \
+            or not _fits(out, x.dtype, x.shape[-1]) or out.shape != x.shape:
+        lib.fall_back("rmsnorm", _why_not(x, weight, weight_offset, out=out))
+        rmsnorm_ref(x, weight, eps, weight_offset=weight_offset, out=out)
+        return
+    if x.shape[0]:
+        fn(x, weight.detach() if weight.requires_grad else weight, eps, out=out)
+
+
+def _fused_add_rmsnorm_into(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            weight_offset: float, out: torch.Tensor, residual_out: Optional[torch.Tensor],
+                            library: int) -> None:
+    """``out, residual_out (default: residual) = fused_add_rmsnorm(x, residual)``; ``out`` may be x."""
+    lib = _LIBRARIES[library]
+    dest = residual if residual_out is None else residual_out
+    fn = lib.fused.get(weight_offset)
+    hidden = x.shape[-1]
+    ok = (fn is not None and x.dim() == 2 and _weight_fits(weight, x) and residual.dtype is x.dtype
+          and _fits(dest, x.dtype, hidden)
+          and (_fits(x, x.dtype, hidden) if out is x else _fits(out, x.dtype, hidden) and out.shape == x.shape))
+    if not ok:
+        lib.fall_back("fused_add_rmsnorm", _why_not(x, weight, weight_offset, residual=dest, out=out))
+        fused_add_rmsnorm_ref(x, residual, weight, eps, weight_offset=weight_offset, out=out, residual_out=dest)
+        return
+    assert fn is not None  # ok above
+    if dest is not residual:
+        dest.copy_(residual)
+    # FlashInfer normalizes into the tensor it adds from: out holds a copy of x unless the caller
+    # handed x over (out=x).
+    if out is not x:
+        out.copy_(x)
+    if x.shape[0]:
+        fn(out, dest, weight.detach() if weight.requires_grad else weight, eps)
+
+
+# Under torch.compile the whole call, checks and fallback included, is one opaque operator.
+kernel_op("rmsnorm", _rmsnorm_into, mutates=("out",))
+kernel_op("fused_add_rmsnorm", _fused_add_rmsnorm_into, mutates=("residual", "out", "residual_out"))
+
+
 def flashinfer_kernels(fi: Any) -> NormKernels:
     """The kernel table over a module holding FlashInfer's four norm functions (``flashinfer``
     itself, or a test double with the same functions)."""
-    plain = {0.0: fi.rmsnorm, 1.0: fi.gemma_rmsnorm}
-    fused = {0.0: fi.fused_add_rmsnorm, 1.0: fi.gemma_fused_add_rmsnorm}
-    fall_back = FallbackNotice("flashinfer")  # correct but slower: said once per cause
+    library = len(_LIBRARIES)
+    _LIBRARIES.append(_Library(fi))
 
     def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_offset: float = 0.0,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        fn = plain.get(weight_offset)
         if x.dim() == 2 and x.stride(1) != 1:
             x = x.contiguous()  # a read-only input may be copied; the kernel reads whole rows
-        if fn is None or not _weight_fits(weight, x) or not _fits(x, x.dtype, x.shape[-1]) \
-                or (out is not None and (not _fits(out, x.dtype, x.shape[-1]) or out.shape != x.shape)):
-            fall_back("rmsnorm", _why_not(x, weight, weight_offset, out=out))
-            return rmsnorm_ref(x, weight, eps, weight_offset=weight_offset, out=out)
         if out is None:
-            out = torch.empty_like(x)
-        if x.shape[0]:
-            fn(x, weight.detach() if weight.requires_grad else weight, eps, out=out)
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _rmsnorm_into(x, weight, eps, float(weight_offset), out, library)
         return out
 
     def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                           weight_offset: float = 0.0, out: Optional[torch.Tensor] = None,
                           residual_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         check_rows(x, residual)
-        if residual_out is None:
-            residual_out = residual
-        fn = fused.get(weight_offset)
-        ok = fn is not None and x.dim() == 2 and _weight_fits(weight, x) and residual.dtype is x.dtype
-        if ok:
-            hidden = x.shape[-1]
-            ok = _fits(residual_out, x.dtype, hidden) and (
-                _fits(x, x.dtype, hidden) if out is x else
-                out is None or _fits(out, x.dtype, hidden) and out.shape == x.shape)
-        if not ok:
-            fall_back("fused_add_rmsnorm", _why_not(x, weight, weight_offset, residual=residual_out, out=out))
-            return fused_add_rmsnorm_ref(x, residual, weight, eps, weight_offset=weight_offset, out=out,
-                                         residual_out=residual_out)
-        assert fn is not None  # ok above
-        if residual_out is not residual:
-            residual_out.copy_(residual)
-        # FlashInfer normalizes into the tensor it adds from: give it a copy of x unless the caller
-        # handed x over (out=x).
+        if residual_out is residual:
+            residual_out = None  # in place: the operator may not take one tensor as two written arguments
         if out is None:
-            y = x.clone(memory_format=torch.contiguous_format)
-        elif out is x:
-            y = x
-        else:
-            y = out.copy_(x)
-        if x.shape[0]:
-            fn(y, residual_out, weight.detach() if weight.requires_grad else weight, eps)
-        return y, residual_out
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _fused_add_rmsnorm_into(x, residual, weight, eps, float(weight_offset), out, residual_out, library)
+        return out, residual if residual_out is None else residual_out
 
     return NormKernels("flashinfer", rmsnorm, fused_add_rmsnorm, residual_in_place=True, input_as_out=True)
 

@@ -19,8 +19,8 @@ Destinations (``out=``, ...) are written and returned; missing ones are allocate
 
 Eager calls launch the kernels directly (the dispatcher costs more than a decode-sized kernel);
 under ``torch.compile`` they call ``layer_boundary_mhc::boundary`` / ``::update``, opaque custom
-operators whose schemas declare the destinations they write (``_define`` says why not
-``triton_op``). Each call allocates its workspace (FP32 partial sums, and
+operators (the vendor SDK's ``kernel_op``) whose schemas declare the destinations they write (the
+registration says why not ``triton_op``). Each call allocates its workspace (FP32 partial sums, and
 for the cooperative launch a zeroed counter per token block) from the caching allocator, which a
 CUDA graph captures like any other allocation, and never synchronizes with the host.
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from layer_boundary.plugin_api import kernel_op
 
 from .accuracy import TOLERANCE  # re-exported: the kernels' tolerances live with their comparison
 from .coefficients import SINKHORN_ITERS, check_iters
@@ -106,7 +107,7 @@ def _launch_boundary(
     update = y is not None
     # Placeholders the kernel never touches are a tensor of their own, never the workspace: where
     # launches are traced and functionalized (torch.library.triton_op, which these operators no
-    # longer are: _define), an argument aliasing the workspace can stand for its written value.
+    # longer are: see their registration), an argument aliasing the workspace can stand for its written value.
     unused = torch.empty(1, dtype=torch.float32, device=x.device)
     if y is not None:
         if streams_out is None:
@@ -204,22 +205,14 @@ def _update_body(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, h_res: 
     _launch_update(mhc_update_kernel, x, y, h_post, h_res, out)
 
 
-def _writes_only(*args: object) -> None:
-    return None
-
-
-def _define(name: str, body: Callable[..., object], writes: set[str]) -> None:
-    # Opaque to the compiler: the body runs as in eager mode, its launches and workspaces included.
-    # torch.library.triton_op (the body traced into the graph, the launches functionalized) gave
-    # wrong inputs on an H200 (torch 2.11, Triton 3.6: the finishes read garbage partial sums at
-    # T = 64), and copies every argument of a kernel holding impure inline assembly, which its
-    # analysis of the written arguments cannot read.
-    op = torch.library.custom_op(name, body, mutates_args=writes)
-    op.register_fake(_writes_only)
-
-
-_define("layer_boundary_mhc::boundary", _boundary_body, {"streams_out", "out", "h_post_out", "h_res_out"})
-_define("layer_boundary_mhc::update", _update_body, {"out"})
+# Opaque to the compiler: the body runs as in eager mode, its launches and workspaces included, and
+# eager calls are the plain bodies (kernel_op puts the operator in their place only under
+# torch.compile). torch.library.triton_op (the body traced into the graph, the launches
+# functionalized) gave wrong inputs on an H200 (torch 2.11, Triton 3.6: the finishes read garbage
+# partial sums at T = 64), and copies every argument of a kernel holding impure inline assembly,
+# which its analysis of the written arguments cannot read.
+kernel_op("boundary", _boundary_body, mutates=("streams_out", "out", "h_post_out", "h_res_out"))
+kernel_op("update", _update_body, mutates=("out",))
 
 
 # -- checks (a few attribute reads a call) ------------------------------------------------------------
@@ -345,16 +338,9 @@ def _boundary(x: torch.Tensor, y: Optional[torch.Tensor], h_post: Optional[torch
     eps = float(params.eps)
     form = FORM_CLUSTER if cluster else FORM_AUTO if cooperative is None else FORM_TRITON
     cooperative = one_launch(t, cooperative, config)
-    index = _config_index(config)
-    # Dynamo sees is_compiling() as True: the compiled graph gets the operator; eager bypasses it.
-    if torch.compiler.is_compiling():
-        torch.ops.layer_boundary_mhc.boundary(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res,
-                                              norm_weight, eps, float(norm_eps), float(norm_offset), int(iters), cooperative,
-                                              form, index, streams_out, out, h_post_out, h_res_out)
-    else:
-        _boundary_body(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_weight, eps, float(norm_eps),
-                       float(norm_offset), int(iters), cooperative, form, index, streams_out, out, h_post_out,
-                       h_res_out)
+    _boundary_body(x, y, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_weight, eps, float(norm_eps),
+                   float(norm_offset), int(iters), cooperative, form, _config_index(config), streams_out, out,
+                   h_post_out, h_res_out)
     return streams_out, out, h_post_out, h_res_out
 
 
@@ -404,10 +390,7 @@ def mhc_update_triton(
     _check_update(x, y, h_post, h_res)
     h_post, h_res = h_post.contiguous(), h_res.contiguous()
     out = _dest(out, (t, n, c), x.dtype, x, "out")
-    if torch.compiler.is_compiling():
-        torch.ops.layer_boundary_mhc.update(x, y, h_post, h_res, out)
-    else:
-        _launch_update(mhc_update_kernel, x, y, h_post, h_res, out)
+    _update_body(x, y, h_post, h_res, out)
     return out
 
 

@@ -33,10 +33,31 @@ import torch
 import torch.distributed as dist
 
 from layer_boundary import GroupInfo
-from layer_boundary.plugin_api import AllReduceNormProvider, FusedSum, WorkspaceUnavailable, gather_objects
+from layer_boundary.plugin_api import (
+    AllReduceNormProvider,
+    FusedSum,
+    gather_objects,
+    kernel_op,
+    WorkspaceUnavailable,
+)
 
 from .api import AiterApi
-from .norm import MAX_ONE_PASS_HIDDEN
+from .norm import MAX_ONE_PASS_HIDDEN, _add_rmsnorm_into, api_index
+
+# The CustomAllreduce workspaces by index: the operator takes no Python object. One per group, H
+# and dtype; kept for the process's life, as their IPC buffers are.
+_WORKSPACES: list[Any] = []
+
+
+def _custom_all_reduce(x: torch.Tensor, workspace: int) -> torch.Tensor:
+    """The group's sum of contiguous rows ``x`` (a new tensor) through AITER's IPC all-reduce.
+    registered=False: AITER copies x into its pre-registered buffer, so no address of ours has
+    to be registered with the peers, in eager mode or under graph capture."""
+    return _WORKSPACES[workspace].all_reduce(x, registered=False)
+
+
+# Opaque under torch.compile: the collective runs inside (every rank's graph holds one call).
+kernel_op("custom_all_reduce", _custom_all_reduce, fake=lambda x, workspace: torch.empty_like(x))
 
 __all__ = ["AiterAllReduceNorm", "WORLD_SIZES"]
 
@@ -116,19 +137,18 @@ class AiterAllReduceNorm(AllReduceNormProvider):
         return ca
 
     def run_with(self, workspace: Any, fused: FusedSum) -> Any:
-        all_reduce = workspace.all_reduce
-        add_rmsnorm = self.api.add_rmsnorm
-        assert add_rmsnorm is not None  # the provider offered this candidate because AITER has it
+        assert self.api.add_rmsnorm is not None  # the provider offered this candidate because AITER has it
+        api = api_index(self.api)
+        ws = len(_WORKSPACES)
+        _WORKSPACES.append(workspace)
 
         def run(x: torch.Tensor, residual: torch.Tensor, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if not x.is_contiguous():
                 x = x.contiguous()  # the copy into AITER's IPC buffer reads the rows as one flat span
-            # registered=False: AITER copies x into its pre-registered buffer, so no address of
-            # ours has to be registered with the peers, in eager mode or under graph capture.
-            total = all_reduce(x, registered=False)
+            total = _custom_all_reduce(x, ws)
             y = torch.empty_like(residual)
             r_new = torch.empty_like(residual)
-            add_rmsnorm(y, total, residual, r_new, read.weight, read.eps)
+            _add_rmsnorm_into(y, total, residual, r_new, read.weight, float(read.eps), api)
             return y, r_new
 
         return run

@@ -29,6 +29,7 @@ import torch
 from layer_boundary.plugin_api import (
     check_rows,
     fused_add_rmsnorm_ref,
+    kernel_op,
     NormKernels,
     NormRequest,
     rmsnorm_ref,
@@ -48,6 +49,40 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 def _dt(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+# The AITER APIs kernel tables call, by index: the operators below take no Python object. One per
+# provider; kept for the process's life, as AITER's loaded modules are.
+_APIS: list[AiterApi] = []
+
+
+def api_index(api: AiterApi) -> int:
+    """``api``'s index for the operators here (registered on first use)."""
+    for i, known in enumerate(_APIS):
+        if known is api:
+            return i
+    _APIS.append(api)
+    return len(_APIS) - 1
+
+
+def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, api: int) -> torch.Tensor:
+    """``rmsnorm2d_fwd`` of [T, H] rows with a unit last stride: a new [T, H] tensor."""
+    rms = _APIS[api].rmsnorm
+    assert rms is not None  # refuse() found it before the table was made
+    return rms(x, weight, eps)
+
+
+def _add_rmsnorm_into(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, residual_out: torch.Tensor,
+                      weight: torch.Tensor, eps: float, api: int) -> None:
+    """``rmsnorm2d_fwd_with_add``: ``residual_out = x + residual``, ``out`` its norm (no aliasing)."""
+    add_rms = _APIS[api].add_rmsnorm
+    assert add_rms is not None
+    add_rms(out, x, residual, residual_out, weight, eps)
+
+
+# Opaque operators under torch.compile; rmsnorm2d_fwd allocates its output, so its fake does.
+kernel_op("rmsnorm", _rmsnorm, fake=lambda x, weight, eps, api: torch.empty_like(x, memory_format=torch.contiguous_format))
+kernel_op("add_rmsnorm", _add_rmsnorm_into, mutates=("out", "residual_out"))
 
 
 class AiterNormKernels:
@@ -106,8 +141,8 @@ class AiterNormKernels:
         why = self.refuse(request)
         if why is not None:
             raise ValueError(f"{self.name} does not serve {request.describe()}: {why}")
-        rms, add_rms = self.api.rmsnorm, self.api.add_rmsnorm
-        assert rms is not None and add_rms is not None  # refuse() found AITER's norm functions
+        assert self.api.rmsnorm is not None and self.api.add_rmsnorm is not None  # refuse() found them
+        api = api_index(self.api)
 
         def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_offset: float = 0.0,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -115,7 +150,7 @@ class AiterNormKernels:
                 # Not what this table was selected for (a caller mixing dtypes): the reference
                 # gives the defined numbers; the CK kernel would misread the weight's bytes.
                 return rmsnorm_ref(x, weight, eps, weight_offset=weight_offset, out=out)
-            y = rms(_rows(x), weight, eps)
+            y = _rmsnorm(_rows(x), weight, eps, api)
             if y.shape != x.shape:
                 y = y.view(x.shape)
             if out is None:
@@ -134,7 +169,7 @@ class AiterNormKernels:
             x2, r2 = _rows(x), _rows(residual)
             y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
             r_new = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-            add_rms(y, x2, r2, r_new, weight, eps)
+            _add_rmsnorm_into(y, x2, r2, r_new, weight, eps, api)
             y, r_new = y.view(shape), r_new.view(shape)
             # Destinations are filled by copy: AITER's buffers must not alias its inputs.
             if residual_out is not None:

@@ -48,7 +48,16 @@ from layer_boundary.plugin_api import (FINALIZE_TOLERANCE, NormRequest, fused_ad
 from . import report
 from ..models.moe import moe_finalize
 from .allreduce import best_separate, us_panels
-from .norm import COPY_BYTES, DTYPES, EPS, NormMethod, norm_methods, peer_methods, providers_for
+from .norm import (
+    COPY_BYTES,
+    DTYPES,
+    EPS,
+    NormMethod,
+    norm_methods,
+    peer_methods,
+    providers_for,
+    torch_fused_add_rmsnorm,
+)
 from .timing import (TimingPlan, cuda_unavailable, max_over_group, reported_copy_bandwidth, slowest,
                      this_device, time_call)
 
@@ -111,7 +120,7 @@ def finalize_add_norm(expert_out: torch.Tensor, topk_weights: torch.Tensor, shar
     """One rank's whole finalize in torch ops, residual in place: what the one-GPU compiled peer
     compiles as a single graph."""
     part = moe_finalize(expert_out, topk_weights, shared_out)
-    return fused_add_rmsnorm_ref(part, residual, gamma, EPS, weight_offset=GEMMA_OFFSET, residual_out=residual)
+    return torch_fused_add_rmsnorm(part, residual, gamma, EPS, weight_offset=GEMMA_OFFSET)
 
 
 def separate_call(i: Inputs, combine: Callable[..., torch.Tensor], allreduce: AllReduce, norm: NormMethod) -> Call:

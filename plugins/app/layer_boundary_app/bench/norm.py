@@ -27,6 +27,7 @@ from . import report
 from .timing import TimingPlan, cuda_unavailable, reported_copy_bandwidth, this_device, time_call
 
 __all__ = ["NORM_HIDDEN", "NORM_TOKENS", "DTYPES", "NormMethod", "norm_methods", "peer_methods",
+           "torch_fused_add_rmsnorm",
            "providers_for", "run_norm", "norm_command"]
 
 NORM_HIDDEN = (2048, 4096, 7168, 8192)
@@ -82,6 +83,17 @@ def _provider_method(origin: str, provider: Any, request: NormRequest) -> NormMe
     return NormMethod(provider.name, origin, call, tolerance_of(provider, request.dtype))
 
 
+def torch_fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                            weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_add_rmsnorm_ref``'s arithmetic in torch ops, the residual updated in place: what
+    Inductor fuses into one kernel. The reference itself compiles to its operator (eager ATen
+    calls, for compiled results bit-equal to eager), which is no compiled peer."""
+    s = x.float() + residual.float()
+    residual.copy_(s)
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + weight_offset)
+    return y.to(x.dtype), residual
+
+
 def _compiled_method(dtype: torch.dtype, weight_offset: float = 0.0) -> NormMethod:
     import torch._dynamo
 
@@ -90,12 +102,11 @@ def _compiled_method(dtype: torch.dtype, weight_offset: float = 0.0) -> NormMeth
     # A fresh Dynamo cache per shape: shapes are static (dynamic=False, as an engine captures a
     # graph per batch size) and would otherwise run into Dynamo's recompile limit.
     torch._dynamo.reset()
-    compiled = torch.compile(fused_add_rmsnorm_ref, fullgraph=True, dynamic=False)
+    compiled = torch.compile(torch_fused_add_rmsnorm, fullgraph=True, dynamic=False)
 
     def call(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Any:
-        # No out=: Inductor (torch 2.13) fails with KeyError when both out= and residual_out=
-        # are given; the compiled graph allocates y itself, the bytes moved are the same.
-        return compiled(x, r, w, EPS, weight_offset=weight_offset, residual_out=r)
+        # The compiled graph allocates y itself; the bytes moved are the same.
+        return compiled(x, r, w, EPS, weight_offset=weight_offset)
 
     atol, rtol = DEFAULT_TOLERANCE[dtype]
     return NormMethod("torch.compile", "peer", call, {"atol": atol, "rtol": rtol})
