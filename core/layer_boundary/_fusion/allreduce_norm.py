@@ -239,7 +239,7 @@ class AllReduceNormProvider:
         if torch.compiler.is_compiling():
             # Traced, the answer is worked out once at trace time (Dynamo cannot read a
             # WeakKeyDictionary); eager forwards keep the cache.
-            ok = self._serves_output_of(plan)
+            ok: Optional[int] = self._serves_output_of(plan)
         else:
             ok = self._deferrable.get(plan)  # the rows the fusing workspace holds; 0: none fuses
         if ok is None:

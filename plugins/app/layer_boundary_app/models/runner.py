@@ -368,9 +368,10 @@ class _PipelineStage:
         from layer_boundary import recv_tensors, send_tensors
 
         pp = self.model.topology.pp
-        tensors = recv_tensors(pp, device=input_ids.device) if pp.rank > 0 else None
-        if tensors is not None:  # the handoff header as ints: its branches are decided here
-            tensors = {k: (tuple(int(x) for x in v.tolist()) if k == "meta" else v) for k, v in tensors.items()}
+        received = recv_tensors(pp, device=input_ids.device) if pp.rank > 0 else None
+        tensors: Optional[dict[str, Any]] = None
+        if received is not None:  # the handoff header as ints: its branches are decided here
+            tensors = {k: (tuple(int(x) for x in v.tolist()) if k == "meta" else v) for k, v in received.items()}
         out = self.stage(input_ids, positions, forward_batch, tensors)
         if pp.rank < pp.size - 1:
             send_tensors(out, pp)
