@@ -256,3 +256,17 @@ def test_bench_norm_quick_on_cuda(tmp_path, capsys):
     assert {"torch.compile", "torch eager"} <= {r["method"] for r in doc["rows"]}
     assert all(r["check"] in ("ok", "-") and r["us"] > 0 for r in doc["rows"]), doc["rows"]
     ET.parse(json_file.with_suffix(".svg"))
+
+
+def test_decode_compile_checks_every_compiled_variant_against_plain():
+    """The --compile harness on CPU (aot_eager for speed): every variant's compiled step is
+    checked against the plain forward (timing of compiled steps needs CUDA-graph replay)."""
+    from layer_boundary_app.bench.decode import _decode_rank
+
+    spec = {"tokens": [1, 3], "hidden": 512, "layers": 2, "vocab": 512, "dtype": "float32",
+            "quick": True, "replays": 2, "compile": True, "compile_backend": "aot_eager", "device": "cpu"}
+    out = _decode_rank(0, 1, spec)
+    compiled = [c for c in out["checks"] if c["variant"].endswith(" compiled")]
+    assert {c["variant"] for c in compiled} == {"plain compiled", "boundaries compiled"}
+    assert all(c["ok"] and c["max_diff"] == 0.0 for c in compiled), compiled
+    assert all(not r["variant"].endswith(" compiled") for r in out["rows"])  # eager mode only on CPU

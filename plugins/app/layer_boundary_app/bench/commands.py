@@ -122,6 +122,9 @@ class DecodeBench:
                             help="tensor-parallel sizes (default: 1 and, with 2 GPUs visible, 2)")
         parser.add_argument("--layers", type=positive, default=None,
                             help="decoder layers (default 8, 4 with --quick)")
+        parser.add_argument("--compile", action="store_true",
+                            help="also time each variant compiled (torch.compile, fullgraph) and captured "
+                                 "in a CUDA graph, against plain compiled the same way")
         parser.add_argument("--hidden", type=positive, default=4096,
                             help="model width (default 4096; heads of 128, 4 query heads per kv head, FFN 3x)")
         parser.add_argument("--vocab", type=positive, default=32768, help="vocabulary size (default 32768)")

@@ -146,6 +146,7 @@ def _decode_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     table.header()
     rows: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
+    compiled_steps: dict[str, Any] = {}
     with torch.inference_mode():
         for batch in spec["tokens"]:
             g = torch.Generator().manual_seed(batch)
@@ -163,9 +164,18 @@ def _decode_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 return step
 
             steps = {name: step_of(name, model) for name, model in variants.items()}
+            if spec.get("compile"):
+                # Each variant's step compiled whole (fullgraph: a break is an error), then timed
+                # by CUDA-graph replay like the eager graphs: what an engine that compiles and
+                # captures runs. One compile per batch size (decode seq_lens has one entry per row).
+                for name in list(variants):
+                    compiled = compiled_steps.setdefault(name, torch.compile(
+                        plain_step if name == "plain" else variants[name], fullgraph=True, dynamic=False,
+                        backend=spec.get("compile_backend", "inductor")))
+                    steps[f"{name} compiled"] = _bound(compiled, variants[name], name, ids, pos, batch)
             want = steps["plain"]().float()
             scale = max(1.0, want.abs().max().item())
-            for name in variants:
+            for name in steps:
                 if name == "plain":
                     continue
                 diff = (steps[name]().float() - want).abs().max().item()
@@ -178,19 +188,34 @@ def _decode_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             modes = (("eager", time_eager), ("graph", time_call)) if device.startswith("cuda") else (("eager", time_eager),)
             for mode, timer in modes:
                 for name, step in steps.items():
+                    compiled_row = name.endswith(" compiled")
+                    if compiled_row and mode != "graph":
+                        continue  # compiled steps are timed captured, as engines run them
                     m = timer(step, device, plan, agree)
                     us = m.median_us
                     if world > 1:
                         us = slowest(us, topo.tp.group, device)
-                    base.setdefault(mode, us)  # plain is timed first
+                    key = f"{mode} compiled" if compiled_row else mode
+                    base.setdefault(key, us)  # each mode's plain is timed first
                     row = {"tp": world, "batch": batch, "variant": name, "mode": mode, "us": us,
-                           "min_us": m.min_us, "calls": m.calls, "ratio": us / base[mode],
-                           "delta_per_boundary_us": (us - base[mode]) / boundaries}
+                           "min_us": m.min_us, "calls": m.calls, "ratio": us / base[key],
+                           "delta_per_boundary_us": (us - base[key]) / boundaries}
                     rows.append(row)
                     table.row(row)
                 gc.collect()
     return {"rows": rows, "checks": checks, "note": note, "selection": report_lines,
             "layers": cfg.num_hidden_layers, "boundaries_per_step": boundaries}
+
+
+def _bound(compiled: Any, model: Any, name: str, ids: torch.Tensor, pos: torch.Tensor,
+           batch: int) -> Callable[[], torch.Tensor]:
+    from layer_boundary import ForwardBatch, ForwardMode
+
+    def step() -> torch.Tensor:
+        fb = ForwardBatch(num_tokens=batch, positions=pos, seq_lens=(1,) * batch, mode=ForwardMode.DECODE)
+        return compiled(model, ids, pos, fb) if name == "plain" else compiled(ids, pos, fb)
+
+    return step
 
 
 def _registry(device: str) -> Any:
@@ -226,7 +251,7 @@ def decode_command(args: argparse.Namespace) -> int:
     layers = args.layers or (4 if args.quick else 8)
     spec = {"tokens": list(args.tokens or (QUICK_BATCH if args.quick else DECODE_BATCH)),
             "hidden": args.hidden, "layers": layers, "vocab": args.vocab, "dtype": args.dtype,
-            "quick": args.quick, "replays": args.replays}
+            "quick": args.quick, "replays": args.replays, "compile": args.compile}
     decode_config(args.hidden, layers, args.vocab)  # a bad width fails here, before any GPU work
     env = report.environment("cuda", max(tps))
     plan = TimingPlan.for_run(args.quick, args.replays)
