@@ -35,6 +35,10 @@ class RunCommand:
                             "all-reduce, residual add, RMSNorm) into the next attention input and the "
                             "final norm (one Triton kernel on CUDA, the torch reference elsewhere); builds "
                             "zero-centered (Gemma) norms; Qwen3-MoE only")
+        parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                            help="run each rank's forward under torch.compile(fullgraph=True) with this "
+                            "backend (default inductor; aot_eager compiles in seconds and keeps eager's "
+                            "kernels); with --check it is compared with the eager single-rank model")
         parser.add_argument("--tbo", action="store_true",
                             help="two-batch overlap: split each DP group's sequences into two microbatches "
                             "(balanced by tokens) with their own residual streams, interleave their layer "

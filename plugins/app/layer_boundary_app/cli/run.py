@@ -71,7 +71,8 @@ def _spec(args: argparse.Namespace, tp: int) -> RunSpec:
                    device=args.device, pattern=args.pattern, moe=getattr(args, "moe", False),
                    defer_moe_finalize=getattr(args, "defer_moe_finalize", False),
                    fused_finalize=getattr(args, "fused_finalize", False),
-                   tbo=getattr(args, "tbo", False), longcat=getattr(args, "longcat", False))
+                   tbo=getattr(args, "tbo", False), longcat=getattr(args, "longcat", False),
+                   compile=getattr(args, "compile", None))
 
 
 def _check_lengths(spec: RunSpec, cfg: Any) -> None:
@@ -320,7 +321,8 @@ class CheckResult:
 def _verdict(spec: RunSpec, topology: str, backend: str, checked: Optional[CheckResult]) -> str:
     """The report's last line: what ran, on what layout, and what was verified (or that nothing was)."""
     ran = (f"verdict:  ran {describe_model(spec)} in {spec.dtype} on {spec.world_size} "
-           f"{'rank' if spec.world_size == 1 else 'ranks'} ({topology}; {spec.device}, {backend})")
+           f"{'rank' if spec.world_size == 1 else 'ranks'} ({topology}; {spec.device}, {backend}"
+           f"{f'; compiled, {spec.compile}' if spec.compile else ''})")
     if checked is None:
         return (f"{ran}; nothing checked: rerun with --check to compare every rank's logits with the "
                 "single-rank model")
