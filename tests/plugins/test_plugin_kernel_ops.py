@@ -161,5 +161,7 @@ def test_cutedsl_finalize_variant_compiles_to_the_eager_bits():
 
     residual = torch.randn(3, h, generator=g).bfloat16()
     assert_traces(step, experts, weights, shared, residual, w, what="cutedsl finalize variant")
-    assert launches == ["variant", "variant"]  # eager and compiled both ran the variant
+    # Eager and compiled both ran the variant, never the fallback (torch 2.11 on the H200 runs the
+    # operator once more while tracing, so the count is at least two).
+    assert len(launches) >= 2 and set(launches) == {"variant"}, launches
     assert _written("layer_boundary_cutedsl::finalize_add_rmsnorm") == {"residual", "out"}
