@@ -28,6 +28,7 @@ ONE_RANK = [
     dict(residual="mhc"),
     dict(longcat=True, defer_moe_finalize=True),
     dict(tbo=True, moe=True),
+    dict(moe=True, fused_finalize=True),  # the finalize fusion's consumer candidates
 ]
 
 

@@ -21,6 +21,7 @@ CASES = {
         dict(tp=2, cp=2),  # context-parallel prefill
         dict(tp=1, pp=2),  # two pipeline stages (the transfer stays eager)
         dict(tp=2, moe=True, defer_moe_finalize=True),  # owed finalize handles
+        dict(tp=2, moe=True, fused_finalize=True),  # ... completed by the finalize fusion
         dict(tp=2, residual="mhc"),
         dict(tp=2, tbo=True, moe=True),  # two-batch overlap
         dict(tp=2, longcat=True, defer_moe_finalize=True),  # branches

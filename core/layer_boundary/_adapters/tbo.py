@@ -480,7 +480,8 @@ def interleave(stages: Sequence[Stages], trace: Optional[list] = None,
     results: list[Any] = [None] * len(stages)
     # A run ends through next()'s default and hands its result over through _collect: a traced
     # forward (torch.compile) cannot read StopIteration.value.
-    runs = [_collect(g, results, m) for m, g in enumerate(stages)]
+    # Traced, the results come from the streams instead (see _layer_run).
+    runs = list(stages) if torch.compiler.is_compiling() else [_collect(g, results, m) for m, g in enumerate(stages)]
     live = list(range(len(stages)))
     try:
         while live:
@@ -518,12 +519,16 @@ def _layer_run(layers: Iterable[tuple[int, Any]], positions: Any, hidden: Any, f
     traced = torch.compiler.is_compiling()
     for i, layer in layers:
         at[0] = i
-        hidden = yield from layer.forward_stages(positions, hidden, fb)
         if traced:
-            # Traced, a generator's return value is lost (torch 2.13's Dynamo gives None for
-            # `yield from` and cannot read StopIteration.value). A layer's result is the handle
-            # its last boundary call left on the stream: the next prepare() refuses anything else.
+            # Traced, a generator's return value is lost (Dynamo gives None for `yield from`, and
+            # torch 2.11 cannot trace `yield from` at all, nor read StopIteration.value). A layer's
+            # result is the handle its last boundary call left on the stream: the next prepare()
+            # refuses anything else.
+            for label in layer.forward_stages(positions, hidden, fb):
+                yield label
             hidden = fb.residual_stream.handle
+        else:
+            hidden = yield from layer.forward_stages(positions, hidden, fb)
     return hidden
 
 

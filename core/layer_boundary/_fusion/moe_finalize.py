@@ -153,6 +153,9 @@ class MoeFinalizeFusion:
         self.installed = False
         # FFN plan -> whether its exit may defer (set by install: a fusing consumer follows it).
         self._defers: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        # The same answers as a list of the deferring plans, for traced forwards (see
+        # can_defer_finalize); held as long as the provider, which a model's context holds.
+        self._deferring: list[Any] = []
         # Final norm weight -> (the terminal FFN's group, the norm's eps), per installed model: a
         # provider a context's plugin offers is shared by every model built from that context,
         # and finalize() knows its model by the weight the final norm passes.
@@ -178,7 +181,13 @@ class MoeFinalizeFusion:
     def can_defer_finalize(self, plan: Any, forward_batch: Any) -> bool:
         """Defer where install found a fusing consumer after this exit, for ordinary batches
         that fit the workspace (facts every rank of the MoE group shares)."""
-        return self._defers.get(plan, False) and 0 < forward_batch.num_tokens <= self.max_tokens \
+        if torch.compiler.is_compiling():
+            # Dynamo cannot hash a plan (a frozen dataclass holding dicts): compare identities,
+            # once, at trace time.
+            defers = any(p is plan for p in self._deferring)
+        else:
+            defers = self._defers.get(plan, False)
+        return defers and 0 < forward_batch.num_tokens <= self.max_tokens \
             and active_variant(forward_batch) is BatchVariant.ORDINARY \
             and getattr(forward_batch, "dp_num_tokens", None) is None
 
@@ -201,6 +210,8 @@ class MoeFinalizeFusion:
                     getattr(c, "_service", None) is self for c in entry.candidates)
             elif terminal_finalize:
                 self._defers[plan] = plan.declaration.terminal and self._terminal_refusal(plan, final_norm) is None
+            if self._defers.get(plan) and not any(p is plan for p in self._deferring):
+                self._deferring.append(plan)
         self.installed = True
         return self
 
