@@ -13,7 +13,7 @@ import torch
 
 from ._contracts import Owed, OwedKind, StageKind
 from ._errors import BoundaryError
-from ._forward import _FLAGS
+from ._forward import _THREAD
 from ._output import HandoffOutput
 from ._publish import publish
 from .residual._stream import Handle, ResidualStream
@@ -53,7 +53,7 @@ def decide(plan: StagePlan, path: ExitPath, forward_batch: Any) -> tuple[bool, b
 
 class _Exit:
     __slots__ = ("_plan", "_path", "_stream", "_defer_sum", "_defer_finalize", "_saved", "_done",
-                 "_return", "_fb", "_rs")
+                 "_return", "_fb", "_rs", "_flags")
 
     def __init__(self, plan: StagePlan, path: ExitPath, stream: ResidualStream, forward_batch: Any) -> None:
         self._plan = plan
@@ -73,7 +73,7 @@ class _Exit:
         self._done = False
 
     def __enter__(self) -> "_Exit":
-        f = _FLAGS
+        f = self._flags = _THREAD.flags  # the thread's own; __exit__ runs on the same thread
         self._saved = (f.fuse_mlp_allreduce, f.mlp_reduce_scatter, f.defer_moe_finalize)
         f.fuse_mlp_allreduce, f.mlp_reduce_scatter, f.defer_moe_finalize = (
             self._defer_sum, self._rs, self._defer_finalize)
@@ -82,7 +82,7 @@ class _Exit:
 
     def __exit__(self, *exc: Any) -> None:
         assert self._saved is not None
-        f = _FLAGS
+        f = self._flags
         f.fuse_mlp_allreduce, f.mlp_reduce_scatter, f.defer_moe_finalize = self._saved
         f.open_scopes -= 1
 

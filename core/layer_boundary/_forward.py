@@ -132,21 +132,19 @@ _VARIANT_FLAG = {
 _FLAGGED = tuple((_VARIANT_FLAG[v], v) for v in VARIANT_PRIORITY if v is not BatchVariant.ORDINARY)
 
 
-class ForwardFlags(threading.local):
+class ForwardFlags:
     """Flags an exit scope publishes for compute (reference layers read them).
 
     ``fuse_mlp_allreduce``: skip the output all-reduce; the next input completes it.
     ``mlp_reduce_scatter``: skip the output all-reduce; the boundary reduce-scatters.
     ``defer_moe_finalize``: a MoE may return a ``HandoffOutput`` instead of finalizing.
 
-    Per thread: each thread sees only the scopes it opened, so two models forwarded in two
-    threads never read each other's flags (a shared object let one thread's compute skip or
-    double a reduction another thread's scope decided). ``threading.local``, not a ContextVar:
-    torch.compile traces a thread-local's attributes under ``fullgraph=True`` and breaks the
-    graph on ``ContextVar.get()``. No ``__slots__``: a thread-local's slots would be shared.
+    One per thread (see ``_PerThread``).
     """
 
-    def __init__(self) -> None:  # runs once in each thread that touches the flags
+    __slots__ = ("fuse_mlp_allreduce", "mlp_reduce_scatter", "defer_moe_finalize", "open_scopes")
+
+    def __init__(self) -> None:
         self.fuse_mlp_allreduce = False
         self.mlp_reduce_scatter = False
         self.defer_moe_finalize = False
@@ -167,9 +165,21 @@ class ForwardFlags(threading.local):
         )
 
 
-_FLAGS = ForwardFlags()
+class _PerThread(threading.local):
+    """Each thread's flags: a thread sees only the scopes it opened, so two models forwarded in
+    two threads never read each other's flags (a shared object let one thread's compute skip or
+    double a reduction another thread's scope decided). ``threading.local``, not a ContextVar:
+    torch.compile traces a thread-local's attributes under ``fullgraph=True`` and breaks the graph
+    on ``ContextVar.get()``. The flags themselves are a slotted object the local holds: an exit
+    scope reads the local once, where attributes of the local itself cost a lookup each."""
+
+    def __init__(self) -> None:  # runs once in each thread that touches the flags
+        self.flags = ForwardFlags()
+
+
+_THREAD = _PerThread()
 
 
 def get_forward() -> ForwardFlags:
-    """The compute flags of the innermost open exit scope (all False outside any scope)."""
-    return _FLAGS
+    """This thread's compute flags of its innermost open exit scope (all False outside any scope)."""
+    return _THREAD.flags
