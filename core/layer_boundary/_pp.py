@@ -108,6 +108,15 @@ _NOT_PLAIN_PP = (
 )
 
 
+def _require(tensors: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
+    missing = [k for k in keys if not isinstance(tensors.get(k), torch.Tensor)]
+    if missing:
+        raise BoundaryError(
+            f"from_pp(): the handoff says {what} but has no {' or '.join(repr(k) for k in missing)} "
+            f"tensor (it holds {sorted(tensors)}); pass the whole dict residual_batch.to_pp() made "
+            "on the previous stage")
+
+
 def _meta(state: int, static: tuple[Any, ...], device: Any) -> torch.Tensor:
     groups = pp_sum_groups()
     vals = [state, len(static)]
@@ -134,6 +143,7 @@ def from_pp(plan: StagePlan, entry_of: Callable[[Any, Any], EntryPath],
     if state == PP_INITIAL:
         # Nothing read yet upstream: this stage must start the residual (previous=None), and
         # prepare() says so otherwise.
+        _require(tensors, ("output",), "the stack input")
         start(forward_batch)
         return tensors["output"]
     prev = plan.declaration.previous
@@ -177,6 +187,9 @@ def from_pp(plan: StagePlan, entry_of: Callable[[Any, Any], EntryPath],
                 "previous= does not describe the real producer (or complete_output() ran before "
                 "to_pp()), which would reduce twice or not at all"
             )
+        # A plain add always has a residual to add to (to_pp sends it); rebuilt without one, the
+        # next add would drop the residual silently.
+        _require(tensors, ("output", "residual") if prev.update.plain_add else ("output",), "a pending output")
         stream, handle = ResidualStream.arrive(
             residual=tensors.get("residual"), output=tensors["output"], update=prev.update,
             owed=tuple(static),
@@ -184,6 +197,7 @@ def from_pp(plan: StagePlan, entry_of: Callable[[Any, Any], EntryPath],
     elif state == PP_WRITTEN:
         if static:
             raise BoundaryError("from_pp(): a written stream cannot owe a partial sum")
+        _require(tensors, ("residual",), "a written stream")
         stream, handle = ResidualStream.arrive(residual=tensors["residual"])
     else:
         raise BoundaryError(f"from_pp(): unknown pipeline handoff state {state}")

@@ -176,6 +176,9 @@ def _enter_unowed(plan: StagePlan, entry: EntryPath, stream: ResidualStream, hid
         if not hidden.is_floating_point():  # the residual would be that dtype: norms rounded to it
             raise TypeError(f"stack entry expects floating-point hidden states (the embedding output), got "
                             f"{hidden.dtype}; embed the token ids first")
+        if hidden.dim() < 2:
+            raise BoundaryError(f"the stack input has shape {tuple(hidden.shape)}: boundaries move token "
+                                "rows, [tokens, hidden]; pass the embedding output, one row per token")
         rows = getattr(forward_batch, "num_tokens", None)
         if isinstance(rows, int) and (hidden.shape[0] != rows or hidden.dim() != 2):
             # Unchecked, a model that runs on one rank fails only under TP (in its attention, or

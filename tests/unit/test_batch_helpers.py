@@ -169,12 +169,16 @@ def test_norm_capture_gets_the_updated_residual_borrowed():
     torch.testing.assert_close(value, r + c, rtol=0, atol=0)
 
 
-def test_norm_releases_the_stream_when_it_raises():
+def test_a_refused_norm_leaves_the_stream_for_the_retry():
+    # Issue 32: releasing on a refusal answered the corrected retry with START_FIRST.
     fb, h, r, c = pending()
+    norm = make_norm(H, F64)
     with raises_exact(BoundaryError, FOREIGN_OUTPUT):
-        rb.norm(h.clone(), fb, make_norm(H, F64))
-    with raises_exact(BoundaryError, START_FIRST):
-        rb.norm(h, fb, make_norm(H, F64))
+        rb.norm(h.clone(), fb, norm)
+    assert not fb.residual_stream.released
+    torch.testing.assert_close(rb.norm(h, fb, norm), norm(r + c), rtol=0, atol=0)
+    with raises_exact(BoundaryError, START_FIRST):  # released once it succeeded
+        rb.norm(h, fb, norm)
 
 
 def test_norm_skip_empty_completes_a_handoff_and_skips_the_kernel():
@@ -241,7 +245,10 @@ def test_norm_handoff_norm_refuses_capture_when_a_handoff_arrives():
         rb.norm(layer.h, layer.fb, GemmaRMSNorm(H, dtype=F64), handoff_norm=service,
                 capture_output=Recorder())
     assert service.calls == [] and layer.runs == []
-    assert layer.fb.residual_stream.released
+    # Refused before it changed the stream: the retry without the capture runs the handoff.
+    assert not layer.fb.residual_stream.released
+    rb.norm(layer.h, layer.fb, GemmaRMSNorm(H, dtype=F64), handoff_norm=service)
+    assert len(service.calls) == 1 and layer.fb.residual_stream.released
 
 
 def test_norm_handoff_norm_needs_a_gemma_norm():
@@ -358,21 +365,24 @@ def test_take_output_after_fold():
     torch.testing.assert_close(out, r + c, rtol=0, atol=0)
 
 
-def test_take_output_rejects_a_pending_contribution_and_still_releases():
+def test_take_output_rejects_a_pending_contribution_and_keeps_the_stream():
+    # The spec's refusal says to fold or norm it first: that needs the stream (issue 32).
     fb, h, r, c = pending()
     with raises_exact(BoundaryError, WRITE_BEFORE_TAKE):
         rb.take_output(h, fb)
+    assert not fb.residual_stream.released
+    h = rb.fold(h, fb)
+    torch.testing.assert_close(rb.take_output(h, fb), r + c, rtol=0, atol=0)
     assert fb.residual_stream.released
     with raises_exact(BoundaryError, START_FIRST):
         rb.take_output(h, fb)
-    with raises_exact(BoundaryError, START_FIRST):
-        rb.fold(h, fb)
 
 
-def test_take_output_rejects_a_foreign_output_and_still_releases():
+def test_take_output_rejects_a_foreign_output_and_keeps_the_stream():
     fb, h, r = written_stream()
     with raises_exact(BoundaryError, FOREIGN_OUTPUT):
         rb.take_output(h.clone(), fb)
+    assert torch.equal(rb.take_output(h, fb), r)
     with raises_exact(BoundaryError, START_FIRST):
         rb.take_output(h, fb)
 

@@ -285,7 +285,7 @@ def test_handoff_norm_refuses_capture_and_is_bypassed_where_it_cannot_apply(fake
     with pytest.raises(BoundaryError, match="capture_output"):
         rb.norm(layer.h, layer.fb, make_norm(H, F64, gemma=True), handoff_norm=Service(),
                 capture_output=Recorder())
-    assert layer.fb.residual_stream.released
+    assert not layer.fb.residual_stream.released  # refused before it changed the stream
     # An output transform must run on the finalized output before the add: the fused service
     # cannot, so the handoff completes unfused (and the service is never called).
     half = OutputTransform(lambda v: v / 2)

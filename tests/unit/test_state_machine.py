@@ -326,21 +326,21 @@ class BoundaryMachine(RuleBasedStateMachine):
         state = self.state
         if state is None:
             return self.raises(BoundaryError, call, text=START_FIRST)
-        try:  # take_output releases the stream whatever it returns or raises
-            if state == "initial":
-                if not isinstance(arg, torch.Tensor):
-                    return self.raises(TypeError, call)
-                assert call() is arg
-                return self.keep(arg)
-            if not self.accepts(arg):
-                return self.raises(BoundaryError, call, text=FOREIGN_OUTPUT)
-            if state == "pending":
-                return self.raises(BoundaryError, call, text=WRITE_BEFORE_TAKE)
-            out = call()
-            torch.testing.assert_close(out, self.residual, **TOL)
-            self.keep(out)
-        finally:
-            self.release()
+        # take_output releases the stream when it returns; a refusal leaves it as it was.
+        if state == "initial":
+            if not isinstance(arg, torch.Tensor):
+                return self.raises(TypeError, call)
+            assert call() is arg
+            self.keep(arg)
+            return self.release()
+        if not self.accepts(arg):
+            return self.raises(BoundaryError, call, text=FOREIGN_OUTPUT)
+        if state == "pending":
+            return self.raises(BoundaryError, call, text=WRITE_BEFORE_TAKE)
+        out = call()
+        torch.testing.assert_close(out, self.residual, **TOL)
+        self.keep(out)
+        self.release()
 
     @rule(which=ARGS, i=PICK, skip_empty=st.booleans())
     def norm(self, which: str, i: int, skip_empty: bool) -> None:
@@ -349,21 +349,20 @@ class BoundaryMachine(RuleBasedStateMachine):
         state = self.state
         if state is None:
             return self.raises(BoundaryError, call, text=START_FIRST)
-        try:  # norm releases the stream whatever it returns or raises
-            if state == "initial":
-                if not isinstance(arg, torch.Tensor):
-                    return self.raises(TypeError, call)
-                expected = arg.clone()
-            elif not self.accepts(arg):
-                return self.raises(BoundaryError, call, text=FOREIGN_OUTPUT)
-            else:
-                expected = self.updated()
-            out = call()
-            event(f"norm ok from {state}")
-            torch.testing.assert_close(out, rms(expected, FINAL.weight), **TOL)
-            self.keep(out)
-        finally:
-            self.release()
+        # norm releases the stream when it returns; a refusal leaves it as it was.
+        if state == "initial":
+            if not isinstance(arg, torch.Tensor):
+                return self.raises(TypeError, call)
+            expected = arg.clone()
+        elif not self.accepts(arg):
+            return self.raises(BoundaryError, call, text=FOREIGN_OUTPUT)
+        else:
+            expected = self.updated()
+        out = call()
+        event(f"norm ok from {state}")
+        torch.testing.assert_close(out, rms(expected, FINAL.weight), **TOL)
+        self.keep(out)
+        self.release()
 
     @rule(which=ARGS, i=PICK)
     def misuse_owed_handle(self, which: str, i: int) -> None:

@@ -6,7 +6,8 @@ keeps next; the stream refuses any other object.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -105,7 +106,7 @@ def norm(
     # An input-scattered stack holds a row slice per attention-TP rank; the output is gathered
     # back to the group's rows so the model's head sees the rows its stack started with.
     rows = stream.rows
-    try:
+    with _released_unless_refused(stream), _width_explained(stream, layernorm, hidden_states):
         _refuse_open_branches(stream, "norm()")
         read = _read_for(layernorm)
         state = stream.state
@@ -176,13 +177,33 @@ def norm(
                 f"the final norm's read {read!r} returned {type(out).__name__}, not a tensor: bind the "
                 "final norm with an unquantized read")
         return rows.to_model(out)
+
+
+@contextlib.contextmanager
+def _released_unless_refused(stream: ResidualStream) -> Iterator[None]:
+    """Release the stream when the body returns, or when it fails after changing the stream; a
+    refusal before any change leaves the stream as it was, so the corrected retry works (a
+    released stream would answer it with "start the layer stack before entering a stage")."""
+    before = (stream.pending, stream.handle, stream.residual)
+    try:
+        yield
+    except BaseException:
+        if any(a is not b for a, b in zip(before, (stream.pending, stream.handle, stream.residual))):
+            stream.release()
+        raise
+    stream.release()
+
+
+@contextlib.contextmanager
+def _width_explained(stream: ResidualStream, layernorm: nn.Module, hidden_states: Any) -> Iterator[None]:
+    """A kernel's shape error in the final norm says which width disagrees."""
+    try:
+        yield
     except RuntimeError as e:
         if not isinstance(e, BoundaryError):
             width_of = stream.residual if isinstance(stream.residual, torch.Tensor) else hidden_states
             explain_width("the final norm", _read_for(layernorm), width_of, e)
         raise
-    finally:
-        stream.release()
 
 
 def fold(hidden_states: Handle, forward_batch: ForwardBatchLike) -> torch.Tensor:
@@ -230,7 +251,7 @@ def written(hidden_states: torch.Tensor, forward_batch: ForwardBatchLike) -> tor
 def take_output(hidden_states: Handle, forward_batch: ForwardBatchLike) -> torch.Tensor:
     """Release the stream at a terminal exit whose output is already written; return it."""
     stream = started_stream(forward_batch)
-    try:
+    with _released_unless_refused(stream):
         _refuse_open_branches(stream, "take_output()")
         if stream.state is StreamState.INITIAL:
             if not isinstance(hidden_states, torch.Tensor):
@@ -241,8 +262,6 @@ def take_output(hidden_states: Handle, forward_batch: ForwardBatchLike) -> torch
             raise BoundaryError(WRITE_BEFORE_TAKE)
         assert stream.residual is not None
         return stream.rows.to_model(stream.residual)
-    finally:
-        stream.release()
 
 
 def complete_output(hidden_states: Handle, forward_batch: ForwardBatchLike) -> Handle:
