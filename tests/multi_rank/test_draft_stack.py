@@ -79,7 +79,8 @@ def test_draft_matches_its_formula(num_layers):
 
 def test_take_output_needs_the_fold():
     """The MTP exit takes a written stream: without the internal fold the pending FFN output
-    would be dropped, so take_output refuses it (and still releases the stream)."""
+    would be dropped, so take_output refuses it, and leaves the stream for the fold its
+    refusal asks for (issue 32: a refusal never releases the stream)."""
     target, draft = models()
     layer = draft.model.layers[0]
     ids, pos, make = batch([[3, 1, 4]])
@@ -89,6 +90,8 @@ def test_take_output_needs_the_fold():
         h = layer(pos, torch.randn(3, 64, dtype=F64), fb)
         with raises_exact(BoundaryError, WRITE_BEFORE_TAKE):
             rb.take_output(h, fb)
+        h = rb.fold(h, fb)
+        assert torch.equal(rb.take_output(h, fb), h)
         with raises_exact(BoundaryError, START_FIRST):
             rb.fold(h, fb)
 
